@@ -1,0 +1,126 @@
+"""Memory measurement: a polled trace plus the allocator's own peak counters.
+
+Polling every few milliseconds draws the curve but can miss a short peak between two
+samples; the allocator's peak counters cannot. So every phase mark and every optimizer
+step reads the counters and resets them: each moment of a run belongs to exactly one
+segment, and the variant's true peak is the maximum over segments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import psutil
+import torch
+
+MIB = 1024 * 1024
+
+
+def rss_mib() -> float:
+    return psutil.Process().memory_info().rss / MIB
+
+
+class MemoryTracker:
+    """Samples memory in a background thread and records phase marks and steps on one clock."""
+
+    def __init__(self, device: torch.device, interval_s: float):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.interval_s = interval_s
+        self.samples: dict[str, list] = {"timestamps": [], "allocated_memory": [], "reserved_memory": [],
+                                         "virtual_memory": []}
+        self.events: list[dict] = []
+        self.steps: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._t0 = time.perf_counter()
+
+    # ----------------------------------------------------------------- polling
+    def start(self) -> "MemoryTracker":
+        self._reset_peaks()
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval_s)
+        self._sample()
+
+    def _sample(self) -> None:
+        s = self.samples
+        s["timestamps"].append(self.now())
+        s["allocated_memory"].append(torch.cuda.memory_allocated(self.device) / MIB if self.cuda else None)
+        s["reserved_memory"].append(torch.cuda.memory_reserved(self.device) / MIB if self.cuda else None)
+        s["virtual_memory"].append(rss_mib())
+
+    # ----------------------------------------------------------------- counters
+    def _reset_peaks(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _read_peaks(self) -> dict:
+        """Peak allocated/reserved since the last reset, then reset: one closed segment."""
+        if not self.cuda:
+            return {"peak_allocated_mib": None, "peak_reserved_mib": None}
+        torch.cuda.synchronize(self.device)
+        peaks = {"peak_allocated_mib": torch.cuda.max_memory_allocated(self.device) / MIB,
+                 "peak_reserved_mib": torch.cuda.max_memory_reserved(self.device) / MIB}
+        self._reset_peaks()
+        return peaks
+
+    def mark(self, name: str) -> None:
+        """Close the phase that ends here; the event carries that phase's peaks."""
+        self.events.append({"name": name, "t": self.now(), **self._read_peaks(), "rss_mib": rss_mib()})
+
+    def record_step(self, step: int, loss: float, step_time_s: float) -> dict:
+        record = {"step": step, "loss": loss, "step_time_s": step_time_s, "t": self.now(),
+                  **self._read_peaks(), "rss_mib": rss_mib()}
+        self.steps.append(record)
+        return record
+
+    def allocator_stats(self) -> dict:
+        if not self.cuda:
+            return {"num_alloc_retries": None, "num_ooms": None}
+        stats = torch.cuda.memory_stats(self.device)
+        return {"num_alloc_retries": stats.get("num_alloc_retries", 0), "num_ooms": stats.get("num_ooms", 0)}
+
+    # ----------------------------------------------------------------- summaries
+    def counter_peaks(self) -> dict:
+        """Exact peaks: the maximum over every closed segment (events and steps)."""
+        segments = self.events + self.steps
+        return {key: _max_or_none(seg[key] for seg in segments)
+                for key in ("peak_allocated_mib", "peak_reserved_mib")}
+
+    def polled_peaks(self) -> dict:
+        return {"peak_allocated_mib": _max_or_none(self.samples["allocated_memory"]),
+                "peak_reserved_mib": _max_or_none(self.samples["reserved_memory"]),
+                "peak_rss_mib": _max_or_none(self.samples["virtual_memory"])}
+
+    def record(self) -> dict:
+        """The per-rank JSON: upstream's four trace keys plus steps and events."""
+        return {**self.samples, "steps": self.steps, "events": self.events}
+
+
+def _max_or_none(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write to a temporary name, then rename: a reader never sees half a file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
