@@ -80,13 +80,20 @@ class MemoryTracker:
         self._reset_peaks()
         return peaks
 
+    def _current(self) -> dict:
+        if not self.cuda:
+            return {"allocated_mib": None, "reserved_mib": None}
+        return {"allocated_mib": torch.cuda.memory_allocated(self.device) / MIB,
+                "reserved_mib": torch.cuda.memory_reserved(self.device) / MIB}
+
     def mark(self, name: str) -> None:
         """Close the phase that ends here; the event carries that phase's peaks."""
         self.events.append({"name": name, "t": self.now(), **self._read_peaks(), "rss_mib": rss_mib()})
 
     def record_step(self, step: int, loss: float, step_time_s: float) -> dict:
+        """One optimizer step: its loss, its time, its peaks, and what stays allocated after it."""
         record = {"step": step, "loss": loss, "step_time_s": step_time_s, "t": self.now(),
-                  **self._read_peaks(), "rss_mib": rss_mib()}
+                  **self._read_peaks(), **self._current(), "rss_mib": rss_mib()}
         self.steps.append(record)
         return record
 

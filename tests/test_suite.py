@@ -1,0 +1,138 @@
+"""The benchmark's contract, checked on a real 2-rank gloo run of the tiny model."""
+
+from __future__ import annotations
+
+import math
+
+from conftest import TINY, VARIANTS, load, run_script
+
+TRACE_KEYS = ["timestamps", "allocated_memory", "reserved_memory", "virtual_memory"]
+STEP_KEYS = {"step", "loss", "step_time_s", "peak_allocated_mib", "peak_reserved_mib", "rss_mib"}
+EVENTS = ["model_built", "optimizer_created", "sharded", "training_started", "training_finished"]
+INTENDED = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_fixed", "accelerate"]
+UNFIXED = "torch_optimizer_before_fsdp_not_fixed"
+
+
+def traces(out, name):
+    return [load(out / f"{name}_memory_usage.json"), load(out / f"{name}_memory_usage_rank1.json")]
+
+
+def test_every_rank_writes_every_variant(suite):
+    out, _ = suite
+    for name in VARIANTS:
+        assert (out / f"{name}_memory_usage.json").is_file()
+        assert (out / f"{name}_memory_usage_rank1.json").is_file()
+    assert (out / "summary.json").is_file()
+    assert not list(out.glob("*.tmp*")), "a temporary file was left behind"
+    assert not list(out.glob("*.pkl")), "no snapshot without --save_memory_snapshot"
+
+
+def test_trace_schema_keeps_upstream_keys_and_adds_steps_events_meta(suite):
+    out, _ = suite
+    for name in VARIANTS:
+        for rank, trace in enumerate(traces(out, name)):
+            lengths = {len(trace[k]) for k in TRACE_KEYS}
+            assert len(lengths) == 1 and lengths.pop() > 0
+            assert trace["timestamps"] == sorted(trace["timestamps"])
+            # CPU: no allocator, so null rather than invented numbers; RSS is real.
+            assert all(v is None for v in trace["allocated_memory"] + trace["reserved_memory"])
+            assert all(v > 50 for v in trace["virtual_memory"])
+            assert [s["step"] for s in trace["steps"]] == list(range(12))
+            for s in trace["steps"]:
+                assert STEP_KEYS <= set(s)
+                assert math.isfinite(s["loss"]) and s["step_time_s"] > 0 and s["rss_mib"] > 50
+                assert s["peak_allocated_mib"] is None and s["peak_reserved_mib"] is None
+            names = [e["name"] for e in trace["events"]]
+            assert [n for n in names if n in EVENTS] == sorted(set(names) & set(EVENTS), key=names.index)
+            assert set(EVENTS) <= set(names)
+            assert names[-1] == "training_finished"
+            meta = trace["meta"]
+            assert meta["rank"] == rank and meta["world_size"] == 2 and meta["device"] == "cpu"
+            assert meta["model"] == "tiny" and meta["num_parameters"] > 0
+            assert {"torch", "accelerate", "transformers"} <= set(meta["versions"])
+            assert meta["args"]["learning_rate"] == 1e-3
+
+
+def test_optimizer_is_created_where_each_variant_says(suite):
+    out, _ = suite
+    order = {name: [e["name"] for e in traces(out, name)[0]["events"]] for name in VARIANTS}
+    assert order["torch_optimizer_after_fsdp"].index("sharded") < \
+        order["torch_optimizer_after_fsdp"].index("optimizer_created")
+    for name in (UNFIXED, "torch_optimizer_before_fsdp_fixed", "accelerate"):
+        assert order[name].index("optimizer_created") < order[name].index("sharded")
+
+
+def test_intended_variants_have_bit_equal_losses_on_every_rank(suite):
+    out, _ = suite
+    for rank in (0, 1):
+        losses = {n: [s["loss"] for s in traces(out, n)[rank]["steps"]] for n in INTENDED}
+        assert losses["torch_optimizer_after_fsdp"] == losses["torch_optimizer_before_fsdp_fixed"]
+        assert losses["torch_optimizer_after_fsdp"] == losses["accelerate"]
+    # Ranks see different batches, so their losses differ.
+    assert traces(out, INTENDED[0])[0]["steps"][3]["loss"] != traces(out, INTENDED[0])[1]["steps"][3]["loss"]
+
+
+def test_intended_variants_learn_and_the_unfixed_one_does_not(suite):
+    out, _ = suite
+    summary = load(out / "summary.json")
+    for name in INTENDED:
+        losses = summary["variants"][name]["losses"]
+        assert losses[-1] < 0.85 * losses[0], (name, losses)
+    unfixed = summary["variants"][UNFIXED]["losses"]
+    after = summary["variants"]["torch_optimizer_after_fsdp"]["losses"]
+    assert unfixed[0] == after[0]  # same initial weights and first batch
+    assert max(unfixed) - min(unfixed) < 0.05 * unfixed[0], unfixed
+    assert abs(summary["variants"][UNFIXED]["loss_drop"]) < 0.01
+
+
+def test_summary_records_every_variant_and_passes_its_checks(suite):
+    out, proc = suite
+    summary = load(out / "summary.json")
+    assert summary["meta"]["world_size"] == 2
+    assert list(summary["variants"]) == VARIANTS
+    for name, v in summary["variants"].items():
+        assert v["status"] == "ok" and v["steps"] == 12 and len(v["losses"]) == 12
+        assert v["final_loss"] == v["losses"][-1]
+        assert v["losses"] == [s["loss"] for s in traces(out, name)[0]["steps"]]
+        assert len(v["peak_rss_mib"]["per_rank"]) == 2
+        assert v["peak_rss_mib"]["max"] == max(v["peak_rss_mib"]["per_rank"])
+        assert v["peak_allocated_mib"] == {"per_rank": [None, None], "max": None}
+        assert v["wall_s"] > 0
+    checks = summary["checks"]
+    assert checks["intended_losses_match"]["ok"] is True
+    assert checks["intended_losses_match"]["max_relative_diff"] == {
+        "torch_optimizer_before_fsdp_fixed": 0.0, "accelerate": 0.0}
+    assert checks["unfixed_did_not_train"]["ok"] is True
+    assert "functional run" in proc.stdout
+    for name in VARIANTS:
+        assert name in proc.stdout
+    assert "check intended_losses_match: PASS" in proc.stdout
+
+
+def test_single_process_run_without_launcher(tmp_path):
+    proc = run_script(["main.py", *TINY, "--max_steps", "3", "--variants",
+                       "torch_optimizer_before_fsdp_fixed,torch_optimizer_after_fsdp",
+                       "--output_dir", str(tmp_path)], nproc=None)
+    assert proc.returncode == 0, proc.stderr
+    summary = load(tmp_path / "summary.json")
+    assert summary["meta"]["world_size"] == 1
+    # Run in the order given on the command line.
+    assert list(summary["variants"]) == ["torch_optimizer_before_fsdp_fixed", "torch_optimizer_after_fsdp"]
+    assert not list(tmp_path.glob("*_rank1.json"))
+
+
+def test_local_text_file_is_tokenized_offline(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 400)
+    proc = run_script(["main.py", *TINY, "--max_steps", "4", "--variants", "torch_optimizer_after_fsdp",
+                       "--dataset", str(text), "--block_size", "64", "--output_dir", str(tmp_path / "o")])
+    assert proc.returncode == 0, proc.stderr
+    assert load(tmp_path / "o" / "summary.json")["variants"]["torch_optimizer_after_fsdp"]["steps"] == 4
+
+
+def test_dataset_fraction_limits_one_pass(tmp_path):
+    # 2 ranks x batch 2 x block 128: the built-in data gives 640 steps; 1% of it gives 6.
+    proc = run_script(["main.py", "--model", "tiny", "--device", "cpu", "--dataset_fraction", "0.01",
+                       "--variants", "torch_optimizer_after_fsdp", "--output_dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr
+    assert load(tmp_path / "summary.json")["variants"]["torch_optimizer_after_fsdp"]["steps"] == 6

@@ -1,0 +1,183 @@
+"""Plot a benchmark run: memory over time per variant, and loss per step.
+
+Reads only the JSON files main.py wrote; ``python3 visualize.py --dir out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+VARIANTS = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_not_fixed",
+            "torch_optimizer_before_fsdp_fixed", "accelerate"]
+TRACE_KEYS = ("timestamps", "allocated_memory", "reserved_memory", "virtual_memory")
+# The zero of every time axis: all variants are compared from the moment their model is sharded,
+# so the time each spent building the model does not offset the curves.
+ALIGN_EVENT = "sharded"
+MEMORY_PLOTS = {  # file -> (trace key, per-step peak key, per-step end key, what is measured)
+    "allocated_memory.png": ("allocated_memory", "peak_allocated_mib", "allocated_mib", "GPU memory allocated"),
+    "reserved_memory.png": ("reserved_memory", "peak_reserved_mib", "reserved_mib", "GPU memory reserved"),
+    "rss_memory.png": ("virtual_memory", None, "rss_mib", "host RSS"),
+}
+
+
+class InputError(Exception):
+    """Unusable input: reported in one line."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", default="out", help="output directory of main.py (default: out)")
+    p.add_argument("--memory_threshold", type=float, default=0.0,
+                   help="drop samples below this many MiB in the first part of each trace (default: 0)")
+    p.add_argument("--filter_partition", type=float, default=2.0,
+                   help="the first part is the first 1/K of the samples (default: K=2)")
+    return p.parse_args(argv)
+
+
+def read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read it ({exc.strerror})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: not a memory trace of main.py (expected a JSON object)")
+    return data
+
+
+def check_trace(path: str, data: dict) -> None:
+    missing = [k for k in (*TRACE_KEYS, "steps", "events") if k not in data]
+    if missing:
+        raise InputError(f"{path}: not a memory trace of main.py (missing {', '.join(missing)})")
+    lengths = {len(data[k]) for k in TRACE_KEYS}
+    if len(lengths) != 1:
+        raise InputError(f"{path}: trace lists have different lengths")
+
+
+def load_runs(directory: str) -> dict[str, dict[int, dict]]:
+    """{variant: {rank: trace}} for every variant that has at least rank 0's file."""
+    if not os.path.isdir(directory):
+        raise InputError(f"--dir {directory}: no such directory")
+    runs: dict[str, dict[int, dict]] = {}
+    for name in VARIANTS:
+        rank0 = os.path.join(directory, f"{name}_memory_usage.json")
+        if not os.path.exists(rank0):
+            continue
+        ranks = {0: rank0}
+        for path in glob.glob(os.path.join(directory, f"{name}_memory_usage_rank*.json")):
+            match = re.search(r"_rank(\d+)\.json$", path)
+            if match:
+                ranks[int(match.group(1))] = path
+        runs[name] = {}
+        for rank, path in sorted(ranks.items()):
+            data = read_json(path)
+            check_trace(path, data)
+            runs[name][rank] = data
+    if not runs:
+        raise InputError(f"--dir {directory}: no <variant>_memory_usage.json files from main.py")
+    return runs
+
+
+def aligned_times(trace: dict) -> list[float]:
+    zero = next((e["t"] for e in trace["events"] if e["name"] == ALIGN_EVENT), 0.0)
+    return [t - zero for t in trace["timestamps"]]
+
+
+def filtered(times: list[float], values: list, threshold: float, partition: float) -> tuple[list, list]:
+    """Drop missing values, and values under ``threshold`` within the first 1/partition of the trace."""
+    head = int(len(values) / partition) if partition > 0 else 0
+    kept = [(t, v) for i, (t, v) in enumerate(zip(times, values))
+            if v is not None and not (i < head and v < threshold)]
+    return [t for t, _ in kept], [v for _, v in kept]
+
+
+def nan_if_none(value):
+    return float("nan") if value is None else value
+
+
+def plot_memory(runs: dict, keys: tuple, path: str, threshold: float, partition: float) -> bool:
+    """Top: rank 0's polled trace over time. Bottom: per step, the counter peak (solid) and what
+    stays allocated after the step (dotted), rank 0 thick, other ranks thin. False when no data."""
+    trace_key, peak_key, end_key, what = keys
+    if not any(v is not None for ranks in runs.values() for v in ranks[0][trace_key]):
+        return False
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 9))
+    for i, (name, ranks) in enumerate(runs.items()):
+        times, values = filtered(aligned_times(ranks[0]), ranks[0][trace_key], threshold, partition)
+        top.plot(times, values, color=f"C{i}", lw=0.8, alpha=0.75, label=name)
+        for rank, trace in ranks.items():
+            steps = [s["step"] for s in trace["steps"]]
+            width = 1.8 if rank == 0 else 0.7
+            for key, style in ((peak_key, "-"), (end_key, ":")):
+                if key is not None:
+                    bottom.plot(steps, [nan_if_none(s.get(key)) for s in trace["steps"]], color=f"C{i}", lw=width, ls=style,
+                                label=f"{name}" if rank == 0 and style == "-" else None)
+    top.set_xlabel(f"seconds since the model was sharded ('{ALIGN_EVENT}' event)")
+    top.set_title(f"{what}, rank 0, sampled over time (MiB)")
+    bottom.set_xlabel("optimizer step")
+    first_line = "peak within each step (allocator counter, solid); " if peak_key else ""
+    bottom.set_title(f"{what} per step: {first_line}after the step (dotted); all ranks (MiB)")
+    for ax in (top, bottom):
+        ax.set_ylabel(f"{what} (MiB)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_loss(runs: dict, path: str) -> None:
+    fig, ax = plt.subplots(figsize=(11, 6))
+    for i, (name, ranks) in enumerate(runs.items()):
+        steps = ranks[0]["steps"]
+        ax.plot([s["step"] for s in steps], [s["loss"] for s in steps], color=f"C{i}", label=name,
+                lw=2.5 if i == 0 else 1.2, ls="-" if i == 0 else "--")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss (rank 0's batches)")
+    ax.set_title("Loss per step: the unfixed variant never trains")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.filter_partition <= 0:
+        print("error: --filter_partition must be positive", file=sys.stderr)
+        return 2
+    try:
+        runs = load_runs(args.dir)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    missing = [n for n in VARIANTS if n not in runs]
+    if missing:
+        print(f"note: no results for {', '.join(missing)}; plotting the others")
+    for filename, keys in MEMORY_PLOTS.items():
+        path = os.path.join(args.dir, filename)
+        if plot_memory(runs, keys, path, args.memory_threshold, args.filter_partition):
+            print(f"wrote {path}")
+        else:
+            print(f"skipped {filename}: the traces hold no {keys[0]} values (a CPU run has no allocator counters)")
+    plot_loss(runs, os.path.join(args.dir, "loss.png"))
+    print(f"wrote {os.path.join(args.dir, 'loss.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
