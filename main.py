@@ -14,20 +14,16 @@ import socket
 import sys
 import time
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+import report
 import utils
-from measure import MemoryTracker, write_json
-from utils import INTENDED, UNFIXED, VARIANTS, UserError
-
-# Losses are compared step by step. On CPU the intended variants are bit-identical; on GPUs
-# accelerate groups its parameters differently, which may change bf16 rounding a little.
-LOSS_TOLERANCE = {"cpu": 0.0, "cuda": 1e-2}  # relative
-# The unfixed variant "trained" if its loss fell by more than this fraction.
-TRAINED_DROP = 0.01
-
+from measure import TRACE_KEYS, MemoryTracker, write_json
+from memory_model import account, param_shapes
+from utils import VARIANTS, UserError
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -134,11 +130,14 @@ def run_meta(args, device: torch.device, rank: int, world_size: int, config, n_p
 
 # --------------------------------------------------------------------------- one variant
 
-def train_step(prep: utils.Prepared, input_ids: torch.Tensor) -> float:
+def train_step(prep: utils.Prepared, input_ids: torch.Tensor,
+               before_zero_grad: Callable[[], None] | None = None) -> float:
     with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=prep.autocast):
         loss = prep.model(input_ids=input_ids, labels=input_ids).loss
     prep.backward(loss.float())
     prep.optimizer.step()
+    if before_zero_grad is not None:
+        before_zero_grad()
     prep.optimizer.zero_grad()
     return loss.item()
 
@@ -156,18 +155,23 @@ def run_variant(name: str, args, device: torch.device, mesh, config, batches: li
     ctx = utils.Context(device, mesh, args.learning_rate, layer_classes, tracker.mark)
     prep = VARIANTS[name](model, ctx)
     del model
+    accounting = {"end_of_setup": account(prep.model, prep.optimizer)}
     tracker.mark("training_started")
+    last = len(batches) - 1
     for step, batch in enumerate(batches):
         t = time.perf_counter()
-        loss = train_step(prep, batch.to(device))
+        hook = (lambda: accounting.update(before_zero_grad=account(prep.model, prep.optimizer))) \
+            if step == last else None
+        loss = train_step(prep, batch.to(device), hook)
         tracker.record_step(step, loss, time.perf_counter() - t)
     tracker.mark("training_finished")
+    accounting["end_of_training"] = account(prep.model, prep.optimizer)
     wall_s = time.perf_counter() - start
     tracker.stop()
     if snapshot:
         torch.cuda.memory._dump_snapshot(os.path.join(output_dir, rank_file(name, "memory_snapshot.pkl", rank)))
         torch.cuda.memory._record_memory_history(enabled=None)
-    record = {**tracker.record(), "wall_s": wall_s, "allocator": tracker.allocator_stats(),
+    record = {**tracker.record(), "wall_s": wall_s, "accounting": accounting, "allocator": tracker.allocator_stats(),
               "counter_peaks": tracker.counter_peaks(), "polled_peaks": tracker.polled_peaks()}
     release(prep)
     return record
@@ -187,81 +191,6 @@ def rank_file(name: str, suffix: str, rank: int) -> str:
     """Rank 0 keeps the upstream file name; rank r adds ``_rank<r>``."""
     stem, ext = os.path.splitext(suffix)
     return f"{name}_{stem}{'' if rank == 0 else f'_rank{rank}'}{ext}"
-
-
-# --------------------------------------------------------------------------- summary
-
-def loss_drop(losses: list[float]) -> float:
-    """Relative fall from the mean of the first quarter of steps to the mean of the last quarter."""
-    window = max(1, len(losses) // 4)
-    first = sum(losses[:window]) / window
-    last = sum(losses[-window:]) / window
-    return (first - last) / first
-
-
-def variant_summary(per_rank: list[dict]) -> dict:
-    """Combine every rank's record of one variant into the summary's entry."""
-    def across(values: list) -> dict:
-        present = [v for v in values if v is not None]
-        return {"per_rank": values, "max": max(present) if present else None}
-
-    losses = [s["loss"] for s in per_rank[0]["steps"]]
-    return {
-        "status": "ok",
-        "steps": len(losses),
-        "losses": losses,
-        "final_loss": losses[-1],
-        "loss_drop": loss_drop(losses),
-        "peak_allocated_mib": across([r["counter_peaks"]["peak_allocated_mib"] for r in per_rank]),
-        "peak_reserved_mib": across([r["counter_peaks"]["peak_reserved_mib"] for r in per_rank]),
-        "peak_rss_mib": across([r["polled_peaks"]["peak_rss_mib"] for r in per_rank]),
-        "polled_peak_allocated_mib": across([r["polled_peaks"]["peak_allocated_mib"] for r in per_rank]),
-        "allocator": [r["allocator"] for r in per_rank],
-        "wall_s": max(r["wall_s"] for r in per_rank),
-    }
-
-
-def run_checks(variants: dict, device_type: str) -> dict:
-    """The upstream's equality check plus: the unfixed variant must not have trained."""
-    checks = {}
-    ran = [n for n in INTENDED if variants.get(n, {}).get("status") == "ok"]
-    if len(ran) >= 2:
-        tol = LOSS_TOLERANCE[device_type]
-        ref = variants[ran[0]]["losses"]
-        diffs = {n: max(abs(a - b) / abs(b) for a, b in zip(variants[n]["losses"], ref)) for n in ran[1:]}
-        checks["intended_losses_match"] = {"ok": all(d <= tol for d in diffs.values()), "reference": ran[0],
-                                           "relative_tolerance": tol, "max_relative_diff": diffs}
-    if variants.get(UNFIXED, {}).get("status") == "ok":
-        drop = variants[UNFIXED]["loss_drop"]
-        checks["unfixed_did_not_train"] = {"ok": drop <= TRAINED_DROP, "loss_drop": drop,
-                                           "threshold": TRAINED_DROP}
-    return checks
-
-
-def fmt(value, spec: str = ".1f") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def print_table(summary: dict) -> None:
-    world = summary["meta"]["world_size"]
-    print(f"\nResults over {world} rank(s); peaks are the maximum over ranks.")
-    header = f"{'variant':40} {'steps':>5} {'first loss':>10} {'final loss':>10} {'drop':>7} " \
-             f"{'peak alloc MiB':>14} {'peak resv MiB':>13} {'peak RSS MiB':>12} {'wall s':>7}"
-    print(header)
-    print("-" * len(header))
-    for name, v in summary["variants"].items():
-        if v["status"] != "ok":
-            print(f"{name:40} {v['status']}")
-            continue
-        print(f"{name:40} {v['steps']:>5} {v['losses'][0]:>10.4f} {v['final_loss']:>10.4f} "
-              f"{v['loss_drop']:>7.1%} {fmt(v['peak_allocated_mib']['max']):>14} "
-              f"{fmt(v['peak_reserved_mib']['max']):>13} {fmt(v['peak_rss_mib']['max']):>12} {v['wall_s']:>7.1f}")
-    print("peak alloc / resv: the CUDA caching allocator's own peak counters (exact, not polled); "
-          "peak RSS: host memory of the process, polled;\ndrop: relative fall of the loss from the "
-          "first to the last quarter of the steps (rank 0's own batches).")
-    for key, check in summary["checks"].items():
-        print(f"check {key}: {'PASS' if check['ok'] else 'FAIL'} "
-              f"({', '.join(f'{k}={v}' for k, v in check.items() if k != 'ok')})")
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -291,10 +220,12 @@ def run(args: argparse.Namespace) -> int:
     mesh = init_device_mesh(device.type, (world_size,))
     meta_model = utils.build_model(config, torch.device("meta"), args.seed)
     n_params = sum(p.numel() for p in meta_model.parameters())
+    shapes = param_shapes(meta_model)
     layer_classes = utils.layer_class_names(meta_model)
     del meta_model
     meta = run_meta(args, device, rank, world_size, config, n_params, len(batches))
-    summary = {"meta": {k: v for k, v in meta.items() if k != "rank"}, "variants": {}, "checks": {}}
+    summary = {"meta": {k: v for k, v in meta.items() if k != "rank"}, "variants": {}, "checks": {},
+               "projection": None}
 
     for name in names:
         if rank == 0:
@@ -303,17 +234,17 @@ def run(args: argparse.Namespace) -> int:
         write_json(os.path.join(args.output_dir, rank_file(name, "memory_usage.json", rank)),
                    {**record, "meta": meta})
         gathered = [None] * world_size
-        dist.all_gather_object(gathered, {k: v for k, v in record.items() if k not in ("timestamps",
-                                          "allocated_memory", "reserved_memory", "virtual_memory", "events")})
-        summary["variants"][name] = variant_summary(gathered)
-        summary["checks"] = run_checks(summary["variants"], device.type)
+        dist.all_gather_object(gathered, {k: v for k, v in record.items() if k not in TRACE_KEYS})
+        summary["variants"][name] = report.variant_summary(name, gathered, shapes)
+        summary["checks"] = report.run_checks(summary["variants"], device.type)
+        summary["projection"] = report.projection_summary(shapes, summary["variants"], world_size)
         if rank == 0:
             write_json(os.path.join(args.output_dir, "summary.json"), summary)
 
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
-        print_table(summary)
+        report.print_table(summary)
         print(f"Wrote per-rank traces and summary.json to {args.output_dir}/")
     return 0 if all(c["ok"] for c in summary["checks"].values()) else 1
 

@@ -17,6 +17,8 @@ import psutil
 import torch
 
 MIB = 1024 * 1024
+# The upstream's per-rank trace: four lists of equal length, one entry per sample.
+TRACE_KEYS = ("timestamps", "allocated_memory", "reserved_memory", "virtual_memory")
 
 
 def rss_mib() -> float:
@@ -30,8 +32,7 @@ class MemoryTracker:
         self.cuda = device.type == "cuda"
         self.device = device
         self.interval_s = interval_s
-        self.samples: dict[str, list] = {"timestamps": [], "allocated_memory": [], "reserved_memory": [],
-                                         "virtual_memory": []}
+        self.samples: dict[str, list] = {key: [] for key in TRACE_KEYS}
         self.events: list[dict] = []
         self.steps: list[dict] = []
         self._stop = threading.Event()

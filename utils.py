@@ -21,7 +21,8 @@ BYTE_VOCAB = 256
 # Built-in model shapes, so that no run needs the Hub. All are Qwen2 decoders;
 # the Qwen2.5 entries copy the published configs' shapes.
 PRESETS: dict[str, dict] = {
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+    # tiny: odd sizes on purpose, so that sharding needs padding at any N > 1.
+    "tiny": dict(vocab_size=509, hidden_size=64, intermediate_size=170, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                  max_position_embeddings=2048),
     "small": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,

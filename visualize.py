@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 VARIANTS = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_not_fixed",
             "torch_optimizer_before_fsdp_fixed", "accelerate"]
+GIB = 1024 ** 3
 TRACE_KEYS = ("timestamps", "allocated_memory", "reserved_memory", "virtual_memory")
 # The zero of every time axis: all variants are compared from the moment their model is sharded,
 # so the time each spent building the model does not offset the curves.
@@ -123,7 +124,7 @@ def plot_memory(runs: dict, keys: tuple, path: str, threshold: float, partition:
             for key, style in ((peak_key, "-"), (end_key, ":")):
                 if key is not None:
                     bottom.plot(steps, [nan_if_none(s.get(key)) for s in trace["steps"]], color=f"C{i}", lw=width, ls=style,
-                                label=f"{name}" if rank == 0 and style == "-" else None)
+                                label=name if rank == 0 and key == (peak_key or end_key) else None)
     top.set_xlabel(f"seconds since the model was sharded ('{ALIGN_EVENT}' event)")
     top.set_title(f"{what}, rank 0, sampled over time (MiB)")
     bottom.set_xlabel("optimizer step")
@@ -155,6 +156,45 @@ def plot_loss(runs: dict, path: str) -> None:
     plt.close(fig)
 
 
+def plot_projection(summary: dict, path: str) -> bool:
+    """Expected per-rank state against world size, with the run's own measurements on top."""
+    proj = summary.get("projection")
+    if not proj:
+        return False
+    table = proj["per_rank_state_bytes"]
+    sizes = [int(n) for n in table]
+    fig, ax = plt.subplots(figsize=(10, 6))
+    for i, name in enumerate(VARIANTS):
+        if name not in table[str(sizes[0])]:
+            continue
+        peak = [table[str(n)][name]["before_zero_grad"] / GIB for n in sizes]
+        held = [table[str(n)][name]["end_of_training"] / GIB for n in sizes]
+        ax.plot(sizes, peak, color=f"C{i}", marker="o", ms=3, label=f"{name}: at the step peak")
+        ax.plot(sizes, held, color=f"C{i}", ls=":", label=f"{name}: between steps")
+        measured = proj["measured"]["per_rank_state_bytes"].get(name)
+        if measured:
+            n = proj["measured"]["world_size"]
+            ax.plot([n, n], [measured["before_zero_grad"] / GIB, measured["end_of_training"] / GIB], ls="none",
+                    marker="*", ms=14, color=f"C{i}", markeredgecolor="black")
+    crossover = proj.get("unfixed_costs_more_from_world_size")
+    if crossover:
+        ax.axvline(crossover, color="grey", ls="--", lw=1)
+        ax.annotate(f"unfixed costs more at the peak from N = {crossover}", (crossover, ax.get_ylim()[1] * 0.9),
+                    xytext=(6, 0), textcoords="offset points", fontsize=9)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(n) for n in sizes])
+    ax.set_xlabel("world size N (ranks)")
+    ax.set_ylabel("parameters + gradients + optimizer state + stale parameters per rank (GiB)")
+    ax.set_title(f"Expected state per rank for {summary['meta']['model']} (the three intended variants coincide); "
+                 "stars: measured in this run")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.filter_partition <= 0:
@@ -176,6 +216,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipped {filename}: the traces hold no {keys[0]} values (a CPU run has no allocator counters)")
     plot_loss(runs, os.path.join(args.dir, "loss.png"))
     print(f"wrote {os.path.join(args.dir, 'loss.png')}")
+    summary_path = os.path.join(args.dir, "summary.json")
+    path = os.path.join(args.dir, "memory_vs_world_size.png")
+    try:
+        summary = read_json(summary_path) if os.path.exists(summary_path) else {}
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if plot_projection(summary, path):
+        print(f"wrote {path}")
+    else:
+        print("skipped memory_vs_world_size.png: no summary.json with a projection")
     return 0
 
 

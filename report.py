@@ -1,0 +1,179 @@
+"""Turn every rank's records into summary.json, the end-of-run checks and the console table."""
+
+from __future__ import annotations
+
+from memory_model import KEYS, expected_state, first_world_size_where_unfixed_costs_more, projection
+from utils import INTENDED, UNFIXED
+
+MIB = 1024 * 1024
+GIB = 1024 * MIB
+# Losses are compared step by step. On CPU the intended variants are bit-identical; on GPUs
+# accelerate groups its parameters differently, which may change bf16 rounding a little.
+LOSS_TOLERANCE = {"cpu": 0.0, "cuda": 1e-2}  # relative
+# The unfixed variant "trained" if its loss fell by more than this fraction.
+TRAINED_DROP = 0.01
+PHASES = ("end_of_setup", "before_zero_grad", "end_of_training")
+PHASE_EVENTS = {"model_built": "build", "optimizer_created": "optimizer", "sharded": "shard"}
+
+
+def loss_drop(losses: list[float]) -> float:
+    """Relative fall from the mean of the first quarter of steps to the mean of the last quarter."""
+    window = max(1, len(losses) // 4)
+    first = sum(losses[:window]) / window
+    last = sum(losses[-window:]) / window
+    return (first - last) / first
+
+
+def _across(values: list) -> dict:
+    present = [v for v in values if v is not None]
+    return {"per_rank": values, "max": max(present) if present else None}
+
+
+def _phase_peaks(record: dict) -> dict:
+    """Allocator peak of each phase on one rank: build, optimizer, shard, first step, steady steps."""
+    peaks = {PHASE_EVENTS[e["name"]]: e["peak_allocated_mib"] for e in record["events"] if e["name"] in PHASE_EVENTS}
+    steps = [s["peak_allocated_mib"] for s in record["steps"]]
+    peaks["first_step"] = steps[0] if steps else None
+    steady = [p for p in steps[1:] if p is not None]
+    peaks["steady_steps"] = max(steady) if steady else None
+    return peaks
+
+
+def _by_phase(per_phase: dict) -> dict:
+    """The issue-3 layout: end-of-training keys on top, every phase nested beside them."""
+    return {**{k: per_phase["end_of_training"][k] for k in KEYS},
+            **{phase: {k: per_phase[phase][k] for k in KEYS} for phase in PHASES}}
+
+
+def variant_summary(name: str, per_rank: list[dict], shapes) -> dict:
+    """Combine every rank's record of one variant into its summary entry."""
+    world_size = len(per_rank)
+    losses = [s["loss"] for s in per_rank[0]["steps"]]
+    accounting = [_by_phase(r["accounting"]) for r in per_rank]
+    expected = [_by_phase({ph: expected_state(shapes, world_size, rank, name, ph) for ph in PHASES})
+                for rank in range(world_size)]
+    residual = [None if r["steps"][-1]["allocated_mib"] is None else
+                r["steps"][-1]["allocated_mib"] - r["accounting"]["end_of_training"]["device_bytes"] / MIB
+                for r in per_rank]
+    return {
+        "status": "ok",
+        "steps": len(losses),
+        "losses": losses,
+        "final_loss": losses[-1],
+        "loss_drop": loss_drop(losses),
+        "peak_allocated_mib": _across([r["counter_peaks"]["peak_allocated_mib"] for r in per_rank]),
+        "peak_reserved_mib": _across([r["counter_peaks"]["peak_reserved_mib"] for r in per_rank]),
+        "polled_peak_allocated_mib": _across([r["polled_peaks"]["peak_allocated_mib"] for r in per_rank]),
+        "polled_peak_reserved_mib": _across([r["polled_peaks"]["peak_reserved_mib"] for r in per_rank]),
+        "peak_rss_mib": _across([r["polled_peaks"]["peak_rss_mib"] for r in per_rank]),
+        "phase_peak_allocated_mib": [_phase_peaks(r) for r in per_rank],
+        "allocator": [r["allocator"] for r in per_rank],
+        "accounting": accounting,
+        "expected": expected,
+        "accounting_matches_expected": accounting == expected,
+        "steady_allocated_minus_state_mib": _across(residual),
+        "wall_s": max(r["wall_s"] for r in per_rank),
+    }
+
+
+def projection_summary(shapes, variants: dict, world_size: int) -> dict:
+    table = projection(shapes, list(variants))
+    reference = next((n for n in INTENDED if n in variants), None)
+    measured = {name: {phase: max(sum(rank[phase][k] for k in KEYS) for rank in v["accounting"])
+                       for phase in ("end_of_training", "before_zero_grad")}
+                for name, v in variants.items() if v.get("status") == "ok"}
+    return {"per_rank_state_bytes": table,
+            "unfixed_costs_more_from_world_size": first_world_size_where_unfixed_costs_more(table, reference)
+            if reference else None,
+            "reference": reference,
+            "measured": {"world_size": world_size, "per_rank_state_bytes": measured}}
+
+
+def run_checks(variants: dict, device_type: str) -> dict:
+    """The upstream's equality check, plus: the state bytes are what FSDP2's rule predicts, and the
+    unfixed variant must not have trained."""
+    checks = {}
+    ran = [n for n in INTENDED if variants.get(n, {}).get("status") == "ok"]
+    if len(ran) >= 2:
+        tol = LOSS_TOLERANCE[device_type]
+        ref = variants[ran[0]]["losses"]
+        diffs = {n: max(abs(a - b) / abs(b) for a, b in zip(variants[n]["losses"], ref)) for n in ran[1:]}
+        checks["intended_losses_match"] = {"ok": all(d <= tol for d in diffs.values()), "reference": ran[0],
+                                           "relative_tolerance": tol, "max_relative_diff": diffs}
+    counted = {n: v["accounting_matches_expected"] for n, v in variants.items() if v.get("status") == "ok"}
+    if counted:
+        checks["accounting_matches_expected"] = {"ok": all(counted.values()),
+                                                 "mismatched": [n for n, ok in counted.items() if not ok]}
+    if variants.get(UNFIXED, {}).get("status") == "ok":
+        drop = variants[UNFIXED]["loss_drop"]
+        checks["unfixed_did_not_train"] = {"ok": drop <= TRAINED_DROP, "loss_drop": drop,
+                                           "threshold": TRAINED_DROP}
+    return checks
+
+
+# --------------------------------------------------------------------------- console
+
+def _fmt(value, spec: str = ".1f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _mib(n_bytes: float) -> str:
+    return f"{n_bytes / MIB:.1f}"
+
+
+def _size(n_bytes: float) -> str:
+    return f"{n_bytes / GIB:.2f} GiB" if n_bytes >= GIB else f"{n_bytes / MIB:.2f} MiB"
+
+
+def print_table(summary: dict) -> None:
+    world = summary["meta"]["world_size"]
+    print(f"\nResults over {world} rank(s); memory columns are the maximum over ranks.")
+    header = (f"{'variant':38} {'steps':>5} {'loss first':>10} {'final':>7} {'drop':>6} {'peak alloc':>10} "
+              f"{'polled':>8} {'peak resv':>9} {'peak RSS':>8} | {'params':>6} {'grads':>6} {'optim':>6} "
+              f"{'stale':>6} {'= exp.':>6} {'other':>7} {'wall s':>6}")
+    print(header)
+    print("-" * len(header))
+    for name, v in summary["variants"].items():
+        if v["status"] != "ok":
+            print(f"{name:38} {v['status']}")
+            continue
+        state = max(v["accounting"], key=lambda r: sum(r[k] for k in KEYS))
+        print(f"{name:38} {v['steps']:>5} {v['losses'][0]:>10.4f} {v['final_loss']:>7.4f} {v['loss_drop']:>6.1%} "
+              f"{_fmt(v['peak_allocated_mib']['max']):>10} {_fmt(v['polled_peak_allocated_mib']['max']):>8} "
+              f"{_fmt(v['peak_reserved_mib']['max'], '.0f'):>9} {_fmt(v['peak_rss_mib']['max'], '.0f'):>8} | "
+              f"{_mib(state['param_bytes']):>7} {_mib(state['grad_bytes']):>7} "
+              f"{_mib(state['optimizer_state_bytes']):>7} {_mib(state['stale_param_bytes']):>7} "
+              f"{'yes' if v['accounting_matches_expected'] else 'NO':>6} "
+              f"{_fmt(v['steady_allocated_minus_state_mib']['max']):>7} {v['wall_s']:>6.1f}")
+    print("MiB: peak alloc = the CUDA allocator's own peak counter; polled = the highest 10 ms sample of the same; "
+          "peak resv = reserved by the caching allocator;\n     peak RSS = host memory of the process (polled). "
+          "Then MiB held by one rank after the last step: params (local shards), grads, optim (AdamW state), stale\n"
+          "     (tensors the optimizer holds that the model no longer uses); = exp.: equal to the byte to the "
+          "FSDP2 sharding rule (memory_model.py); other = allocated after\n     the last step minus that state "
+          "(buffers, allocator overhead). drop: fall of the loss from the first to the last quarter of steps.")
+    for sentence in explanations(summary):
+        print(sentence)
+    for key, check in summary["checks"].items():
+        print(f"check {key}: {'PASS' if check['ok'] else 'FAIL'} "
+              f"({', '.join(f'{k}={v}' for k, v in check.items() if k != 'ok')})")
+
+
+def explanations(summary: dict) -> list[str]:
+    """Plain sentences for the numbers that matter most."""
+    out = []
+    unfixed = summary["variants"].get(UNFIXED)
+    if unfixed and unfixed["status"] == "ok":
+        rank0 = unfixed["accounting"][0]
+        out.append(f"{UNFIXED}: its optimizer still holds {_size(rank0['stale_param_bytes'])} of full parameters "
+                   f"per rank that the model no longer uses; they never get gradients, so AdamW never creates "
+                   f"state ({_size(rank0['optimizer_state_bytes'])}) and the model never changes (loss drop "
+                   f"{unfixed['loss_drop']:.1%}); zero_grad() never reaches the model's sharded parameters, so "
+                   f"their {_size(rank0['grad_bytes'])} of gradients are never cleared.")
+    proj = summary.get("projection") or {}
+    n = proj.get("unfixed_costs_more_from_world_size")
+    if n is not None:
+        row = proj["per_rank_state_bytes"][str(n)]
+        out.append(f"At the step peak the unfixed variant's state (P + 2P/N) exceeds the intended one's (4P/N) "
+                   f"from N = {n} ranks on: {_size(row[UNFIXED]['before_zero_grad'])} vs "
+                   f"{_size(row[proj['reference']]['before_zero_grad'])} per rank (projection in summary.json).")
+    return out

@@ -1,0 +1,88 @@
+"""Per-rank state accounting against FSDP2's sharding rule, on real gloo runs at N=2 and N=4."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from conftest import VARIANTS, load, run_script
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from memory_model import expected_state, first_world_size_where_unfixed_costs_more, projection  # noqa: E402
+
+INTENDED = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_fixed", "accelerate"]
+UNFIXED = "torch_optimizer_before_fsdp_not_fixed"
+KEYS = ["param_bytes", "grad_bytes", "optimizer_state_bytes", "stale_param_bytes"]
+
+
+def test_sharding_rule_pads_every_rank_to_the_ceil_chunk():
+    shapes = [((5, 3), 4), ((7,), 4)]  # 5 rows over 2 ranks: chunks of 3 and 2, both stored as 3
+    r0 = expected_state(shapes, 2, 0, "torch_optimizer_after_fsdp", "end_of_training")
+    r1 = expected_state(shapes, 2, 1, "torch_optimizer_after_fsdp", "end_of_training")
+    assert r0["param_bytes"] == r1["param_bytes"] == (3 * 3 + 4) * 4
+    assert r0["optimizer_state_bytes"] == 2 * (3 * 3 + 4) * 4 + 2 * 4
+    assert r1["optimizer_state_bytes"] == 2 * (2 * 3 + 3) * 4 + 2 * 4
+    assert r0["grad_bytes"] == r0["stale_param_bytes"] == 0
+    unfixed = expected_state(shapes, 2, 1, UNFIXED, "end_of_training")
+    assert unfixed == {"param_bytes": 52, "grad_bytes": 52, "optimizer_state_bytes": 0,
+                       "stale_param_bytes": (15 + 7) * 4}
+
+
+def test_projection_finds_where_the_unfixed_variant_starts_costing_more():
+    shapes = [((1024, 1024), 4)]
+    table = projection(shapes, [INTENDED[0], UNFIXED])
+    p = 1024 * 1024 * 4
+    step = 4  # AdamW's step counter
+    assert table["2"][UNFIXED]["before_zero_grad"] == 2 * p
+    assert table["2"][INTENDED[0]]["before_zero_grad"] == 2 * p + step
+    assert table["8"][UNFIXED]["end_of_training"] == p + 2 * p // 8
+    assert table["8"][INTENDED[0]]["end_of_training"] == 3 * p // 8 + step
+    assert first_world_size_where_unfixed_costs_more(table, INTENDED[0]) == 4
+
+
+def check_accounting(summary: dict, world_size: int) -> None:
+    n_params = summary["meta"]["num_parameters"]
+    for name in VARIANTS:
+        v = summary["variants"][name]
+        assert len(v["accounting"]) == world_size
+        assert v["accounting"] == v["expected"], name
+        assert v["accounting_matches_expected"] is True
+        total_params = sum(r["param_bytes"] for r in v["accounting"])
+        assert total_params >= n_params * 4  # local shards cover the model, padding included
+        assert all(r["end_of_setup"]["optimizer_state_bytes"] == 0 for r in v["accounting"])  # AdamW is lazy
+    for name in INTENDED:
+        ranks = summary["variants"][name]["accounting"]
+        assert all(r["grad_bytes"] == 0 and r["stale_param_bytes"] == 0 for r in ranks)
+        assert all(r["before_zero_grad"]["grad_bytes"] == r["param_bytes"] for r in ranks)
+        # AdamW: two fp32 moments over the unpadded shards (= the whole model once) + a step per tensor per rank.
+        moments = sum(r["optimizer_state_bytes"] for r in ranks) - 2 * n_params * 4
+        assert 0 < moments < 1000 * world_size and moments % (4 * world_size) == 0
+    unfixed = summary["variants"][UNFIXED]["accounting"]
+    for r in unfixed:
+        assert r["stale_param_bytes"] == n_params * 4  # the whole unsharded model, on every rank
+        assert r["optimizer_state_bytes"] == 0
+        assert r["grad_bytes"] == r["param_bytes"]  # never cleared
+        assert r["end_of_setup"]["stale_param_bytes"] == n_params * 4
+    assert summary["checks"]["accounting_matches_expected"]["ok"] is True
+
+
+def test_accounting_equals_expectation_at_two_ranks(suite):
+    out, proc = suite
+    summary = load(out / "summary.json")
+    check_accounting(summary, 2)
+    assert "its optimizer still holds" in proc.stdout and "never cleared" in proc.stdout
+    proj = summary["projection"]
+    assert proj["unfixed_costs_more_from_world_size"] == 4
+    assert set(proj["per_rank_state_bytes"]) == {"1", "2", "4", "8", "16", "32", "64", "128"}
+    measured = proj["measured"]["per_rank_state_bytes"]
+    for name in VARIANTS:
+        assert measured[name]["end_of_training"] == proj["per_rank_state_bytes"]["2"][name]["end_of_training"]
+
+
+def test_accounting_equals_expectation_at_four_ranks(tmp_path):
+    proc = run_script(["main.py", "--model", "tiny", "--device", "cpu", "--max_steps", "2",
+                       "--output_dir", str(tmp_path)], nproc=4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = load(tmp_path / "summary.json")
+    assert summary["meta"]["world_size"] == 4
+    check_accounting(summary, 4)
