@@ -7,26 +7,58 @@ Launch with ``torchrun --nproc_per_node N main.py`` or ``accelerate launch main.
 from __future__ import annotations
 
 import argparse
-import gc
+import json
 import math
+import multiprocessing
 import os
+import signal
 import socket
 import sys
-import time
-from datetime import timedelta
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import report
 import utils
-from measure import TRACE_KEYS, MemoryTracker, write_json
-from memory_model import account, param_shapes
+from measure import write_json
+from memory_model import param_shapes
+from runner import INTERRUPTED, Job, StoreKeys, set_first, variant_process
 from utils import VARIANTS, UserError
 
+# After a peer fails or an interrupt, how long a variant's process may take to write its
+# partial trace before it is killed.
+GRACE_S = 30.0
+
+
+@dataclass
+class FailureSpec:
+    name: str
+    step: int
+    rank: int
+    kill: bool
+
+
+def parse_failure(text: str) -> FailureSpec:
+    parts = text.split(":")
+    try:
+        if len(parts) not in (3, 4) or parts[0] not in VARIANTS or (len(parts) == 4 and parts[3] != "kill"):
+            raise ValueError
+        return FailureSpec(parts[0], int(parts[1]), int(parts[2]), len(parts) == 4)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected VARIANT:STEP:RANK[:kill] with a known variant, got {text!r}")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag gets one line and exit code 2, like every other user error."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--output_dir", default="out", help="where the JSON files go (default: out)")
     p.add_argument("--save_memory_snapshot", action="store_true",
                    help="also write <run>_memory_snapshot.pkl for pytorch.org/memory_viz (CUDA only)")
@@ -50,11 +82,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="local tokenizer directory or Hub id for --dataset (default: bytes)")
     p.add_argument("--log_interval", type=float, default=0.01,
                    help="seconds between memory samples (default: 0.01)")
+    p.add_argument("--inject_failure", type=parse_failure, default=None, metavar="VARIANT:STEP:RANK[:kill]",
+                   help="test option: raise (or, with :kill, die by SIGKILL) on that rank before that step")
     return p.parse_args(argv)
 
 
 def check_args(args: argparse.Namespace) -> list[str]:
-    """Refuse what cannot work before any process group or model exists; return the variant list."""
+    """Refuse what cannot work before any process or model exists; return the variant list."""
     for flag in ("batch_size", "block_size"):
         if getattr(args, flag) <= 0:
             raise UserError(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
@@ -79,6 +113,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
 
 
 def pick_device(choice: str) -> torch.device:
+    """Decide the device without initialising CUDA here: only the forked variant processes use it."""
     has_gpu = torch.cuda.is_available()
     if choice == "cuda" and not has_gpu:
         raise UserError("--device cuda: no CUDA GPU is visible to this process")
@@ -87,19 +122,15 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def init_distributed(device: torch.device) -> tuple[int, int]:
-    """Join the launcher's process group, or make a one-rank group for plain ``python main.py``."""
+def launcher_env() -> tuple[int, int]:
+    """Rank and world size from torchrun / accelerate launch; plain ``python main.py`` is one rank."""
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10),
-                            device_id=device if device.type == "cuda" else None)
-    return dist.get_rank(), dist.get_world_size()
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
 def prepare_output_dir(path: str) -> None:
@@ -121,76 +152,55 @@ def versions() -> dict:
             "transformers": transformers.__version__, "python": sys.version.split()[0]}
 
 
-def run_meta(args, device: torch.device, rank: int, world_size: int, config, n_params: int, steps: int) -> dict:
-    return {"rank": rank, "world_size": world_size, "device": device.type,
-            "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "versions": versions(), "model": args.model, "model_type": config.model_type,
-            "num_parameters": n_params, "steps_per_variant": steps, "args": vars(args)}
+# --------------------------------------------------------------------------- isolation
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM reached this rank's main process."""
 
 
-# --------------------------------------------------------------------------- one variant
-
-def train_step(prep: utils.Prepared, input_ids: torch.Tensor,
-               before_zero_grad: Callable[[], None] | None = None) -> float:
-    with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=prep.autocast):
-        loss = prep.model(input_ids=input_ids, labels=input_ids).loss
-    prep.backward(loss.float())
-    prep.optimizer.step()
-    if before_zero_grad is not None:
-        before_zero_grad()
-    prep.optimizer.zero_grad()
-    return loss.item()
+def raise_interrupted(signum, _frame) -> None:
+    raise Interrupted(signal.Signals(signum).name)
 
 
-def run_variant(name: str, args, device: torch.device, mesh, config, batches: list[torch.Tensor],
-                layer_classes: list[str], output_dir: str, rank: int) -> dict:
-    """Build, prepare and train one variant; return this rank's record (trace, steps, events)."""
-    snapshot = args.save_memory_snapshot and device.type == "cuda"
-    if snapshot:
-        torch.cuda.memory._record_memory_history(max_entries=200_000)
-    tracker = MemoryTracker(device, args.log_interval).start()
-    start = time.perf_counter()
-    model = utils.build_model(config, device, args.seed)
-    tracker.mark("model_built")
-    ctx = utils.Context(device, mesh, args.learning_rate, layer_classes, tracker.mark)
-    prep = VARIANTS[name](model, ctx)
-    del model
-    accounting = {"end_of_setup": account(prep.model, prep.optimizer)}
-    tracker.mark("training_started")
-    last = len(batches) - 1
-    for step, batch in enumerate(batches):
-        t = time.perf_counter()
-        hook = (lambda: accounting.update(before_zero_grad=account(prep.model, prep.optimizer))) \
-            if step == last else None
-        loss = train_step(prep, batch.to(device), hook)
-        tracker.record_step(step, loss, time.perf_counter() - t)
-    tracker.mark("training_finished")
-    accounting["end_of_training"] = account(prep.model, prep.optimizer)
-    wall_s = time.perf_counter() - start
-    tracker.stop()
-    if snapshot:
-        torch.cuda.memory._dump_snapshot(os.path.join(output_dir, rank_file(name, "memory_snapshot.pkl", rank)))
-        torch.cuda.memory._record_memory_history(enabled=None)
-    record = {**tracker.record(), "wall_s": wall_s, "accounting": accounting, "allocator": tracker.allocator_stats(),
-              "counter_peaks": tracker.counter_peaks(), "polled_peaks": tracker.polled_peaks()}
-    release(prep)
-    return record
+def run_isolated(job: Job, store: dist.TCPStore) -> str | None:
+    """Run one variant in a forked process; return None if every rank succeeded, else the reason.
+
+    Every rank learns the outcome of every other through the launcher's store, so a failure
+    on one rank stops the variant everywhere within about a second plus ``GRACE_S``.
+    """
+    keys = job.keys
+    child = multiprocessing.get_context("fork").Process(target=variant_process, args=(job,))
+    child.start()
+    try:
+        while child.exitcode is None and not store.check([keys.abort]):
+            child.join(0.2)
+    except Interrupted:
+        set_first(store, keys.abort, INTERRUPTED)
+        raise
+    finally:
+        child.join(GRACE_S)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+    if child.exitcode != 0:  # a process that died without a word (SIGKILL, OOM killer...)
+        how = f"killed by {signal.Signals(-child.exitcode).name}" if child.exitcode < 0 else \
+            f"exit code {child.exitcode}"
+        set_first(store, keys.abort, f"rank {job.rank}: process ended ({how})")
+    store.set(keys.status(job.rank), "done")
+    store.wait([keys.status(r) for r in range(job.world_size)])
+    return store.get(keys.abort).decode() if store.check([keys.abort]) else None
 
 
-def release(prep: utils.Prepared) -> None:
-    """Free everything a variant held, so the next one starts from an empty allocator."""
-    if prep.accelerator is not None:
-        prep.accelerator.free_memory()
-    prep.model = prep.optimizer = prep.accelerator = None
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+def gather_records(store: dist.TCPStore, keys: StoreKeys, world_size: int) -> list[dict]:
+    return [json.loads(store.get(keys.record(r))) for r in range(world_size)]
 
 
-def rank_file(name: str, suffix: str, rank: int) -> str:
-    """Rank 0 keeps the upstream file name; rank r adds ``_rank<r>``."""
-    stem, ext = os.path.splitext(suffix)
-    return f"{name}_{stem}{'' if rank == 0 else f'_rank{rank}'}{ext}"
+def leave_together(store: dist.TCPStore, rank: int, world_size: int) -> None:
+    """Rank 0 may host the store: it leaves last, so no rank loses the store mid-call."""
+    prefix = StoreKeys("exit").prefix
+    store.set(f"{prefix}/{rank}", "bye")
+    if rank == 0:
+        store.wait([f"{prefix}/{r}" for r in range(world_size)])
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -199,54 +209,74 @@ def run(args: argparse.Namespace) -> int:
     names = check_args(args)
     device = pick_device(args.device)
     if device.type == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # needed by deterministic cuBLAS
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS needs it
     torch.use_deterministic_algorithms(True)
     config = utils.load_config(args.model)
     if utils.max_positions(config) and args.block_size > utils.max_positions(config):
         raise UserError(f"--block_size {args.block_size} exceeds the model's {utils.max_positions(config)} positions")
+    rank, world_size = launcher_env()
     tokens = utils.load_tokens(args.dataset, args.tokenizer)
-    rank, world_size = init_distributed(device)
     batches = utils.rank_batches(tokens, args.block_size, args.batch_size, args.dataset_fraction,
                                  rank, world_size, args.max_steps)
     prepare_output_dir(args.output_dir)
+    meta_model = utils.build_model(config, torch.device("meta"), args.seed)
+    shapes = param_shapes(meta_model)
+    layer_classes = utils.layer_class_names(meta_model)
+    meta = {"rank": rank, "world_size": world_size, "device": device.type, "versions": versions(),
+            "model": args.model, "model_type": config.model_type,
+            "num_parameters": sum(p.numel() for p in meta_model.parameters()),
+            "steps_per_variant": len(batches),
+            "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()}}
+    del meta_model
+
+    store, _, _ = next(dist.rendezvous("env://"))
     if rank == 0 and device.type == "cpu":
         print("Running on CPU with gloo: a functional run. Allocator figures are n/a; RSS is host memory, "
               "not GPU memory.")
     if rank == 0 and args.save_memory_snapshot and device.type == "cpu":
         print("warning: --save_memory_snapshot needs CUDA; no snapshot is written on CPU.")
 
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device.type, (world_size,))
-    meta_model = utils.build_model(config, torch.device("meta"), args.seed)
-    n_params = sum(p.numel() for p in meta_model.parameters())
-    shapes = param_shapes(meta_model)
-    layer_classes = utils.layer_class_names(meta_model)
-    del meta_model
-    meta = run_meta(args, device, rank, world_size, config, n_params, len(batches))
     summary = {"meta": {k: v for k, v in meta.items() if k != "rank"}, "variants": {}, "checks": {},
                "projection": None}
-
-    for name in names:
+    summary_path = os.path.join(args.output_dir, "summary.json")
+    signal.signal(signal.SIGTERM, raise_interrupted)
+    signal.signal(signal.SIGINT, raise_interrupted)
+    any_failed = False
+    for index, name in enumerate(names):
         if rank == 0:
             print(f"[{name}] {len(batches)} steps on {world_size} rank(s)...", flush=True)
-        record = run_variant(name, args, device, mesh, config, batches, layer_classes, args.output_dir, rank)
-        write_json(os.path.join(args.output_dir, rank_file(name, "memory_usage.json", rank)),
-                   {**record, "meta": meta})
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, {k: v for k, v in record.items() if k not in TRACE_KEYS})
-        summary["variants"][name] = report.variant_summary(name, gathered, shapes)
+        job = Job(name, args, device, config, batches, layer_classes, meta, rank, world_size, StoreKeys(name))
+        try:
+            failure = run_isolated(job, store)
+        except Interrupted as exc:
+            if rank == 0:
+                for later in names[index:]:
+                    summary["variants"][later] = {"status": "interrupted" if later == name else "not run"}
+                write_json(summary_path, summary)
+                print(f"Interrupted ({exc}) during {name}; finished variants and partial traces are in "
+                      f"{args.output_dir}/", file=sys.stderr)
+            return 130
+        any_failed = any_failed or failure is not None
+        if rank != 0:
+            continue
+        if failure is None:
+            records = gather_records(store, job.keys, world_size)
+            summary["meta"]["gpu_name"] = records[0]["gpu_name"]
+            summary["variants"][name] = report.variant_summary(name, records, shapes)
+        else:
+            summary["variants"][name] = {"status": f"failed: {failure}"}
+            print(f"[{name}] FAILED: {failure}", file=sys.stderr, flush=True)
         summary["checks"] = report.run_checks(summary["variants"], device.type)
         summary["projection"] = report.projection_summary(shapes, summary["variants"], world_size)
-        if rank == 0:
-            write_json(os.path.join(args.output_dir, "summary.json"), summary)
+        write_json(summary_path, summary)
 
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank == 0:
-        report.print_table(summary)
-        print(f"Wrote per-rank traces and summary.json to {args.output_dir}/")
-    return 0 if all(c["ok"] for c in summary["checks"].values()) else 1
+    leave_together(store, rank, world_size)
+    if rank != 0:
+        return 1 if any_failed else 0
+    report.print_table(summary)
+    print(f"Wrote per-rank traces and summary.json to {args.output_dir}/")
+    failed = [n for n, v in summary["variants"].items() if v["status"] != "ok"]
+    return 1 if failed or not all(c["ok"] for c in summary["checks"].values()) else 0
 
 
 def main() -> None:

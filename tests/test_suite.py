@@ -46,6 +46,7 @@ def test_trace_schema_keeps_upstream_keys_and_adds_steps_events_meta(suite):
             assert [n for n in names if n in EVENTS] == sorted(set(names) & set(EVENTS), key=names.index)
             assert set(EVENTS) <= set(names)
             assert names[-1] == "training_finished"
+            assert trace["status"] == "ok"
             meta = trace["meta"]
             assert meta["rank"] == rank and meta["world_size"] == 2 and meta["device"] == "cpu"
             assert meta["model"] == "tiny" and meta["num_parameters"] > 0

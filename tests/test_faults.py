@@ -1,0 +1,162 @@
+"""Nothing lost, nothing hung: failing variants, interrupts, bad input, two nodes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, TINY, VARIANTS, load, run_script
+
+FIXED = "torch_optimizer_before_fsdp_fixed"
+SHORT = ["--model", "tiny", "--device", "cpu", "--max_steps", "6"]
+
+
+def statuses(out) -> dict:
+    return {name: v["status"] for name, v in load(out / "summary.json")["variants"].items()}
+
+
+def test_an_exception_on_one_rank_fails_that_variant_only(tmp_path):
+    proc = run_script(["main.py", *SHORT, "--output_dir", str(tmp_path),
+                       "--inject_failure", f"{FIXED}:3:1"])
+    assert proc.returncode != 0
+    reason = "rank 1: RuntimeError: injected failure at step 3 on rank 1"
+    assert statuses(tmp_path) == {VARIANTS[0]: "ok", VARIANTS[1]: "ok", FIXED: f"failed: {reason}",
+                                  "accelerate": "ok"}
+    assert f"[{FIXED}] FAILED: {reason}" in proc.stderr
+    failed = load(tmp_path / f"{FIXED}_memory_usage_rank1.json")
+    assert failed["status"] == "failed" and "injected failure" in failed["error"]
+    assert [s["step"] for s in failed["steps"]] == [0, 1, 2]  # the partial trace, up to the failure
+    peer = load(tmp_path / f"{FIXED}_memory_usage.json")
+    assert peer["status"] == f"aborted: {reason}"
+    assert len(peer["steps"]) <= 4 and len(peer["timestamps"]) > 0
+    assert load(tmp_path / "accelerate_memory_usage_rank1.json")["status"] == "ok"  # ran after the failure
+    assert load(tmp_path / "summary.json")["checks"]["intended_losses_match"]["ok"] is True
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_a_rank_that_dies_does_not_hang_the_others(tmp_path):
+    proc = run_script(["main.py", *SHORT, "--output_dir", str(tmp_path), "--variants",
+                       f"{FIXED},torch_optimizer_after_fsdp", "--inject_failure", f"{FIXED}:2:1:kill"],
+                      timeout=180)
+    assert proc.returncode != 0
+    reason = "rank 1: process ended (killed by SIGKILL)"
+    assert statuses(tmp_path) == {FIXED: f"failed: {reason}", "torch_optimizer_after_fsdp": "ok"}
+    assert load(tmp_path / f"{FIXED}_memory_usage.json")["status"] == f"aborted: {reason}"
+    assert not (tmp_path / f"{FIXED}_memory_usage_rank1.json").exists()  # a killed process writes nothing
+
+
+def test_sigterm_keeps_finished_variants_and_marks_the_interrupted_one(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "main.py", "--model", "tiny", "--device", "cpu", "--max_steps", "400",
+                             "--variants", "torch_optimizer_after_fsdp,accelerate",
+                             "--output_dir", str(tmp_path)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Wait until the first variant is finished and the second has started (a few seconds of
+    # its 400 steps), then stop the launcher as a cluster scheduler would.
+    for line in proc.stdout:
+        if line.startswith("[accelerate]"):
+            break
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    summary = load(tmp_path / "summary.json")
+    assert {n: v["status"] for n, v in summary["variants"].items()} == {
+        "torch_optimizer_after_fsdp": "ok", "accelerate": "interrupted"}
+    assert summary["variants"]["torch_optimizer_after_fsdp"]["steps"] == 400
+    assert load(tmp_path / "torch_optimizer_after_fsdp_memory_usage_rank1.json")["status"] == "ok"
+    for suffix in ("", "_rank1"):
+        partial = load(tmp_path / f"accelerate_memory_usage{suffix}.json")
+        assert partial["status"] == "interrupted" and 0 < len(partial["steps"]) < 400
+    assert not list(tmp_path.glob("*.tmp*"))
+    assert "Interrupted (SIGTERM) during accelerate" in stderr
+
+
+def digest(directory) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in directory.iterdir()}
+
+
+BAD_INPUTS = {
+    "batch zero": (["--batch_size", "0"], "--batch_size must be a positive integer"),
+    "block negative": (["--block_size", "-4"], "--block_size must be a positive integer"),
+    "block too long": (["--block_size", "4096"], "exceeds the model's 2048 positions"),
+    "unknown preset": (["--model", "qwen9-huge"], "--model qwen9-huge: not a preset"),
+    "dir without config": (["--model", "{tmp}"], "directory has no config.json"),
+    "unknown variant": (["--variants", "torch_optimizer_after_fsdp,deepspeed"], "unknown name(s) deepspeed"),
+    "dataset missing": (["--dataset", "{tmp}/nope.txt"], "nope.txt: no such file"),
+    "dataset is a dir": (["--dataset", "{tmp}"], "no such file"),
+    "dataset too short": (["--dataset", "{tmp}/short.txt"], "too few for one step"),
+    "fraction zero": (["--dataset_fraction", "0"], "--dataset_fraction must be in (0, 1]"),
+    "fraction above one": (["--dataset_fraction", "1.5"], "--dataset_fraction must be in (0, 1]"),
+    "no gpu": (["--device", "cuda"], "--device cuda: no CUDA GPU"),
+    "output under a file": (["--output_dir", "{tmp}/short.txt/out"], "cannot write there"),
+    "bad failure spec": (["--inject_failure", "accelerate:x:1"], "expected VARIANT:STEP:RANK"),
+    "bad flag": (["--batch_sizes", "2"], "unrecognized arguments"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_gets_one_line_and_loses_nothing(case, tmp_path, suite):
+    if case == "no gpu" and __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    flags, message = BAD_INPUTS[case]
+    (tmp_path / "short.txt").write_text("too short")
+    out = tmp_path / "previous"  # results of an earlier run must survive
+    out.mkdir()
+    (out / "summary.json").write_bytes((suite[0] / "summary.json").read_bytes())
+    before = digest(out)
+    args = ["main.py", "--model", "tiny", "--device", "cpu", "--max_steps", "1", "--output_dir", str(out)]
+    args += [f.format(tmp=tmp_path) for f in flags]
+    proc = run_script(args, nproc=None, timeout=120)
+    assert proc.returncode == 2, (case, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (case, proc.stderr)
+    assert digest(out) == before
+
+
+def test_bad_input_under_torchrun_stops_every_rank_with_the_same_line(tmp_path):
+    proc = run_script(["main.py", "--model", "tiny", "--device", "cpu", "--variants", "nope",
+                       "--output_dir", str(tmp_path)])
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: --variants: unknown name(s) nope") == 2
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_memory_snapshot_on_cpu_is_a_warning(tmp_path):
+    proc = run_script(["main.py", *SHORT, "--max_steps", "2", "--variants", "torch_optimizer_after_fsdp",
+                       "--save_memory_snapshot", "--output_dir", str(tmp_path)], nproc=None)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: --save_memory_snapshot needs CUDA" in proc.stdout
+    assert not list(tmp_path.glob("*.pkl"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_give_the_losses_of_one_node_with_two_processes(tmp_path, suite):
+    out = tmp_path / "two_nodes"
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                                f"--node_rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                                "--rdzv-id=fsdp2bench-test", "main.py", *TINY, "--output_dir", str(out)],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for node in (0, 1)]
+    for agent in agents:
+        agent.communicate(timeout=300)
+        assert agent.returncode == 0
+    one_node = load(suite[0] / "summary.json")
+    two_nodes = load(out / "summary.json")
+    assert two_nodes["meta"]["world_size"] == 2
+    for name in VARIANTS:
+        assert two_nodes["variants"][name]["losses"] == one_node["variants"][name]["losses"]
