@@ -9,10 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing
 import os
-import signal
-import socket
 import sys
 from dataclasses import dataclass
 
@@ -23,12 +20,9 @@ import report
 import utils
 from measure import write_json
 from memory_model import param_shapes
-from runner import INTERRUPTED, Job, StoreKeys, set_first, variant_process
+from isolation import Interrupted, StoreKeys, catch_interrupts, launcher_env, leave_together, run_isolated
+from runner import Job, variant_process
 from utils import VARIANTS, UserError
-
-# After a peer fails or an interrupt, how long a variant's process may take to write its
-# partial trace before it is killed.
-GRACE_S = 30.0
 
 
 @dataclass
@@ -122,17 +116,6 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def launcher_env() -> tuple[int, int]:
-    """Rank and world size from torchrun / accelerate launch; plain ``python main.py`` is one rank."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-
-
 def prepare_output_dir(path: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
@@ -152,55 +135,8 @@ def versions() -> dict:
             "transformers": transformers.__version__, "python": sys.version.split()[0]}
 
 
-# --------------------------------------------------------------------------- isolation
-
-class Interrupted(Exception):
-    """SIGINT or SIGTERM reached this rank's main process."""
-
-
-def raise_interrupted(signum, _frame) -> None:
-    raise Interrupted(signal.Signals(signum).name)
-
-
-def run_isolated(job: Job, store: dist.TCPStore) -> str | None:
-    """Run one variant in a forked process; return None if every rank succeeded, else the reason.
-
-    Every rank learns the outcome of every other through the launcher's store, so a failure
-    on one rank stops the variant everywhere within about a second plus ``GRACE_S``.
-    """
-    keys = job.keys
-    child = multiprocessing.get_context("fork").Process(target=variant_process, args=(job,))
-    child.start()
-    try:
-        while child.exitcode is None and not store.check([keys.abort]):
-            child.join(0.2)
-    except Interrupted:
-        set_first(store, keys.abort, INTERRUPTED)
-        raise
-    finally:
-        child.join(GRACE_S)
-        if child.exitcode is None:
-            child.kill()
-            child.join()
-    if child.exitcode != 0:  # a process that died without a word (SIGKILL, OOM killer...)
-        how = f"killed by {signal.Signals(-child.exitcode).name}" if child.exitcode < 0 else \
-            f"exit code {child.exitcode}"
-        set_first(store, keys.abort, f"rank {job.rank}: process ended ({how})")
-    store.set(keys.status(job.rank), "done")
-    store.wait([keys.status(r) for r in range(job.world_size)])
-    return store.get(keys.abort).decode() if store.check([keys.abort]) else None
-
-
 def gather_records(store: dist.TCPStore, keys: StoreKeys, world_size: int) -> list[dict]:
     return [json.loads(store.get(keys.record(r))) for r in range(world_size)]
-
-
-def leave_together(store: dist.TCPStore, rank: int, world_size: int) -> None:
-    """Rank 0 may host the store: it leaves last, so no rank loses the store mid-call."""
-    prefix = StoreKeys("exit").prefix
-    store.set(f"{prefix}/{rank}", "bye")
-    if rank == 0:
-        store.wait([f"{prefix}/{r}" for r in range(world_size)])
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -239,15 +175,14 @@ def run(args: argparse.Namespace) -> int:
     summary = {"meta": {k: v for k, v in meta.items() if k != "rank"}, "variants": {}, "checks": {},
                "projection": None}
     summary_path = os.path.join(args.output_dir, "summary.json")
-    signal.signal(signal.SIGTERM, raise_interrupted)
-    signal.signal(signal.SIGINT, raise_interrupted)
+    catch_interrupts()
     any_failed = False
     for index, name in enumerate(names):
         if rank == 0:
             print(f"[{name}] {len(batches)} steps on {world_size} rank(s)...", flush=True)
         job = Job(name, args, device, config, batches, layer_classes, meta, rank, world_size, StoreKeys(name))
         try:
-            failure = run_isolated(job, store)
+            failure = run_isolated(variant_process, (job,), job.keys, rank, world_size, store)
         except Interrupted as exc:
             if rank == 0:
                 for later in names[index:]:

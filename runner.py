@@ -1,35 +1,21 @@
-"""One variant, run in a process of its own on every rank.
-
-main.py forks this process per variant and rank, so no allocator cache, host memory or
-broken communicator carries over from one variant to the next, and a failure stays inside
-its variant. The processes of one variant form their own process group on the launcher's
-store; an "abort" key in that store tells every rank, within a second, that a peer failed
-or the run was interrupted: each then writes its partial trace and leaves.
-"""
+"""Training one variant on one rank, inside the fresh process isolation.py forks for it."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import threading
 import time
-import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 import utils
+from isolation import Finisher, StoreKeys, init_group, run_child
 from measure import TRACE_KEYS, MemoryTracker, write_json
 from memory_model import account
-
-STORE_TIMEOUT = timedelta(minutes=30)
-POLL_S = 0.25
-INTERRUPTED = "interrupted"  # the abort reason the main processes set on SIGINT / SIGTERM
-
 
 @dataclass
 class Job:
@@ -46,43 +32,10 @@ class Job:
     keys: "StoreKeys"
 
 
-class StoreKeys:
-    """Names of the launcher-store keys one variant uses; unique per launch and restart."""
-
-    def __init__(self, name: str):
-        launch = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        self.prefix = f"fsdp2bench/{launch}/{name}"
-        self.abort = f"{self.prefix}/abort"
-
-    def status(self, rank: int) -> str:
-        return f"{self.prefix}/status/{rank}"
-
-    def record(self, rank: int) -> str:
-        return f"{self.prefix}/record/{rank}"
-
-
-def set_first(store: dist.TCPStore, key: str, value: str) -> None:
-    """Set ``key`` unless some rank already did: the first reason given is kept."""
-    store.compare_set(key, "", value)
-
-
-def connect_store() -> dist.TCPStore:
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=STORE_TIMEOUT)
-
-
 def rank_file(name: str, suffix: str, rank: int) -> str:
     """Rank 0 keeps the upstream file name; rank r adds ``_rank<r>``."""
     stem, ext = os.path.splitext(suffix)
     return f"{name}_{stem}{'' if rank == 0 else f'_rank{rank}'}{ext}"
-
-
-def describe(exc: BaseException) -> str:
-    """One line for a failure; out-of-memory named as such."""
-    first = (str(exc).strip().splitlines() or [""])[0][:300]
-    if isinstance(exc, torch.OutOfMemoryError):
-        return f"out of memory ({first})"
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 # --------------------------------------------------------------------------- training
@@ -135,79 +88,33 @@ def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
 
 # --------------------------------------------------------------------------- the process
 
-class Finisher:
-    """Writes this rank's file once, from whichever thread gets there first, then leaves."""
-
-    def __init__(self, job: Job, tracker: MemoryTracker):
-        self.job, self.tracker = job, tracker
-        self.lock = threading.Lock()
-        self.path = os.path.join(job.args.output_dir, rank_file(job.name, "memory_usage.json", job.rank))
-
-    def write(self, status: str, extra: dict) -> dict:
-        self.tracker.stop()
-        data = {**self.tracker.record(), **extra, "status": status, "meta": self.job.meta}
-        write_json(self.path, data)
-        return data
-
-    def fail(self, error: str | None, store: dist.TCPStore) -> None:
-        """Tell the other ranks (the first reason set wins), write the partial trace, exit at once.
-
-        ``error`` is this rank's own failure, or None when leaving because the abort key is set.
-        """
-        if not self.lock.acquire(blocking=False):
-            return
-        try:
-            keys = self.job.keys
-            if error is not None:
-                set_first(store, keys.abort, f"rank {self.job.rank}: {error}")
-            reason = store.get(keys.abort).decode()
-            own = reason == f"rank {self.job.rank}: {error}"
-            status = "interrupted" if reason == INTERRUPTED else "failed" if own else f"aborted: {reason}"
-            self.write(status, {"error": error})
-        finally:
-            os._exit(1)
-
-
-def watch_for_abort(job: Job, finisher: Finisher) -> None:
-    """Background thread: leave as soon as a peer failed or the run was interrupted."""
-    store = connect_store()
-    while True:
-        if store.check([job.keys.abort]):
-            finisher.fail(None, store)
-        time.sleep(POLL_S)
-
-
 def variant_process(job: Job) -> None:
     """Entry point of the forked process: one variant on one rank."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt means
-    store = connect_store()
     if job.device.type == "cuda":
         torch.cuda.set_device(job.device)
     tracker = MemoryTracker(job.device, job.args.log_interval).start()
-    finisher = Finisher(job, tracker)
-    threading.Thread(target=watch_for_abort, args=(job, finisher), daemon=True).start()
-    snapshot = job.args.save_memory_snapshot and job.device.type == "cuda"
-    try:
+    path = os.path.join(job.args.output_dir, rank_file(job.name, "memory_usage.json", job.rank))
+
+    def write(status: str, extra: dict) -> dict:
+        tracker.stop()
+        data = {**tracker.record(), **extra, "status": status, "meta": job.meta}
+        write_json(path, data)
+        return data
+
+    finisher = Finisher(job.keys, job.rank, write)
+
+    def work(store) -> None:
+        snapshot = job.args.save_memory_snapshot and job.device.type == "cuda"
         if snapshot:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
-        dist.init_process_group("nccl" if job.device.type == "cuda" else "gloo",
-                                store=dist.PrefixStore(job.keys.prefix + "/pg", store), rank=job.rank,
-                                world_size=job.world_size, timeout=timedelta(minutes=10),
-                                device_id=job.device if job.device.type == "cuda" else None)
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(job.device.type, (job.world_size,))
+        mesh = init_group(job.device, job.keys, store, job.rank, job.world_size)
         extra = train(job, tracker, mesh)
         if snapshot:
             torch.cuda.memory._dump_snapshot(os.path.join(job.args.output_dir,
                                                           rank_file(job.name, "memory_snapshot.pkl", job.rank)))
         extra["gpu_name"] = torch.cuda.get_device_name(job.device) if job.device.type == "cuda" else None
-        finisher.lock.acquire()  # from here on a late abort must not overwrite the finished trace
-        data = finisher.write("ok", extra)
+        data = finisher.finish(extra)
         store.set(job.keys.record(job.rank), json.dumps({k: v for k, v in data.items() if k not in TRACE_KEYS}))
         dist.destroy_process_group()
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
-        if os.environ.get("FSDP2_BENCH_DEBUG"):
-            traceback.print_exc()
-        finisher.fail(describe(exc), store)
-        os._exit(1)  # reached only if the trace was already written as finished
+
+    run_child(finisher, work)

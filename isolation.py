@@ -1,0 +1,191 @@
+"""Run one piece of work (a training variant, a loading mode) in a fresh process on every rank.
+
+The main process of each rank forks a child per piece of work, so no allocator cache, host
+memory or broken communicator carries over from one piece to the next, and a failure stays
+inside its piece. The children form their own process group on the launcher's store. An
+"abort" key in that store tells every rank, within a second, that a peer failed or the run
+was interrupted: each child then writes what it has and leaves, and the main processes go
+on with the next piece.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+STORE_TIMEOUT = timedelta(minutes=30)
+POLL_S = 0.25
+INTERRUPTED = "interrupted"  # the abort reason the main processes set on SIGINT / SIGTERM
+# After a peer fails or an interrupt, how long a child may take to write its partial results.
+GRACE_S = 30.0
+
+
+class StoreKeys:
+    """Names of the launcher-store keys one piece of work uses; unique per launch and restart."""
+
+    def __init__(self, name: str):
+        launch = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.prefix = f"fsdp2bench/{launch}/{name}"
+        self.abort = f"{self.prefix}/abort"
+
+    def status(self, rank: int) -> str:
+        return f"{self.prefix}/status/{rank}"
+
+    def record(self, rank: int) -> str:
+        return f"{self.prefix}/record/{rank}"
+
+
+def launcher_env() -> tuple[int, int]:
+    """Rank and world size from torchrun / accelerate launch; plain ``python`` is one rank."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def set_first(store: dist.TCPStore, key: str, value: str) -> None:
+    """Set ``key`` unless some rank already did: the first reason given is kept."""
+    store.compare_set(key, "", value)
+
+
+def connect_store() -> dist.TCPStore:
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=STORE_TIMEOUT)
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a failure; out-of-memory named as such."""
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    if isinstance(exc, torch.OutOfMemoryError):
+        return f"out of memory ({first})"
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+# --------------------------------------------------------------------------- main process side
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM reached this rank's main process."""
+
+
+def _raise_interrupted(signum, _frame) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def catch_interrupts() -> None:
+    signal.signal(signal.SIGTERM, _raise_interrupted)
+    signal.signal(signal.SIGINT, _raise_interrupted)
+
+
+def run_isolated(target: Callable, args: tuple, keys: StoreKeys, rank: int, world_size: int,
+                 store: dist.TCPStore) -> str | None:
+    """Fork ``target(*args)``; return None if it succeeded on every rank, else the first reason."""
+    child = multiprocessing.get_context("fork").Process(target=target, args=args)
+    child.start()
+    try:
+        while child.exitcode is None and not store.check([keys.abort]):
+            child.join(0.2)
+    except Interrupted:
+        set_first(store, keys.abort, INTERRUPTED)
+        raise
+    finally:
+        child.join(GRACE_S)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+    if child.exitcode != 0:  # covers a process that died without a word (SIGKILL, OOM killer...)
+        how = f"killed by {signal.Signals(-child.exitcode).name}" if child.exitcode < 0 else \
+            f"exit code {child.exitcode}"
+        set_first(store, keys.abort, f"rank {rank}: process ended ({how})")
+    store.set(keys.status(rank), "done")
+    store.wait([keys.status(r) for r in range(world_size)])
+    return store.get(keys.abort).decode() if store.check([keys.abort]) else None
+
+
+def leave_together(store: dist.TCPStore, rank: int, world_size: int) -> None:
+    """Rank 0 may host the store: it leaves last, so no rank loses the store mid-call."""
+    prefix = StoreKeys("exit").prefix
+    store.set(f"{prefix}/{rank}", "bye")
+    if rank == 0:
+        store.wait([f"{prefix}/{r}" for r in range(world_size)])
+
+
+# --------------------------------------------------------------------------- child side
+
+class Finisher:
+    """Writes this rank's result once, from whichever thread gets there first, then leaves.
+
+    ``write(status, extra)`` saves whatever the work has so far; ``extra`` holds the error.
+    """
+
+    def __init__(self, keys: StoreKeys, rank: int, write: Callable[[str, dict], None]):
+        self.keys, self.rank, self._write = keys, rank, write
+        self.lock = threading.Lock()
+
+    def finish(self, extra: dict):
+        """Success: write it, and from now on ignore a late abort."""
+        self.lock.acquire()
+        return self._write("ok", extra)
+
+    def fail(self, error: str | None, store: dist.TCPStore) -> None:
+        """Tell the other ranks (first reason wins), write the partial result, exit at once.
+
+        ``error`` is this rank's own failure, or None when leaving because the abort key is set.
+        """
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            own = f"rank {self.rank}: {error}"
+            if error is not None:
+                set_first(store, self.keys.abort, own)
+            reason = store.get(self.keys.abort).decode()
+            status = "interrupted" if reason == INTERRUPTED else "failed" if reason == own else f"aborted: {reason}"
+            self._write(status, {"error": error})
+        finally:
+            os._exit(1)
+
+
+def _watch_for_abort(finisher: Finisher) -> None:
+    store = connect_store()
+    while True:
+        if store.check([finisher.keys.abort]):
+            finisher.fail(None, store)
+        time.sleep(POLL_S)
+
+
+def run_child(finisher: Finisher, work: Callable[[dist.TCPStore], None]) -> None:
+    """Body of every forked child: watch for aborts, do the work, report any failure."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides what an interrupt means
+    store = connect_store()
+    threading.Thread(target=_watch_for_abort, args=(finisher,), daemon=True).start()
+    try:
+        work(store)
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
+        if os.environ.get("FSDP2_BENCH_DEBUG"):
+            import traceback
+
+            traceback.print_exc()
+        finisher.fail(describe(exc), store)
+        os._exit(1)  # reached only if the result was already written as finished
+
+
+def init_group(device: torch.device, keys: StoreKeys, store: dist.TCPStore, rank: int, world_size: int):
+    """This piece of work's own process group and 1-D device mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            store=dist.PrefixStore(keys.prefix + "/pg", store), rank=rank,
+                            world_size=world_size, timeout=timedelta(minutes=10),
+                            device_id=device if device.type == "cuda" else None)
+    return init_device_mesh(device.type, (world_size,))
