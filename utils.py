@@ -208,13 +208,17 @@ def make_optimizer(model: nn.Module, ctx: Context) -> torch.optim.Optimizer:
     return optimizer
 
 
-def shard(model: nn.Module, ctx: Context) -> None:
+def fully_shard_blocks(model: nn.Module, mesh, layer_classes: list[str]) -> None:
     """``fully_shard`` each transformer block, then the root, with bf16 compute."""
     policy = MixedPrecisionPolicy(**BF16_POLICY)
     for module in model.modules():
-        if type(module).__name__ in ctx.layer_classes:
-            fully_shard(module, mesh=ctx.mesh, mp_policy=policy)
-    fully_shard(model, mesh=ctx.mesh, mp_policy=policy)
+        if type(module).__name__ in layer_classes:
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def shard(model: nn.Module, ctx: Context) -> None:
+    fully_shard_blocks(model, ctx.mesh, ctx.layer_classes)
     ctx.mark("sharded")
 
 
@@ -241,15 +245,22 @@ def optimizer_before_fsdp_fixed(model: nn.Module, ctx: Context) -> Prepared:
     return Prepared(model, optimizer, torch_backward, autocast=True)
 
 
-def accelerate_fsdp2(model: nn.Module, ctx: Context) -> Prepared:
+def make_accelerator(device: torch.device, layer_classes: list[str], cpu_ram_efficient_loading: bool = False):
+    """accelerate's FSDP2 set-up as the upstream uses it: transformer-block auto-wrap, bf16."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
 
-    optimizer = make_optimizer(model, ctx)
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=ctx.layer_classes)
+                                            transformer_cls_names_to_wrap=layer_classes,
+                                            cpu_ram_efficient_loading=cpu_ram_efficient_loading)
     accelerator = Accelerator(fsdp_plugin=plugin, mixed_precision="bf16")
-    if ctx.device.type == "cpu":
+    if device.type == "cpu":
         force_accelerate_fsdp_on_cpu(accelerator, plugin)
+    return accelerator
+
+
+def accelerate_fsdp2(model: nn.Module, ctx: Context) -> Prepared:
+    optimizer = make_optimizer(model, ctx)
+    accelerator = make_accelerator(ctx.device, ctx.layer_classes)
     model, optimizer = accelerator.prepare(model, optimizer)
     if not isinstance(model, FSDPModule):
         raise RuntimeError(f"accelerate did not take its FSDP2 path (distributed type {accelerator.distributed_type})")

@@ -67,17 +67,15 @@ def check_trace(path: str, data: dict) -> None:
         raise InputError(f"{path}: trace lists have different lengths")
 
 
-def load_runs(directory: str) -> dict[str, dict[int, dict]]:
-    """{variant: {rank: trace}} for every variant that has at least rank 0's file."""
-    if not os.path.isdir(directory):
-        raise InputError(f"--dir {directory}: no such directory")
+def load_traces(directory: str, stems: dict[str, str]) -> dict[str, dict[int, dict]]:
+    """{name: {rank: trace}} for each name whose rank-0 file ``<stem>.json`` exists."""
     runs: dict[str, dict[int, dict]] = {}
-    for name in VARIANTS:
-        rank0 = os.path.join(directory, f"{name}_memory_usage.json")
+    for name, stem in stems.items():
+        rank0 = os.path.join(directory, f"{stem}.json")
         if not os.path.exists(rank0):
             continue
         ranks = {0: rank0}
-        for path in glob.glob(os.path.join(directory, f"{name}_memory_usage_rank*.json")):
+        for path in glob.glob(os.path.join(directory, f"{stem}_rank*.json")):
             match = re.search(r"_rank(\d+)\.json$", path)
             if match:
                 ranks[int(match.group(1))] = path
@@ -86,9 +84,16 @@ def load_runs(directory: str) -> dict[str, dict[int, dict]]:
             data = read_json(path)
             check_trace(path, data)
             runs[name][rank] = data
-    if not runs:
-        raise InputError(f"--dir {directory}: no <variant>_memory_usage.json files from main.py")
     return runs
+
+
+def loading_stems(directory: str) -> dict[str, str]:
+    """Loading modes found in ``directory`` (files written by loading.py)."""
+    stems = {}
+    for path in sorted(glob.glob(os.path.join(directory, "loading_*_memory_usage.json"))):
+        stem = os.path.basename(path)[: -len(".json")]
+        stems[stem[len("loading_"): -len("_memory_usage")]] = stem
+    return stems
 
 
 def aligned_times(trace: dict) -> list[float]:
@@ -202,10 +207,27 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --filter_partition must be positive", file=sys.stderr)
         return 2
     try:
-        runs = load_runs(args.dir)
+        if not os.path.isdir(args.dir):
+            raise InputError(f"--dir {args.dir}: no such directory")
+        runs = load_traces(args.dir, {name: f"{name}_memory_usage" for name in VARIANTS})
+        loads = load_traces(args.dir, loading_stems(args.dir))
+        if not runs and not loads:
+            raise InputError(f"--dir {args.dir}: no <variant>_memory_usage.json files from main.py "
+                             "(nor loading_*_memory_usage.json from loading.py)")
+        if runs:
+            plot_training(runs, args)
+        if loads:
+            path = os.path.join(args.dir, "loading_memory.png")
+            plot_loading(loads, path)
+            print(f"wrote {path}")
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def plot_training(runs: dict, args: argparse.Namespace) -> None:
+    """The plots of a main.py run."""
     missing = [n for n in VARIANTS if n not in runs]
     if missing:
         print(f"note: no results for {', '.join(missing)}; plotting the others")
@@ -219,16 +241,36 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {os.path.join(args.dir, 'loss.png')}")
     summary_path = os.path.join(args.dir, "summary.json")
     path = os.path.join(args.dir, "memory_vs_world_size.png")
-    try:
-        summary = read_json(summary_path) if os.path.exists(summary_path) else {}
-    except InputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    summary = read_json(summary_path) if os.path.exists(summary_path) else {}
     if plot_projection(summary, path):
         print(f"wrote {path}")
     else:
         print("skipped memory_vs_world_size.png: no summary.json with a projection")
-    return 0
+
+
+def plot_loading(loads: dict, path: str) -> None:
+    """Host RSS and GPU memory while each mode loads the checkpoint; rank 0 solid, others dashed."""
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
+    for i, (mode, ranks) in enumerate(loads.items()):
+        for rank, trace in ranks.items():
+            style = dict(color=f"C{i}", lw=1.6 if rank == 0 else 1.0, ls="-" if rank == 0 else "--",
+                         label=f"{mode} (rank {rank})")
+            for ax, key in zip(axes, ("virtual_memory", "allocated_memory")):
+                times, values = filtered(trace["timestamps"], trace[key], 0.0, 1.0)
+                if values:
+                    ax.plot(times, values, **style)
+    for ax, what in zip(axes, ("host RSS (MiB)", "GPU memory allocated (MiB)")):
+        ax.set_xlabel("seconds since the mode's process started")
+        ax.set_ylabel(what)
+        ax.set_title(f"{what.split(' (')[0]} while loading")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "no data (CPU run)", ha="center", transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
