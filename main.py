@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="local tokenizer directory or Hub id for --dataset (default: bytes)")
     p.add_argument("--log_interval", type=float, default=0.01,
                    help="seconds between memory samples (default: 0.01)")
+    p.add_argument("--tracker_overhead", action="store_true",
+                   help="pause memory polling on every other step, to measure what polling costs")
     p.add_argument("--inject_failure", type=parse_failure, default=None, metavar="VARIANT:STEP:RANK[:kill]",
                    help="test option: raise (or, with :kill, die by SIGKILL) on that rank before that step")
     return p.parse_args(argv)
@@ -181,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
         if rank == 0:
             print(f"[{name}] {len(batches)} steps on {world_size} rank(s)...", flush=True)
         job = Job(name, args, device, config, batches, layer_classes, meta, rank, world_size, StoreKeys(name))
+        started = time.perf_counter()
         try:
             failure = run_isolated(variant_process, (job,), job.keys, rank, world_size, store)
         except Interrupted as exc:
@@ -198,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
             records = gather_records(store, job.keys, world_size)
             summary["meta"]["gpu_name"] = records[0]["gpu_name"]
             summary["variants"][name] = report.variant_summary(name, records, shapes)
+            summary["variants"][name]["process_wall_s"] = time.perf_counter() - started
         else:
             summary["variants"][name] = {"status": f"failed: {failure}"}
             print(f"[{name}] FAILED: {failure}", file=sys.stderr, flush=True)

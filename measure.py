@@ -21,8 +21,15 @@ MIB = 1024 * 1024
 TRACE_KEYS = ("timestamps", "allocated_memory", "reserved_memory", "virtual_memory")
 
 
+_process: psutil.Process | None = None
+
+
 def rss_mib() -> float:
-    return psutil.Process().memory_info().rss / MIB
+    """Resident memory of the calling process (a forked child must not read its parent's)."""
+    global _process
+    if _process is None or _process.pid != os.getpid():
+        _process = psutil.Process()
+    return _process.memory_info().rss / MIB
 
 
 class MemoryTracker:
@@ -35,6 +42,7 @@ class MemoryTracker:
         self.samples: dict[str, list] = {key: [] for key in TRACE_KEYS}
         self.events: list[dict] = []
         self.steps: list[dict] = []
+        self.polling = True  # cleared to measure what the polling costs (see --tracker_overhead)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._t0 = time.perf_counter()
@@ -55,7 +63,8 @@ class MemoryTracker:
 
     def _poll(self) -> None:
         while not self._stop.is_set():
-            self._sample()
+            if self.polling:
+                self._sample()
             self._stop.wait(self.interval_s)
         self._sample()
 
@@ -93,7 +102,7 @@ class MemoryTracker:
 
     def record_step(self, step: int, loss: float, step_time_s: float) -> dict:
         """One optimizer step: its loss, its time, its peaks, and what stays allocated after it."""
-        record = {"step": step, "loss": loss, "step_time_s": step_time_s, "t": self.now(),
+        record = {"step": step, "loss": loss, "step_time_s": step_time_s, "polling": self.polling, "t": self.now(),
                   **self._read_peaks(), **self._current(), "rss_mib": rss_mib()}
         self.steps.append(record)
         return record

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 from memory_model import KEYS, expected_state, first_world_size_where_unfixed_costs_more, projection
 from utils import INTENDED, UNFIXED
 
@@ -73,7 +75,19 @@ def variant_summary(name: str, per_rank: list[dict], shapes) -> dict:
         "accounting_matches_expected": accounting == expected,
         "steady_allocated_minus_state_mib": _across(residual),
         "wall_s": max(r["wall_s"] for r in per_rank),
+        "median_step_time_s": statistics.median(s["step_time_s"] for s in per_rank[0]["steps"]),
+        "tracker_overhead_ratio": tracker_overhead(per_rank[0]["steps"]),
     }
+
+
+def tracker_overhead(steps: list[dict]) -> float | None:
+    """Median step time with polling over without, from a run that alternated the two (step 0 left out)."""
+    timed = {True: [], False: []}
+    for s in steps[1:]:
+        timed[s["polling"]].append(s["step_time_s"])
+    if not timed[True] or not timed[False]:
+        return None
+    return statistics.median(timed[True]) / statistics.median(timed[False])
 
 
 def projection_summary(shapes, variants: dict, world_size: int) -> dict:

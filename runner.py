@@ -74,6 +74,7 @@ def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
     last = len(job.batches) - 1
     for step, batch in enumerate(job.batches):
         injected_failure(job, step)
+        tracker.polling = not (job.args.tracker_overhead and step % 2)
         t = time.perf_counter()
         hook = (lambda: accounting.update(before_zero_grad=account(prep.model, prep.optimizer))) \
             if step == last else None
@@ -108,6 +109,7 @@ def variant_process(job: Job) -> None:
         if snapshot:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
         mesh = init_group(job.device, job.keys, store, job.rank, job.world_size)
+        tracker.mark("group_ready")
         extra = train(job, tracker, mesh)
         if snapshot:
             torch.cuda.memory._dump_snapshot(os.path.join(job.args.output_dir,

@@ -1,0 +1,84 @@
+"""Time a whole benchmark launch and say where the time goes: writes speed.json.
+
+    python3 speed.py --nproc_per_node 2 --json results/h200x2/speed.json -- --model qwen2.5-1.5b --max_steps 144
+
+runs ``torchrun --nproc_per_node N main.py <args> --tracker_overhead`` (memory polling paused on
+every other step, so its cost is measured inside the same run), times it from launch to exit,
+and splits each variant's time into phases from rank 0's phase marks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from measure import write_json
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+# The upstream scripts on 2x H200, same work (UPSTREAM.md): 282 s and 302 s for two launches.
+UPSTREAM_SUITE_WALL_S = 282.0
+
+
+def phases(trace: dict, process_wall_s: float) -> dict:
+    """Seconds per phase of one variant on rank 0, from its event marks (which close each phase)."""
+    t = {e["name"]: e["t"] for e in trace["events"]}
+    return {
+        "process_and_group_start_s": t["group_ready"],
+        "build_s": t["model_built"] - t["group_ready"],
+        "optimizer_and_shard_s": t["training_started"] - t["model_built"],
+        "steps_s": t["training_finished"] - t["training_started"],
+        "write_and_teardown_s": process_wall_s - t["training_finished"],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nproc_per_node", type=int, default=2)
+    p.add_argument("--json", default="speed.json", help="where to write the result (default: speed.json)")
+    p.add_argument("--output_dir", default="out_speed", help="main.py's output directory for this run")
+    p.add_argument("main_args", nargs=argparse.REMAINDER, help="arguments for main.py, after --")
+    args = p.parse_args()
+    extra = [a for a in args.main_args if a != "--"]
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc_per_node}",
+               os.path.join(ROOT, "main.py"), *extra, "--tracker_overhead", "--output_dir", args.output_dir]
+    start = time.perf_counter()
+    code = subprocess.call(command)
+    wall = time.perf_counter() - start
+    summary_path = os.path.join(args.output_dir, "summary.json")
+    if not os.path.exists(summary_path):
+        print(f"error: the run wrote no {summary_path} (exit code {code})", file=sys.stderr)
+        return 2
+    with open(summary_path) as f:
+        summary = json.load(f)
+    result = {"suite_wall_s": wall, "exit_code": code, "command": command[2:],
+              "steps_per_variant": summary["meta"]["steps_per_variant"],
+              "world_size": summary["meta"]["world_size"], "gpu_name": summary["meta"].get("gpu_name"),
+              "upstream_suite_wall_s": UPSTREAM_SUITE_WALL_S, "speedup_vs_upstream": UPSTREAM_SUITE_WALL_S / wall,
+              "median_step_time_s": {}, "phases": {}, "peak_allocated_mib": {}, "tracker_overhead_ratio": None}
+    ratios = []
+    for name, v in summary["variants"].items():
+        if v["status"] != "ok":
+            continue
+        with open(os.path.join(args.output_dir, f"{name}_memory_usage.json")) as f:
+            trace = json.load(f)
+        result["phases"][name] = phases(trace, v["process_wall_s"])
+        result["median_step_time_s"][name] = v["median_step_time_s"]
+        result["peak_allocated_mib"][name] = v["peak_allocated_mib"]["max"]
+        if v["tracker_overhead_ratio"] is not None:
+            ratios.append(v["tracker_overhead_ratio"])
+    if ratios:
+        result["tracker_overhead_ratio"] = statistics.median(ratios)
+        result["tracker_overhead_ratio_per_variant"] = dict(zip(result["median_step_time_s"], ratios))
+    write_json(args.json, result)
+    print(json.dumps({k: result[k] for k in ("suite_wall_s", "speedup_vs_upstream", "tracker_overhead_ratio",
+                                             "median_step_time_s")}, indent=1))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
