@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -88,10 +89,20 @@ def catch_interrupts() -> None:
     signal.signal(signal.SIGINT, _raise_interrupted)
 
 
+def start_method() -> str:
+    """fork: the child starts at once with everything imported. But a process that has touched
+    CUDA cannot fork a CUDA user (some imports do touch it on GPU machines): then spawn, which
+    re-imports in the child. FSDP2_BENCH_START_METHOD overrides, so tests cover both."""
+    forced = os.environ.get("FSDP2_BENCH_START_METHOD")
+    if forced:
+        return forced
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
+
 def run_isolated(target: Callable, args: tuple, keys: StoreKeys, rank: int, world_size: int,
                  store: dist.TCPStore) -> str | None:
-    """Fork ``target(*args)``; return None if it succeeded on every rank, else the first reason."""
-    child = multiprocessing.get_context("fork").Process(target=target, args=args)
+    """Run ``target(*args)`` in a child; return None if it succeeded on every rank, else the first reason."""
+    child = multiprocessing.get_context(start_method()).Process(target=target, args=args)
     child.start()
     try:
         while child.exitcode is None and not store.check([keys.abort]):
@@ -171,6 +182,9 @@ def run_child(finisher: Finisher, work: Callable[[dist.TCPStore], None]) -> None
     threading.Thread(target=_watch_for_abort, args=(finisher,), daemon=True).start()
     try:
         work(store)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # no interpreter shutdown under a watcher thread that sits in the store's C++ code
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
         if os.environ.get("FSDP2_BENCH_DEBUG"):
             import traceback

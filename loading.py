@@ -211,8 +211,6 @@ def peak_rss_mib() -> float:
 
 
 def load_process(job: LoadJob) -> None:
-    if job.device.type == "cuda":
-        torch.cuda.set_device(job.device)
     baseline = rss_mib()
     tracker = MemoryTracker(job.device, job.args.log_interval).start()
 
@@ -226,6 +224,8 @@ def load_process(job: LoadJob) -> None:
     finisher = Finisher(job.keys, job.rank, write)
 
     def work(store) -> None:
+        if job.device.type == "cuda":
+            torch.cuda.set_device(job.device)
         mesh = init_group(job.device, job.keys, store, job.rank, job.world_size)
         start = time.perf_counter()
         model = MODES[job.mode](job, mesh)

@@ -90,9 +90,7 @@ def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
 # --------------------------------------------------------------------------- the process
 
 def variant_process(job: Job) -> None:
-    """Entry point of the forked process: one variant on one rank."""
-    if job.device.type == "cuda":
-        torch.cuda.set_device(job.device)
+    """Entry point of the child process: one variant on one rank."""
     tracker = MemoryTracker(job.device, job.args.log_interval).start()
     path = os.path.join(job.args.output_dir, rank_file(job.name, "memory_usage.json", job.rank))
 
@@ -105,6 +103,8 @@ def variant_process(job: Job) -> None:
     finisher = Finisher(job.keys, job.rank, write)
 
     def work(store) -> None:
+        if job.device.type == "cuda":
+            torch.cuda.set_device(job.device)
         snapshot = job.args.save_memory_snapshot and job.device.type == "cuda"
         if snapshot:
             torch.cuda.memory._record_memory_history(max_entries=200_000)

@@ -160,3 +160,16 @@ def test_two_nodes_give_the_losses_of_one_node_with_two_processes(tmp_path, suit
     assert two_nodes["meta"]["world_size"] == 2
     for name in VARIANTS:
         assert two_nodes["variants"][name]["losses"] == one_node["variants"][name]["losses"]
+
+
+def test_spawned_children_give_the_losses_of_forked_ones(tmp_path, suite):
+    """GPU machines may have CUDA initialised in the main process; children are then spawned."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "FSDP2_BENCH_START_METHOD": "spawn"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "main.py", *TINY, "--variants", "torch_optimizer_after_fsdp,accelerate",
+                           "--output_dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    forked = load(suite[0] / "summary.json")["variants"]
+    for name, v in load(tmp_path / "summary.json")["variants"].items():
+        assert v["losses"] == forked[name]["losses"]
