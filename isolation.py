@@ -89,20 +89,17 @@ def catch_interrupts() -> None:
     signal.signal(signal.SIGINT, _raise_interrupted)
 
 
-def start_method() -> str:
-    """fork: the child starts at once with everything imported. But a process that has touched
-    CUDA cannot fork a CUDA user (some imports do touch it on GPU machines): then spawn, which
-    re-imports in the child. FSDP2_BENCH_START_METHOD overrides, so tests cover both."""
-    forced = os.environ.get("FSDP2_BENCH_START_METHOD")
-    if forced:
-        return forced
-    return "spawn" if torch.cuda.is_initialized() else "fork"
+def start_method(device: torch.device) -> str:
+    """fork on CPU: the child starts at once with everything imported. Never with CUDA: merely
+    asking how many GPUs there are makes a later fork unusable for CUDA, so GPU children are
+    spawned (they re-import, a few seconds). FSDP2_BENCH_START_METHOD overrides, for tests."""
+    return os.environ.get("FSDP2_BENCH_START_METHOD") or ("spawn" if device.type == "cuda" else "fork")
 
 
 def run_isolated(target: Callable, args: tuple, keys: StoreKeys, rank: int, world_size: int,
-                 store: dist.TCPStore) -> str | None:
+                 store: dist.TCPStore, device: torch.device) -> str | None:
     """Run ``target(*args)`` in a child; return None if it succeeded on every rank, else the first reason."""
-    child = multiprocessing.get_context(start_method()).Process(target=target, args=args)
+    child = multiprocessing.get_context(start_method(device)).Process(target=target, args=args)
     child.start()
     try:
         while child.exitcode is None and not store.check([keys.abort]):

@@ -211,6 +211,8 @@ def peak_rss_mib() -> float:
 
 
 def load_process(job: LoadJob) -> None:
+    if job.device.type == "cuda":
+        torch.cuda.set_device(job.device)
     baseline = rss_mib()
     tracker = MemoryTracker(job.device, job.args.log_interval).start()
 
@@ -224,8 +226,6 @@ def load_process(job: LoadJob) -> None:
     finisher = Finisher(job.keys, job.rank, write)
 
     def work(store) -> None:
-        if job.device.type == "cuda":
-            torch.cuda.set_device(job.device)
         mesh = init_group(job.device, job.keys, store, job.rank, job.world_size)
         start = time.perf_counter()
         model = MODES[job.mode](job, mesh)
@@ -352,7 +352,8 @@ def run(args: argparse.Namespace) -> int:
             if rank == 0:
                 print(f"Writing a {args.checkpoint_dtype} checkpoint of {args.model} to {path} ...", flush=True)
             writer = job("write-checkpoint", None)
-            failure = run_isolated(write_checkpoint_process, (writer, path), writer.keys, rank, world_size, store)
+            failure = run_isolated(write_checkpoint_process, (writer, path), writer.keys, rank, world_size, store,
+                                   device)
             if failure:
                 raise UserError(f"writing the checkpoint failed: {failure}")
             write_s = json.loads(store.get(writer.keys.record(0)))["write_s"]
@@ -365,7 +366,7 @@ def run(args: argparse.Namespace) -> int:
             if rank == 0:
                 print(f"[{mode}] loading on {world_size} rank(s)...", flush=True)
             j = job(mode, checkpoint)
-            failure = run_isolated(load_process, (j,), j.keys, rank, world_size, store)
+            failure = run_isolated(load_process, (j,), j.keys, rank, world_size, store, device)
             if rank == 0:
                 records[mode] = f"failed: {failure}" if failure else \
                     [json.loads(store.get(j.keys.record(r))) for r in range(world_size)]

@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         job = Job(name, args, device, config, batches, layer_classes, meta, rank, world_size, StoreKeys(name))
         started = time.perf_counter()
         try:
-            failure = run_isolated(variant_process, (job,), job.keys, rank, world_size, store)
+            failure = run_isolated(variant_process, (job,), job.keys, rank, world_size, store, device)
         except Interrupted as exc:
             if rank == 0:
                 for later in names[index:]:

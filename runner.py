@@ -91,6 +91,8 @@ def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
 
 def variant_process(job: Job) -> None:
     """Entry point of the child process: one variant on one rank."""
+    if job.device.type == "cuda":
+        torch.cuda.set_device(job.device)  # before the tracker's first allocator reading
     tracker = MemoryTracker(job.device, job.args.log_interval).start()
     path = os.path.join(job.args.output_dir, rank_file(job.name, "memory_usage.json", job.rank))
 
@@ -103,8 +105,6 @@ def variant_process(job: Job) -> None:
     finisher = Finisher(job.keys, job.rank, write)
 
     def work(store) -> None:
-        if job.device.type == "cuda":
-            torch.cuda.set_device(job.device)
         snapshot = job.args.save_memory_snapshot and job.device.type == "cuda"
         if snapshot:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
