@@ -232,10 +232,9 @@ def load_process(job: LoadJob) -> None:
         if job.device.type == "cuda":
             torch.cuda.synchronize()
         load_time = time.perf_counter() - start
-        tracker.mark("loaded")
+        loaded = tracker.mark("loaded")  # its peaks cover the whole load (the tracker reset them at start)
         record = {"load_time_s": load_time, "peak_rss_mib": max(peak_rss_mib(), tracker.polled_peaks()["peak_rss_mib"]),
-                  "peak_allocated_mib": torch.cuda.max_memory_allocated(job.device) / MIB
-                  if job.device.type == "cuda" else None}
+                  "peak_allocated_mib": loaded["peak_allocated_mib"]}
         record["weights_match"] = weights_match(model, job.checkpoint, job.rank, job.world_size)
         data = finisher.finish(record)
         store.set(job.keys.record(job.rank), json.dumps({k: v for k, v in data.items() if k not in TRACE_KEYS}))

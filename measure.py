@@ -96,9 +96,10 @@ class MemoryTracker:
         return {"allocated_mib": torch.cuda.memory_allocated(self.device) / MIB,
                 "reserved_mib": torch.cuda.memory_reserved(self.device) / MIB}
 
-    def mark(self, name: str) -> None:
+    def mark(self, name: str) -> dict:
         """Close the phase that ends here; the event carries that phase's peaks."""
         self.events.append({"name": name, "t": self.now(), **self._read_peaks(), "rss_mib": rss_mib()})
+        return self.events[-1]
 
     def record_step(self, step: int, loss: float, step_time_s: float) -> dict:
         """One optimizer step: its loss, its time, its peaks, and what stays allocated after it."""

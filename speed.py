@@ -28,11 +28,13 @@ def phases(trace: dict, process_wall_s: float) -> dict:
     """Seconds per phase of one variant on rank 0, from its event marks (which close each phase)."""
     t = {e["name"]: e["t"] for e in trace["events"]}
     return {
-        "process_and_group_start_s": t["group_ready"],
+        "group_start_s": t["group_ready"],  # CUDA context and process group, on the child's clock
         "build_s": t["model_built"] - t["group_ready"],
         "optimizer_and_shard_s": t["training_started"] - t["model_built"],
         "steps_s": t["training_finished"] - t["training_started"],
-        "write_and_teardown_s": process_wall_s - t["training_finished"],
+        # what the child's clock does not see: starting the process (imports, for a spawned
+        # child), writing the trace, exiting, and the ranks waiting for one another
+        "process_start_and_teardown_s": process_wall_s - t["training_finished"],
     }
 
 
