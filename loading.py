@@ -262,9 +262,7 @@ def write_checkpoint_process(job: LoadJob, path: str) -> None:
 # --------------------------------------------------------------------------- orchestration
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from main import OneLineParser
-
-    p = OneLineParser(description=__doc__.splitlines()[0])
+    p = utils.OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2.5-1.5b",
                    help=f"preset ({', '.join(utils.PRESETS)}), local directory with config.json, or Hub id")
     p.add_argument("--checkpoint", default=None, help="directory of a safetensors checkpoint (default: rank 0 "
@@ -320,18 +318,16 @@ def print_table(summary: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from main import pick_device, prepare_output_dir
-
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise UserError(f"--modes: unknown mode(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODES)}")
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         raise UserError(f"--checkpoint {args.checkpoint}: no such directory")
-    device = pick_device(args.device)
+    device = utils.pick_device(args.device)
     config = utils.load_config(args.checkpoint if args.model is None else args.model)
     rank, world_size = launcher_env()
-    prepare_output_dir(args.output_dir)
+    utils.prepare_output_dir(args.output_dir)
     meta_model = utils.build_model(config, torch.device("meta"), args.seed)
     layer_classes = utils.layer_class_names(meta_model)
     model_bytes = sum(p.numel() * p.element_size() for p in meta_model.parameters())
@@ -383,12 +379,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main() -> None:
-    try:
-        code = run(parse_args())
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        code = 2
-    sys.exit(code)
+    utils.exit_with(lambda: run(parse_args()))
 
 
 if __name__ == "__main__":

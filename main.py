@@ -44,16 +44,8 @@ def parse_failure(text: str) -> FailureSpec:
         raise argparse.ArgumentTypeError(f"expected VARIANT:STEP:RANK[:kill] with a known variant, got {text!r}")
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """A bad flag gets one line and exit code 2, like every other user error."""
-
-    def error(self, message: str):
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = OneLineParser(description=__doc__.splitlines()[0])
+    p = utils.OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--output_dir", default="out", help="where the JSON files go (default: out)")
     p.add_argument("--save_memory_snapshot", action="store_true",
                    help="also write <run>_memory_snapshot.pkl for pytorch.org/memory_viz (CUDA only)")
@@ -109,27 +101,6 @@ def check_args(args: argparse.Namespace) -> list[str]:
     return names
 
 
-def pick_device(choice: str) -> torch.device:
-    """Decide the device without initialising CUDA here: only the forked variant processes use it."""
-    has_gpu = torch.cuda.is_available()
-    if choice == "cuda" and not has_gpu:
-        raise UserError("--device cuda: no CUDA GPU is visible to this process")
-    if choice == "cpu" or not has_gpu:
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-
-
-def prepare_output_dir(path: str) -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write_test{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as exc:
-        raise UserError(f"--output_dir {path}: cannot write there ({exc.strerror})") from None
-
-
 def versions() -> dict:
     import accelerate
     import transformers
@@ -146,7 +117,7 @@ def gather_records(store: dist.TCPStore, keys: StoreKeys, world_size: int) -> li
 
 def run(args: argparse.Namespace) -> int:
     names = check_args(args)
-    device = pick_device(args.device)
+    device = utils.pick_device(args.device)
     if device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS needs it
     torch.use_deterministic_algorithms(True)
@@ -157,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     tokens = utils.load_tokens(args.dataset, args.tokenizer)
     batches = utils.rank_batches(tokens, args.block_size, args.batch_size, args.dataset_fraction,
                                  rank, world_size, args.max_steps)
-    prepare_output_dir(args.output_dir)
+    utils.prepare_output_dir(args.output_dir)
     meta_model = utils.build_model(config, torch.device("meta"), args.seed)
     shapes = param_shapes(meta_model)
     layer_classes = utils.layer_class_names(meta_model)
@@ -220,12 +191,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main() -> None:
-    try:
-        code = run(parse_args())
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        code = 2
-    sys.exit(code)
+    utils.exit_with(lambda: run(parse_args()))
 
 
 if __name__ == "__main__":

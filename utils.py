@@ -1,4 +1,4 @@
-"""Model, data and the four training variants of the benchmark.
+"""Model, data and the four training variants of the benchmark (and the shared command-line helpers).
 
 The variants differ only in *when* the optimizer is created relative to
 ``fully_shard`` and in who does the sharding; they are listed side by side in
@@ -7,8 +7,10 @@ The variants differ only in *when* the optimizer is created relative to
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -43,6 +45,47 @@ QWEN2_COMMON = dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, hidden_act="silu"
 
 class UserError(Exception):
     """A problem the user can fix (bad flag, missing file); reported in one line."""
+
+
+# --------------------------------------------------------------------------- command line
+
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag gets one line and exit code 2, like every other user error."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def exit_with(run: Callable[[], int]) -> None:
+    """Run a command; a UserError becomes one line on stderr and exit code 2."""
+    try:
+        code = run()
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
+def pick_device(choice: str) -> torch.device:
+    """The device the children will use; no CUDA context is created in the main process."""
+    has_gpu = torch.cuda.is_available()
+    if choice == "cuda" and not has_gpu:
+        raise UserError("--device cuda: no CUDA GPU is visible to this process")
+    if choice == "cpu" or not has_gpu:
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def prepare_output_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_test{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        raise UserError(f"--output_dir {path}: cannot write there ({exc.strerror})") from None
 
 
 # --------------------------------------------------------------------------- model
