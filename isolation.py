@@ -1,6 +1,7 @@
 """Run one piece of work (a training variant, a loading mode) in a fresh process on every rank.
 
-The main process of each rank forks a child per piece of work, so no allocator cache, host
+The main process of each rank starts a child per piece of work (forked on CPU, spawned
+with CUDA: see ``start_method``), so no allocator cache, host
 memory or broken communicator carries over from one piece to the next, and a failure stays
 inside its piece. The children form their own process group on the launcher's store. An
 "abort" key in that store tells every rank, within a second, that a peer failed or the run

@@ -1,4 +1,4 @@
-"""Training one variant on one rank, inside the fresh process isolation.py forks for it."""
+"""Training one variant on one rank, inside the fresh process isolation.py starts for it."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from isolation import Finisher, StoreKeys, init_group, run_child
 from measure import TRACE_KEYS, MemoryTracker, write_json
 from memory_model import account
 
+
 @dataclass
 class Job:
-    """Everything one rank needs to run one variant (inherited through fork, not pickled)."""
+    """Everything one rank needs to run one variant (inherited by a forked child, pickled for a spawned one)."""
     name: str
     args: object
     device: torch.device
@@ -92,7 +93,9 @@ def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
 def variant_process(job: Job) -> None:
     """Entry point of the child process: one variant on one rank."""
     if job.device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS needs it
         torch.cuda.set_device(job.device)  # before the tracker's first allocator reading
+    torch.use_deterministic_algorithms(True)  # per process: a spawned child does not inherit it
     tracker = MemoryTracker(job.device, job.args.log_interval).start()
     path = os.path.join(job.args.output_dir, rank_file(job.name, "memory_usage.json", job.rank))
 
