@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 STORE_TIMEOUT = timedelta(minutes=30)
 POLL_S = 0.25
+CAUSE_WAIT_S = 1.0
 INTERRUPTED = "interrupted"  # the abort reason the main processes set on SIGINT / SIGTERM
 # After a peer fails or an interrupt, how long a child may take to write its partial results.
 GRACE_S = 30.0
@@ -157,6 +158,11 @@ class Finisher:
         try:
             own = f"rank {self.rank}: {error}"
             if error is not None:
+                # A peer that died makes our collectives fail at once, before its main process
+                # can say why: give that first reason a moment to arrive.
+                deadline = time.monotonic() + CAUSE_WAIT_S
+                while not store.check([self.keys.abort]) and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 set_first(store, self.keys.abort, own)
             reason = store.get(self.keys.abort).decode()
             status = "interrupted" if reason == INTERRUPTED else "failed" if reason == own else f"aborted: {reason}"
