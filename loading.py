@@ -263,8 +263,9 @@ def write_checkpoint_process(job: LoadJob, path: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = utils.OneLineParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="qwen2.5-1.5b",
-                   help=f"preset ({', '.join(utils.PRESETS)}), local directory with config.json, or Hub id")
+    p.add_argument("--model", default=None,
+                   help=f"preset ({', '.join(utils.PRESETS)}), local directory with config.json, or Hub id "
+                        "(default: the --checkpoint directory's config, else qwen2.5-1.5b)")
     p.add_argument("--checkpoint", default=None, help="directory of a safetensors checkpoint (default: rank 0 "
                    "writes one of --model's shape into --output_dir first)")
     p.add_argument("--checkpoint_dtype", choices=list(CHECKPOINT_DTYPES), default="bfloat16",
@@ -278,7 +279,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def summarise(records: dict, model_bytes: int) -> dict:
+def summarise(records: dict) -> dict:
+    """Per mode: each rank's figures, and host RAM and time over all ranks."""
     modes = {}
     for mode, ranks in records.items():
         if isinstance(ranks, str):
@@ -325,7 +327,8 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         raise UserError(f"--checkpoint {args.checkpoint}: no such directory")
     device = utils.pick_device(args.device)
-    config = utils.load_config(args.checkpoint if args.model is None else args.model)
+    model_name = args.model or args.checkpoint or "qwen2.5-1.5b"
+    config = utils.load_config(model_name)
     rank, world_size = launcher_env()
     utils.prepare_output_dir(args.output_dir)
     meta_model = utils.build_model(config, torch.device("meta"), args.seed)
@@ -343,9 +346,9 @@ def run(args: argparse.Namespace) -> int:
         write_s = None
         path = args.checkpoint
         if path is None:
-            path = os.path.join(args.output_dir, f"checkpoint-{os.path.basename(args.model)}-{args.checkpoint_dtype}")
+            path = os.path.join(args.output_dir, f"checkpoint-{os.path.basename(model_name)}-{args.checkpoint_dtype}")
             if rank == 0:
-                print(f"Writing a {args.checkpoint_dtype} checkpoint of {args.model} to {path} ...", flush=True)
+                print(f"Writing a {args.checkpoint_dtype} checkpoint of {model_name} to {path} ...", flush=True)
             writer = job("write-checkpoint", None)
             failure = run_isolated(write_checkpoint_process, (writer, path), writer.keys, rank, world_size, store,
                                    device)
@@ -354,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
             write_s = json.loads(store.get(writer.keys.record(0)))["write_s"]
         checkpoint = Checkpoint(path)
         records: dict = {}
-        summary = {"model": args.model, "world_size": world_size, "device": device.type, "model_bytes": model_bytes,
+        summary = {"model": model_name, "world_size": world_size, "device": device.type, "model_bytes": model_bytes,
                    "checkpoint": {"path": path, "dtype": checkpoint.dtype_name(), "bytes": checkpoint.bytes(),
                                   "write_s": write_s}, "modes": {}}
         for mode in modes:
@@ -365,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
             if rank == 0:
                 records[mode] = f"failed: {failure}" if failure else \
                     [json.loads(store.get(j.keys.record(r))) for r in range(world_size)]
-                summary["modes"] = summarise(records, model_bytes)
+                summary["modes"] = summarise(records)
                 write_json(summary_path, summary)
     except Interrupted as exc:
         print(f"Interrupted ({exc}); finished modes are in {summary_path}", file=sys.stderr)

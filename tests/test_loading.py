@@ -55,11 +55,12 @@ def test_a_written_checkpoint_is_timed_and_reused(loaded, tmp_path):
     ckpt = out / "checkpoint-small-bfloat16"
     assert summary["checkpoint"]["path"] == str(ckpt) and summary["checkpoint"]["write_s"] > 0
     assert (ckpt / "model.safetensors.index.json").is_file()  # 100MB files: a sharded checkpoint
-    proc = run_script(["loading.py", "--model", "small", "--device", "cpu", "--checkpoint", str(ckpt),
+    proc = run_script(["loading.py", "--device", "cpu", "--checkpoint", str(ckpt),  # config from the checkpoint
                        "--modes", "sharded_read", "--output_dir", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     again = load(tmp_path / "loading_summary.json")
     assert again["checkpoint"]["write_s"] is None and list(again["modes"]) == ["sharded_read"]
+    assert again["model"] == str(ckpt) and again["model_bytes"] == summary["model_bytes"]
     assert again["modes"]["sharded_read"]["weights_match"] is True
 
 
