@@ -139,12 +139,18 @@ def _size(n_bytes: float) -> str:
     return f"{n_bytes / GIB:.2f} GiB" if n_bytes >= GIB else f"{n_bytes / MIB:.2f} MiB"
 
 
+def _gap_bytes(v: dict) -> int:
+    """Largest difference, in bytes, between what a rank held and what the sharding rule predicts."""
+    return max(abs(held[phase][k] - exp[phase][k]) for held, exp in zip(v["accounting"], v["expected"])
+               for phase in PHASES for k in KEYS)
+
+
 def print_table(summary: dict) -> None:
     world = summary["meta"]["world_size"]
     print(f"\nResults over {world} rank(s); memory columns are the maximum over ranks.")
     header = (f"{'variant':38} {'steps':>5} {'loss first':>10} {'final':>7} {'drop':>6} {'peak alloc':>10} "
-              f"{'polled':>8} {'peak resv':>9} {'peak RSS':>8} | {'params':>6} {'grads':>6} {'optim':>6} "
-              f"{'stale':>6} {'= exp.':>6} {'other':>7} {'wall s':>6}")
+              f"{'polled':>8} {'peak resv':>9} {'peak RSS':>8} | {'params':>7} {'grads':>7} {'optim':>7} "
+              f"{'stale':>7} {'gap B':>6} {'other':>7} {'wall s':>6}")
     print(header)
     print("-" * len(header))
     for name, v in summary["variants"].items():
@@ -157,14 +163,15 @@ def print_table(summary: dict) -> None:
               f"{_fmt(v['peak_reserved_mib']['max'], '.0f'):>9} {_fmt(v['peak_rss_mib']['max'], '.0f'):>8} | "
               f"{_mib(state['param_bytes']):>7} {_mib(state['grad_bytes']):>7} "
               f"{_mib(state['optimizer_state_bytes']):>7} {_mib(state['stale_param_bytes']):>7} "
-              f"{'yes' if v['accounting_matches_expected'] else 'NO':>6} "
+              f"{_gap_bytes(v):>6} "
               f"{_fmt(v['steady_allocated_minus_state_mib']['max']):>7} {v['wall_s']:>6.1f}")
-    print("MiB: peak alloc = the CUDA allocator's own peak counter; polled = the highest 10 ms sample of the same; "
+    print("MiB: peak alloc = the CUDA allocator's own peak counter; polled = the highest sample of the same; "
           "peak resv = reserved by the caching allocator;\n     peak RSS = host memory of the process (polled). "
           "Then MiB held by one rank after the last step: params (local shards), grads, optim (AdamW state), stale\n"
-          "     (tensors the optimizer holds that the model no longer uses); = exp.: equal to the byte to the "
-          "FSDP2 sharding rule (memory_model.py); other = allocated after\n     the last step minus that state "
-          "(buffers, allocator overhead). drop: fall of the loss from the first to the last quarter of steps.")
+          "     (tensors the optimizer holds that the model no longer uses); gap B = largest difference in bytes "
+          "from the FSDP2 sharding rule (memory_model.py),\n     any rank and moment; other = allocated after the "
+          "last step minus that state (buffers, allocator overhead).\ndrop: fall of the loss from the first to the "
+          "last quarter of steps.")
     for sentence in explanations(summary):
         print(sentence)
     for key, check in summary["checks"].items():
