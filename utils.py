@@ -239,7 +239,6 @@ class Prepared:
     optimizer: torch.optim.Optimizer
     backward: Callable[[torch.Tensor], None]
     autocast: bool  # torch variants autocast themselves; accelerate wraps the model's forward instead
-    accelerator: object = None
 
 
 BF16_POLICY = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.bfloat16)
@@ -308,7 +307,7 @@ def accelerate_fsdp2(model: nn.Module, ctx: Context) -> Prepared:
     if not isinstance(model, FSDPModule):
         raise RuntimeError(f"accelerate did not take its FSDP2 path (distributed type {accelerator.distributed_type})")
     ctx.mark("sharded")
-    return Prepared(model, optimizer, accelerator.backward, autocast=False, accelerator=accelerator)
+    return Prepared(model, optimizer, accelerator.backward, autocast=False)
 
 
 def force_accelerate_fsdp_on_cpu(accelerator, plugin) -> None:
