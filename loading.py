@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import math
 import os
 import resource
 import sys
@@ -25,6 +24,7 @@ import utils
 from isolation import (Finisher, Interrupted, StoreKeys, catch_interrupts, init_group, launcher_env,
                        leave_together, run_child, run_isolated)
 from measure import MIB, TRACE_KEYS, MemoryTracker, rss_mib, write_json
+from memory_model import local_tensor, shard_rows
 from utils import UserError
 
 CHECKPOINT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -91,14 +91,6 @@ def stored_name(model: nn.Module, checkpoint: Checkpoint) -> dict[int, str]:
     return names
 
 
-def local_rows(param: torch.Tensor, rank: int, world_size: int) -> tuple[int, int]:
-    """Rows of dim 0 that ``rank`` holds under FSDP2's Shard(0): chunks of ceil(d0 / N)."""
-    d0 = param.shape[0]
-    chunk = math.ceil(d0 / world_size)
-    start = min(d0, rank * chunk)
-    return start, min(d0, start + chunk)
-
-
 # --------------------------------------------------------------------------- the four modes
 
 def empty_sharded_model(config, mesh, layer_classes: list[str], device: torch.device) -> nn.Module:
@@ -139,9 +131,10 @@ def load_rank0_broadcast(job: "LoadJob", mesh) -> nn.Module:
     full = {}
     if job.rank == 0:
         full = job.checkpoint.full_state_dict()
+        names = stored_name(model, job.checkpoint)
         for name, param in model.named_parameters(remove_duplicate=False):  # tied names share one tensor
             if name not in full:
-                full[name] = full[stored_name(model, job.checkpoint)[id(param)]]
+                full[name] = full[names[id(param)]]
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model
 
@@ -164,7 +157,7 @@ def load_sharded_read(job: "LoadJob", mesh) -> nn.Module:
     names = stored_name(model, job.checkpoint)
     with torch.no_grad():
         for param in model.parameters():
-            start, stop = local_rows(param, job.rank, job.world_size)
+            start, stop = shard_rows(param.shape[0], job.world_size, job.rank)
             if stop > start:
                 param.to_local()[: stop - start].copy_(job.checkpoint.rows(names[id(param)], start, stop))
     return model
@@ -178,8 +171,8 @@ def weights_match(model: nn.Module, checkpoint: Checkpoint, rank: int, world_siz
     """This rank's shard of every parameter equals the same rows of the checkpoint, exactly."""
     names = stored_name(model, checkpoint)
     for param in model.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
-        start, stop = local_rows(param, rank, world_size)
+        local = local_tensor(param)
+        start, stop = shard_rows(param.shape[0], world_size, rank)
         expected = checkpoint.rows(names[id(param)], start, stop).to(torch.float32)
         if not torch.equal(local[: stop - start].detach().float().cpu(), expected):
             return False

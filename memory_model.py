@@ -35,7 +35,7 @@ PROJECTION_WORLD_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 
 # --------------------------------------------------------------------------- measured
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -56,7 +56,7 @@ def account(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         nonlocal device_total
         total = 0
         for t in tensors:
-            storage = _local(t).untyped_storage()
+            storage = local_tensor(t).untyped_storage()
             key = (str(t.device), storage.data_ptr(), storage.nbytes())
             if key in seen:
                 continue
@@ -86,10 +86,11 @@ def param_shapes(model: nn.Module) -> list[tuple[tuple[int, ...], int]]:
     return [(tuple(p.shape), p.element_size()) for p in _unique_params(model)]
 
 
-def _rows(d0: int, world_size: int, rank: int) -> tuple[int, int]:
-    """(padded rows, real rows) of ``rank``'s dim-0 chunk."""
+def shard_rows(d0: int, world_size: int, rank: int) -> tuple[int, int]:
+    """[start, stop) of the dim-0 rows ``rank`` holds under FSDP2's Shard(0): chunks of ceil(d0 / N)."""
     chunk = math.ceil(d0 / world_size)
-    return chunk, max(0, min(chunk, d0 - rank * chunk))
+    start = min(d0, rank * chunk)
+    return start, min(d0, start + chunk)
 
 
 def _shard_bytes(shapes, world_size: int, rank: int) -> tuple[int, int, int]:
@@ -98,9 +99,9 @@ def _shard_bytes(shapes, world_size: int, rank: int) -> tuple[int, int, int]:
     for shape, item in shapes:
         d0 = shape[0] if shape else 1
         rest = math.prod(shape[1:]) * item
-        chunk, mine = _rows(d0, world_size, rank)
-        padded += chunk * rest
-        local += mine * rest
+        start, stop = shard_rows(d0, world_size, rank)
+        padded += math.ceil(d0 / world_size) * rest  # every rank stores its chunk padded to full size
+        local += (stop - start) * rest
         full += d0 * rest
     return padded, local, full
 

@@ -109,6 +109,12 @@ def filtered(times: list[float], values: list, threshold: float, partition: floa
     return [t for t, _ in kept], [v for _, v in kept]
 
 
+def save(fig, path: str, dpi: int = 110) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def nan_if_none(value):
     return float("nan") if value is None else value
 
@@ -139,9 +145,7 @@ def plot_memory(runs: dict, keys: tuple, path: str, threshold: float, partition:
         ax.set_ylabel(f"{what} (MiB)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
     return True
 
 
@@ -156,9 +160,7 @@ def plot_loss(runs: dict, path: str) -> None:
     ax.set_title("Loss per step: the unfixed variant never trains")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 def plot_projection(summary: dict, path: str) -> bool:
@@ -195,9 +197,7 @@ def plot_projection(summary: dict, path: str) -> bool:
                  "stars: measured in this run")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
     return True
 
 
@@ -268,9 +268,7 @@ def plot_loading(loads: dict, path: str) -> None:
             ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, "no data (CPU run)", ha="center", transform=ax.transAxes)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 if __name__ == "__main__":
