@@ -1,8 +1,7 @@
 """Run one piece of work (a training variant, a loading mode) in a fresh process on every rank.
 
-The main process of each rank starts a child per piece of work (forked on CPU, spawned
-with CUDA: see ``start_method``), so no allocator cache, host
-memory or broken communicator carries over from one piece to the next, and a failure stays
+The main process of each rank starts a child per piece of work (see ``child_context``),
+so no allocator cache, host memory or broken communicator carries over from one piece to the next, and a failure stays
 inside its piece. The children form their own process group on the launcher's store. An
 "abort" key in that store tells every rank, within a second, that a peer failed or the run
 was interrupted: each child then writes what it has and leaves, and the main processes go
@@ -91,17 +90,37 @@ def catch_interrupts() -> None:
     signal.signal(signal.SIGINT, _raise_interrupted)
 
 
-def start_method(device: torch.device) -> str:
-    """fork on CPU: the child starts at once with everything imported. Never with CUDA: merely
-    asking how many GPUs there are makes a later fork unusable for CUDA, so GPU children are
-    spawned (they re-import, a few seconds). FSDP2_BENCH_START_METHOD overrides, for tests."""
-    return os.environ.get("FSDP2_BENCH_START_METHOD") or ("spawn" if device.type == "cuda" else "fork")
+def child_context(device: torch.device) -> multiprocessing.context.BaseContext:
+    """How children start. On CPU, fork: at once, with everything imported. With CUDA, fork is
+    unusable once the main process has merely counted the GPUs, and spawn re-imports torch and
+    transformers for every child (10-15 s each on the 2x H200 machine); a fork server is a
+    clean process, started once, that imports them once and forks every child from there.
+    FSDP2_BENCH_START_METHOD overrides (tests use it)."""
+    method = os.environ.get("FSDP2_BENCH_START_METHOD") or ("forkserver" if device.type == "cuda" else "fork")
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":
+        # The server inherits this: any "is CUDA available?" asked while importing there is
+        # answered through NVML, which leaves the server safe to fork CUDA children from.
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        # "__main__" lets a child unpickle the main script's classes; the rest are imported lazily
+        # by the children, so importing them once here is what saves the time.
+        context.set_forkserver_preload(["__main__", "transformers.models.qwen2.modeling_qwen2",
+                                        "transformers.models.auto.modeling_auto", "accelerate"])
+    return context
+
+
+def start_child_server(device: torch.device) -> None:
+    """Start the fork server now, so that its imports overlap the main process's own set-up."""
+    if child_context(device).get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
 
 
 def run_isolated(target: Callable, args: tuple, keys: StoreKeys, rank: int, world_size: int,
                  store: dist.TCPStore, device: torch.device) -> str | None:
     """Run ``target(*args)`` in a child; return None if it succeeded on every rank, else the first reason."""
-    child = multiprocessing.get_context(start_method(device)).Process(target=target, args=args)
+    child = child_context(device).Process(target=target, args=args)
     child.start()
     try:
         while child.exitcode is None and not store.check([keys.abort]):

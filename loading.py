@@ -22,7 +22,7 @@ from torch import nn
 
 import utils
 from isolation import (Finisher, Interrupted, StoreKeys, catch_interrupts, init_group, launcher_env,
-                       leave_together, run_child, run_isolated)
+                       leave_together, run_child, run_isolated, start_child_server)
 from measure import MIB, TRACE_KEYS, MemoryTracker, rss_mib, write_json
 from memory_model import local_tensor, shard_rows
 from utils import UserError
@@ -323,6 +323,7 @@ def run(args: argparse.Namespace) -> int:
     model_name = args.model or args.checkpoint or "qwen2.5-1.5b"
     config = utils.load_config(model_name)
     rank, world_size = launcher_env()
+    start_child_server(device)
     utils.prepare_output_dir(args.output_dir)
     meta_model = utils.build_model(config, torch.device("meta"), args.seed)
     layer_classes = utils.layer_class_names(meta_model)

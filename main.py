@@ -21,7 +21,8 @@ import report
 import utils
 from measure import write_json
 from memory_model import param_shapes
-from isolation import Interrupted, StoreKeys, catch_interrupts, launcher_env, leave_together, run_isolated
+from isolation import (Interrupted, StoreKeys, catch_interrupts, launcher_env, leave_together, run_isolated,
+                       start_child_server)
 from runner import Job, variant_process
 from utils import VARIANTS, UserError
 
@@ -122,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     if utils.max_positions(config) and args.block_size > utils.max_positions(config):
         raise UserError(f"--block_size {args.block_size} exceeds the model's {utils.max_positions(config)} positions")
     rank, world_size = launcher_env()
+    start_child_server(device)
     tokens = utils.load_tokens(args.dataset, args.tokenizer)
     batches = utils.rank_batches(tokens, args.block_size, args.batch_size, args.dataset_fraction,
                                  rank, world_size, args.max_steps)
