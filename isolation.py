@@ -11,12 +11,14 @@ on with the next piece.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
@@ -117,29 +119,50 @@ def start_child_server(device: torch.device) -> None:
         forkserver.ensure_running()
 
 
-def run_isolated(target: Callable, args: tuple, keys: StoreKeys, rank: int, world_size: int,
-                 store: dist.TCPStore, device: torch.device) -> str | None:
-    """Run ``target(*args)`` in a child; return None if it succeeded on every rank, else the first reason."""
-    child = child_context(device).Process(target=target, args=args)
-    child.start()
+@dataclass
+class Piece:
+    """One piece of work: ``target(*args)`` in a child on every rank, coordinated through ``keys``."""
+    target: Callable
+    args: tuple
+    keys: StoreKeys
+
+
+def run_isolated(pieces: list[Piece], rank: int, world_size: int, store: dist.TCPStore,
+                 device: torch.device) -> list[str | None]:
+    """Run every piece at once, each in its own child; per piece, None if it succeeded on every
+    rank, else the first reason given. One piece's failure does not stop the others."""
+    context = child_context(device)
+    children = [context.Process(target=piece.target, args=piece.args) for piece in pieces]
+    for child in children:
+        child.start()
     try:
-        while child.exitcode is None and not store.check([keys.abort]):
-            child.join(0.2)
+        running = list(zip(pieces, children))
+        while running:
+            running = [(p, c) for p, c in running if c.exitcode is None and not store.check([p.keys.abort])]
+            if running:
+                multiprocessing.connection.wait([c.sentinel for _, c in running], timeout=0.2)
     except Interrupted:
-        set_first(store, keys.abort, INTERRUPTED)
+        for piece in pieces:
+            set_first(store, piece.keys.abort, INTERRUPTED)
         raise
     finally:
-        child.join(GRACE_S)
-        if child.exitcode is None:
-            child.kill()
-            child.join()
-    if child.exitcode != 0:  # covers a process that died without a word (SIGKILL, OOM killer...)
-        how = f"killed by {signal.Signals(-child.exitcode).name}" if child.exitcode < 0 else \
-            f"exit code {child.exitcode}"
-        set_first(store, keys.abort, f"rank {rank}: process ended ({how})")
-    store.set(keys.status(rank), "done")
-    store.wait([keys.status(r) for r in range(world_size)])
-    return store.get(keys.abort).decode() if store.check([keys.abort]) else None
+        deadline = time.monotonic() + GRACE_S
+        for child in children:
+            child.join(max(0.0, deadline - time.monotonic()))
+            if child.exitcode is None:
+                child.kill()
+                child.join()
+    for piece, child in zip(pieces, children):
+        if child.exitcode != 0:  # covers a process that died without a word (SIGKILL, OOM killer...)
+            how = f"killed by {signal.Signals(-child.exitcode).name}" if child.exitcode < 0 else \
+                f"exit code {child.exitcode}"
+            set_first(store, piece.keys.abort, f"rank {rank}: process ended ({how})")
+        store.set(piece.keys.status(rank), "done")
+    failures = []
+    for piece in pieces:
+        store.wait([piece.keys.status(r) for r in range(world_size)])
+        failures.append(store.get(piece.keys.abort).decode() if store.check([piece.keys.abort]) else None)
+    return failures
 
 
 def leave_together(store: dist.TCPStore, rank: int, world_size: int) -> None:

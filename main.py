@@ -21,7 +21,7 @@ import report
 import utils
 from measure import write_json
 from memory_model import param_shapes
-from isolation import (Interrupted, StoreKeys, catch_interrupts, launcher_env, leave_together, run_isolated,
+from isolation import (Interrupted, Piece, StoreKeys, catch_interrupts, launcher_env, leave_together, run_isolated,
                        start_child_server)
 from runner import Job, variant_process
 from utils import VARIANTS, UserError
@@ -70,6 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="local tokenizer directory or Hub id for --dataset (default: bytes)")
     p.add_argument("--log_interval", type=float, default=0.01,
                    help="seconds between memory samples (default: 0.01)")
+    p.add_argument("--concurrent_variants", type=int, default=1, metavar="K",
+                   help="run K variants at a time, each in its own processes and process group; their memory "
+                        "figures do not change (each process has its own allocator), step times do. Needs K "
+                        "times the memory of one variant on every GPU (default: 1, one after the other)")
     p.add_argument("--tracker_overhead", action="store_true",
                    help="pause memory polling on every other step, to measure what polling costs")
     p.add_argument("--inject_failure", type=parse_failure, default=None, metavar="VARIANT:STEP:RANK[:kill]",
@@ -82,6 +86,8 @@ def check_args(args: argparse.Namespace) -> list[str]:
     for flag in ("batch_size", "block_size"):
         if getattr(args, flag) <= 0:
             raise UserError(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
+    if args.concurrent_variants <= 0:
+        raise UserError(f"--concurrent_variants must be a positive integer, got {args.concurrent_variants}")
     if args.max_steps is not None and args.max_steps <= 0:
         raise UserError(f"--max_steps must be a positive integer, got {args.max_steps}")
     if not 0 < args.dataset_fraction <= 1:
@@ -150,32 +156,36 @@ def run(args: argparse.Namespace) -> int:
     summary_path = os.path.join(args.output_dir, "summary.json")
     catch_interrupts()
     any_failed = False
-    for index, name in enumerate(names):
+    for first in range(0, len(names), args.concurrent_variants):
+        group = names[first:first + args.concurrent_variants]
         if rank == 0:
-            print(f"[{name}] {len(batches)} steps on {world_size} rank(s)...", flush=True)
-        job = Job(name, args, device, config, batches, layer_classes, meta, rank, world_size, StoreKeys(name))
+            print(f"[{', '.join(group)}] {len(batches)} steps on {world_size} rank(s)...", flush=True)
+        jobs = [Job(name, args, device, config, batches, layer_classes, meta, rank, world_size, StoreKeys(name))
+                for name in group]
         started = time.perf_counter()
         try:
-            failure = run_isolated(variant_process, (job,), job.keys, rank, world_size, store, device)
+            failures = run_isolated([Piece(variant_process, (job,), job.keys) for job in jobs], rank, world_size,
+                                    store, device)
         except Interrupted as exc:
             if rank == 0:
-                for later in names[index:]:
-                    summary["variants"][later] = {"status": "interrupted" if later == name else "not run"}
+                for later in names[first:]:
+                    summary["variants"][later] = {"status": "interrupted" if later in group else "not run"}
                 write_json(summary_path, summary)
-                print(f"Interrupted ({exc}) during {name}; finished variants and partial traces are in "
+                print(f"Interrupted ({exc}) during {', '.join(group)}; finished variants and partial traces are in "
                       f"{args.output_dir}/", file=sys.stderr)
             return 130
-        any_failed = any_failed or failure is not None
+        any_failed = any_failed or any(failures)
         if rank != 0:
             continue
-        if failure is None:
-            records = gather_records(store, job.keys, world_size)
-            summary["meta"]["gpu_name"] = records[0]["gpu_name"]
-            summary["variants"][name] = report.variant_summary(name, records, shapes)
-            summary["variants"][name]["process_wall_s"] = time.perf_counter() - started
-        else:
-            summary["variants"][name] = {"status": f"failed: {failure}"}
-            print(f"[{name}] FAILED: {failure}", file=sys.stderr, flush=True)
+        for job, failure in zip(jobs, failures):
+            if failure is None:
+                records = gather_records(store, job.keys, world_size)
+                summary["meta"]["gpu_name"] = records[0]["gpu_name"]
+                summary["variants"][job.name] = report.variant_summary(job.name, records, shapes)
+                summary["variants"][job.name]["process_wall_s"] = time.perf_counter() - started
+            else:
+                summary["variants"][job.name] = {"status": f"failed: {failure}"}
+                print(f"[{job.name}] FAILED: {failure}", file=sys.stderr, flush=True)
         summary["checks"] = report.run_checks(summary["variants"], device.type)
         summary["projection"] = report.projection_summary(shapes, summary["variants"], world_size)
         write_json(summary_path, summary)
