@@ -101,9 +101,8 @@ def child_context(device: torch.device) -> multiprocessing.context.BaseContext:
     method = os.environ.get("FSDP2_BENCH_START_METHOD") or ("forkserver" if device.type == "cuda" else "fork")
     context = multiprocessing.get_context(method)
     if method == "forkserver":
-        # The server inherits this: any "is CUDA available?" asked while importing there is
-        # answered through NVML, which leaves the server safe to fork CUDA children from.
-        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        # The server must not initialise CUDA itself: it inherits PYTORCH_NVML_BASED_CUDA_CHECK
+        # from utils.pick_device, so any "is CUDA available?" asked while importing is answered by NVML.
         # "__main__" lets a child unpickle the main script's classes; the rest are imported lazily
         # by the children, so importing them once here is what saves the time.
         context.set_forkserver_preload(["__main__", "transformers.models.qwen2.modeling_qwen2",

@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -123,13 +124,15 @@ def gather_records(store: dist.TCPStore, keys: StoreKeys, world_size: int) -> li
 # --------------------------------------------------------------------------- orchestration
 
 def run(args: argparse.Namespace) -> int:
+    # Seconds since the epoch, so that speed.py can split the launch's wall time.
+    timeline = {"process_created": psutil.Process().create_time(), "main_started": time.time()}
     names = check_args(args)
     device = utils.pick_device(args.device)
+    rank, world_size = launcher_env()
+    start_child_server(device)  # its imports overlap the set-up below
     config = utils.load_config(args.model)
     if utils.max_positions(config) and args.block_size > utils.max_positions(config):
         raise UserError(f"--block_size {args.block_size} exceeds the model's {utils.max_positions(config)} positions")
-    rank, world_size = launcher_env()
-    start_child_server(device)
     tokens = utils.load_tokens(args.dataset, args.tokenizer)
     batches = utils.rank_batches(tokens, args.block_size, args.batch_size, args.dataset_fraction,
                                  rank, world_size, args.max_steps)
@@ -141,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
             "model": args.model, "model_type": config.model_type,
             "num_parameters": sum(p.numel() for p in meta_model.parameters()),
             "steps_per_variant": len(batches),
-            "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()}}
+            "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()},
+            "timeline": timeline}
     del meta_model
 
     store, _, _ = next(dist.rendezvous("env://"))
@@ -156,13 +160,14 @@ def run(args: argparse.Namespace) -> int:
     summary_path = os.path.join(args.output_dir, "summary.json")
     catch_interrupts()
     any_failed = False
+    timeline["variants_started"] = time.time()
     for first in range(0, len(names), args.concurrent_variants):
         group = names[first:first + args.concurrent_variants]
         if rank == 0:
             print(f"[{', '.join(group)}] {len(batches)} steps on {world_size} rank(s)...", flush=True)
         jobs = [Job(name, args, device, config, batches, layer_classes, meta, rank, world_size, StoreKeys(name))
                 for name in group]
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.time()
         try:
             failures = run_isolated([Piece(variant_process, (job,), job.keys) for job in jobs], rank, world_size,
                                     store, device)
@@ -182,12 +187,16 @@ def run(args: argparse.Namespace) -> int:
                 records = gather_records(store, job.keys, world_size)
                 summary["meta"]["gpu_name"] = records[0]["gpu_name"]
                 summary["variants"][job.name] = report.variant_summary(job.name, records, shapes)
-                summary["variants"][job.name]["process_wall_s"] = time.perf_counter() - started
+                summary["variants"][job.name].update(process_started_at=started_at,
+                                                     process_wall_s=time.perf_counter() - started)
             else:
                 summary["variants"][job.name] = {"status": f"failed: {failure}"}
                 print(f"[{job.name}] FAILED: {failure}", file=sys.stderr, flush=True)
         summary["checks"] = report.run_checks(summary["variants"], device.type)
         summary["projection"] = report.projection_summary(shapes, summary["variants"], world_size)
+        write_json(summary_path, summary)
+    if rank == 0:
+        summary["meta"]["timeline"]["variants_finished"] = time.time()
         write_json(summary_path, summary)
 
     leave_together(store, rank, world_size)

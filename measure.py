@@ -45,11 +45,13 @@ class MemoryTracker:
         self.polling = True  # cleared to measure what the polling costs (see --tracker_overhead)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
+        self.started_at = time.time()
         self._t0 = time.perf_counter()
 
     # ----------------------------------------------------------------- polling
     def start(self) -> "MemoryTracker":
         self._reset_peaks()
+        self.started_at = time.time()  # the clock's zero, in seconds since the epoch
         self._t0 = time.perf_counter()
         self._thread.start()
         return self
@@ -138,7 +140,7 @@ class MemoryTracker:
 
     def record(self) -> dict:
         """The per-rank JSON: upstream's four trace keys plus steps and events."""
-        return {**self.samples, "steps": self.steps, "events": self.events}
+        return {**self.samples, "steps": self.steps, "events": self.events, "started_at": self.started_at}
 
 
 def _max_or_none(values) -> float | None:

@@ -22,19 +22,39 @@ from measure import write_json
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # The upstream scripts on 2x H200, same work (UPSTREAM.md): 282 s and 302 s for two launches.
 UPSTREAM_SUITE_WALL_S = 282.0
+UPSTREAM_WORK = {"model": "qwen2.5-1.5b", "batch_size": 2, "block_size": 128, "steps_per_variant": 144, "world_size": 2}
 
 
-def phases(trace: dict, process_wall_s: float) -> dict:
+def phases(trace: dict, variant: dict) -> dict:
     """Seconds per phase of one variant on rank 0, from its event marks (which close each phase)."""
     t = {e["name"]: e["t"] for e in trace["events"]}
+    child_start = trace["started_at"] - variant["process_started_at"]
     return {
-        "group_start_s": t["group_ready"],  # CUDA context and process group, on the child's clock
+        "child_start_s": child_start,  # from asking for the child to its first line (fork server, unpickling)
+        "group_start_s": t["group_ready"],  # CUDA context and process group
         "build_s": t["model_built"] - t["group_ready"],
         "optimizer_and_shard_s": t["training_started"] - t["model_built"],
         "steps_s": t["training_finished"] - t["training_started"],
-        # what the child's clock does not see: starting the process (imports, for a spawned
-        # child), writing the trace, exiting, and the ranks waiting for one another
-        "process_start_and_teardown_s": process_wall_s - t["training_finished"],
+        # writing the trace, leaving the process group, exiting, and waiting for the other
+        # ranks (and, with --concurrent_variants, for the other variants started with it)
+        "teardown_and_wait_s": variant["process_wall_s"] - child_start - t["training_finished"],
+    }
+
+
+def same_work_as_upstream(meta: dict) -> bool:
+    """The upstream figure is a comparison only for its own configuration, all four variants."""
+    given = {**meta["args"], "steps_per_variant": meta["steps_per_variant"], "world_size": meta["world_size"]}
+    return all(given[k] == v for k, v in UPSTREAM_WORK.items()) and len(meta["args"]["variants"].split(",")) == 4
+
+
+def launch_phases(timeline: dict, launched: float, wall: float) -> dict:
+    """Rank 0's main process, from the launch to the exit, in seconds."""
+    return {
+        "launcher_start_s": timeline["process_created"] - launched,  # torchrun starting the rank processes
+        "imports_s": timeline["main_started"] - timeline["process_created"],
+        "setup_s": timeline["variants_started"] - timeline["main_started"],  # config, data, rendezvous
+        "variants_s": timeline["variants_finished"] - timeline["variants_started"],
+        "report_and_exit_s": launched + wall - timeline["variants_finished"],
     }
 
 
@@ -48,7 +68,7 @@ def main() -> int:
     extra = [a for a in args.main_args if a != "--"]
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc_per_node}",
                os.path.join(ROOT, "main.py"), *extra, "--tracker_overhead", "--output_dir", args.output_dir]
-    start = time.perf_counter()
+    launched, start = time.time(), time.perf_counter()
     code = subprocess.call(command)
     wall = time.perf_counter() - start
     summary_path = os.path.join(args.output_dir, "summary.json")
@@ -60,7 +80,10 @@ def main() -> int:
     result = {"suite_wall_s": wall, "exit_code": code, "command": command[2:],
               "steps_per_variant": summary["meta"]["steps_per_variant"],
               "world_size": summary["meta"]["world_size"], "gpu_name": summary["meta"].get("gpu_name"),
-              "upstream_suite_wall_s": UPSTREAM_SUITE_WALL_S, "speedup_vs_upstream": UPSTREAM_SUITE_WALL_S / wall,
+              "upstream_suite_wall_s": UPSTREAM_SUITE_WALL_S,
+              "speedup_vs_upstream": UPSTREAM_SUITE_WALL_S / wall if same_work_as_upstream(summary["meta"]) else None,
+              "concurrent_variants": summary["meta"]["args"]["concurrent_variants"],
+              "launch_phases": launch_phases(summary["meta"]["timeline"], launched, wall),
               "median_step_time_s": {}, "phases": {}, "peak_allocated_mib": {}, "tracker_overhead_ratio": None}
     ratios = []
     for name, v in summary["variants"].items():
@@ -68,7 +91,7 @@ def main() -> int:
             continue
         with open(os.path.join(args.output_dir, f"{name}_memory_usage.json")) as f:
             trace = json.load(f)
-        result["phases"][name] = phases(trace, v["process_wall_s"])
+        result["phases"][name] = phases(trace, v)
         result["median_step_time_s"][name] = v["median_step_time_s"]
         result["peak_allocated_mib"][name] = v["peak_allocated_mib"]["max"]
         if v["tracker_overhead_ratio"] is not None:
@@ -78,7 +101,7 @@ def main() -> int:
         result["tracker_overhead_ratio_per_variant"] = dict(zip(result["median_step_time_s"], ratios))
     write_json(args.json, result)
     print(json.dumps({k: result[k] for k in ("suite_wall_s", "speedup_vs_upstream", "tracker_overhead_ratio",
-                                             "median_step_time_s")}, indent=1))
+                                             "median_step_time_s", "launch_phases")}, indent=1))
     return code
 
 

@@ -68,7 +68,9 @@ def exit_with(run: Callable[[], int]) -> None:
 
 
 def pick_device(choice: str) -> torch.device:
-    """The device the children will use; no CUDA context is created in the main process."""
+    """The device the children will use. Asked through NVML, so that the main process never
+    initialises CUDA (its children do, each for itself)."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     has_gpu = torch.cuda.is_available()
     if choice == "cuda" and not has_gpu:
         raise UserError("--device cuda: no CUDA GPU is visible to this process")
