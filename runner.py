@@ -20,7 +20,7 @@ from memory_model import account
 
 @dataclass
 class Job:
-    """Everything one rank needs to run one variant (inherited by a forked child, pickled for a spawned one)."""
+    """Everything one rank needs to run one variant (inherited by a forked child, pickled for one from the fork server)."""
     name: str
     args: object
     device: torch.device
@@ -95,7 +95,7 @@ def variant_process(job: Job) -> None:
     if job.device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS needs it
         torch.cuda.set_device(job.device)  # before the tracker's first allocator reading
-    torch.use_deterministic_algorithms(True)  # per process: a spawned child does not inherit it
+    torch.use_deterministic_algorithms(True)  # per process: a child of the fork server does not inherit it
     # ...but without its side job of filling every new tensor with NaN: that is one extra kernel
     # per allocation (about 1,600 a step here) and changes no result of a correct program.
     torch.utils.deterministic.fill_uninitialized_memory = False
