@@ -22,7 +22,8 @@ def statuses(out) -> dict:
 
 
 def test_an_exception_on_one_rank_fails_that_variant_only(tmp_path):
-    proc = run_script(["main.py", *SHORT, "--output_dir", str(tmp_path),
+    """Two at a time: the failing variant shares its turn with accelerate, which must finish."""
+    proc = run_script(["main.py", *SHORT, "--output_dir", str(tmp_path), "--concurrent_variants", "2",
                        "--inject_failure", f"{FIXED}:3:1"])
     assert proc.returncode != 0
     reason = "rank 1: RuntimeError: injected failure at step 3 on rank 1"
@@ -35,7 +36,7 @@ def test_an_exception_on_one_rank_fails_that_variant_only(tmp_path):
     peer = load(tmp_path / f"{FIXED}_memory_usage.json")
     assert peer["status"] == f"aborted: {reason}"
     assert len(peer["steps"]) <= 4 and len(peer["timestamps"]) > 0
-    assert load(tmp_path / "accelerate_memory_usage_rank1.json")["status"] == "ok"  # ran after the failure
+    assert load(tmp_path / "accelerate_memory_usage_rank1.json")["status"] == "ok"  # ran beside the failure
     assert load(tmp_path / "summary.json")["checks"]["intended_losses_match"]["ok"] is True
     assert not list(tmp_path.glob("*.tmp*"))
 
@@ -98,6 +99,7 @@ BAD_INPUTS = {
     "no gpu": (["--device", "cuda"], "--device cuda: no CUDA GPU"),
     "output under a file": (["--output_dir", "{tmp}/short.txt/out"], "cannot write there"),
     "bad failure spec": (["--inject_failure", "accelerate:x:1"], "expected VARIANT:STEP:RANK"),
+    "concurrency zero": (["--concurrent_variants", "0"], "--concurrent_variants must be a positive integer"),
     "bad flag": (["--batch_sizes", "2"], "unrecognized arguments"),
 }
 
@@ -162,14 +164,23 @@ def test_two_nodes_give_the_losses_of_one_node_with_two_processes(tmp_path, suit
         assert two_nodes["variants"][name]["losses"] == one_node["variants"][name]["losses"]
 
 
-def test_children_from_the_fork_server_give_the_losses_of_forked_ones(tmp_path, suite):
-    """With CUDA the children come from a fork server (isolation.child_context), not from the main process."""
+def test_variants_run_together_from_the_fork_server_give_the_numbers_of_the_sequential_run(tmp_path, suite):
+    """With CUDA the children come from a fork server (isolation.child_context), not from the main
+    process; --concurrent_variants runs several at once. Neither may change what a variant measures."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "FSDP2_BENCH_START_METHOD": "forkserver"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "main.py", *TINY, "--variants", "torch_optimizer_after_fsdp,accelerate",
-                           "--output_dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+                           "--concurrent_variants", "2", "--output_dir", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    forked = load(suite[0] / "summary.json")["variants"]
-    for name, v in load(tmp_path / "summary.json")["variants"].items():
-        assert v["losses"] == forked[name]["losses"]
+    assert "[torch_optimizer_after_fsdp, accelerate] 12 steps on 2 rank(s)..." in proc.stdout
+    sequential = load(suite[0] / "summary.json")["variants"]
+    together = load(tmp_path / "summary.json")["variants"]
+    assert set(together) == {"torch_optimizer_after_fsdp", "accelerate"}
+    for name, v in together.items():
+        assert v["losses"] == sequential[name]["losses"]
+        assert v["accounting"] == sequential[name]["accounting"]
+    # both children ran at the same time: each started before the other finished
+    traces = [load(tmp_path / f"{name}_memory_usage.json") for name in together]
+    ends = [t["started_at"] + t["events"][-1]["t"] for t in traces]
+    assert traces[0]["started_at"] < ends[1] and traces[1]["started_at"] < ends[0]
