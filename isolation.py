@@ -1,8 +1,9 @@
 """Run one piece of work (a training variant, a loading mode) in a fresh process on every rank.
 
-The main process of each rank starts a child per piece of work (see ``child_context``),
-so no allocator cache, host memory or broken communicator carries over from one piece to the next, and a failure stays
-inside its piece. The children form their own process group on the launcher's store. An
+The main process of each rank starts a child per piece of work (see ``child_context``), so
+no allocator cache, host memory or broken communicator carries over from one piece to the
+next, and a failure stays inside its piece. Several pieces may run at once, each with its own
+children and keys. The children form their own process group on the launcher's store. An
 "abort" key in that store tells every rank, within a second, that a peer failed or the run
 was interrupted: each child then writes what it has and leaves, and the main processes go
 on with the next piece.
