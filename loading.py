@@ -203,7 +203,16 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def quiet_transformers() -> None:
+    """No per-tensor progress bars in the children: they would drown the table, and in a child of
+    the fork server tqdm's lock is a semaphore that Python reports as leaked at exit."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def load_process(job: LoadJob) -> None:
+    quiet_transformers()
     if job.device.type == "cuda":
         torch.cuda.set_device(job.device)
     baseline = rss_mib()
@@ -238,6 +247,7 @@ def load_process(job: LoadJob) -> None:
 
 def write_checkpoint_process(job: LoadJob, path: str) -> None:
     """Rank 0 writes a checkpoint of the preset's shape (random weights) for the modes to load."""
+    quiet_transformers()
     finisher = Finisher(job.keys, job.rank, lambda status, extra: None)
 
     def work(store) -> None:
