@@ -330,10 +330,10 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         raise UserError(f"--checkpoint {args.checkpoint}: no such directory")
     device = utils.pick_device(args.device)
+    rank, world_size = launcher_env()
+    start_child_server(device)  # its imports overlap the set-up below
     model_name = args.model or args.checkpoint or "qwen2.5-1.5b"
     config = utils.load_config(model_name)
-    rank, world_size = launcher_env()
-    start_child_server(device)
     utils.prepare_output_dir(args.output_dir)
     meta_model = utils.build_model(config, torch.device("meta"), args.seed)
     layer_classes = utils.layer_class_names(meta_model)

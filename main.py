@@ -144,8 +144,7 @@ def run(args: argparse.Namespace) -> int:
             "model": args.model, "model_type": config.model_type,
             "num_parameters": sum(p.numel() for p in meta_model.parameters()),
             "steps_per_variant": len(batches),
-            "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()},
-            "timeline": timeline}
+            "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()}}
     del meta_model
 
     store, _, _ = next(dist.rendezvous("env://"))
@@ -155,8 +154,8 @@ def run(args: argparse.Namespace) -> int:
     if rank == 0 and args.save_memory_snapshot and device.type == "cpu":
         print("warning: --save_memory_snapshot needs CUDA; no snapshot is written on CPU.")
 
-    summary = {"meta": {k: v for k, v in meta.items() if k != "rank"}, "variants": {}, "checks": {},
-               "projection": None}
+    summary = {"meta": {**{k: v for k, v in meta.items() if k != "rank"}, "timeline": timeline}, "variants": {},
+               "checks": {}, "projection": None}
     summary_path = os.path.join(args.output_dir, "summary.json")
     catch_interrupts()
     any_failed = False
@@ -171,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             failures = run_isolated([Piece(variant_process, (job,), job.keys) for job in jobs], rank, world_size,
                                     store, device)
+            wall = time.perf_counter() - started  # the group's, so one figure for every variant in it
         except Interrupted as exc:
             if rank == 0:
                 for later in names[first:]:
@@ -187,8 +187,7 @@ def run(args: argparse.Namespace) -> int:
                 records = gather_records(store, job.keys, world_size)
                 summary["meta"]["gpu_name"] = records[0]["gpu_name"]
                 summary["variants"][job.name] = report.variant_summary(job.name, records, shapes)
-                summary["variants"][job.name].update(process_started_at=started_at,
-                                                     process_wall_s=time.perf_counter() - started)
+                summary["variants"][job.name].update(process_started_at=started_at, process_wall_s=wall)
             else:
                 summary["variants"][job.name] = {"status": f"failed: {failure}"}
                 print(f"[{job.name}] FAILED: {failure}", file=sys.stderr, flush=True)
@@ -196,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         summary["projection"] = report.projection_summary(shapes, summary["variants"], world_size)
         write_json(summary_path, summary)
     if rank == 0:
-        summary["meta"]["timeline"]["variants_finished"] = time.time()
+        timeline["variants_finished"] = time.time()
         write_json(summary_path, summary)
 
     leave_together(store, rank, world_size)

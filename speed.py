@@ -85,7 +85,7 @@ def main() -> int:
               "concurrent_variants": summary["meta"]["args"]["concurrent_variants"],
               "launch_phases": launch_phases(summary["meta"]["timeline"], launched, wall),
               "median_step_time_s": {}, "phases": {}, "peak_allocated_mib": {}, "tracker_overhead_ratio": None}
-    ratios = []
+    ratios = {}
     for name, v in summary["variants"].items():
         if v["status"] != "ok":
             continue
@@ -95,10 +95,10 @@ def main() -> int:
         result["median_step_time_s"][name] = v["median_step_time_s"]
         result["peak_allocated_mib"][name] = v["peak_allocated_mib"]["max"]
         if v["tracker_overhead_ratio"] is not None:
-            ratios.append(v["tracker_overhead_ratio"])
+            ratios[name] = v["tracker_overhead_ratio"]
     if ratios:
-        result["tracker_overhead_ratio"] = statistics.median(ratios)
-        result["tracker_overhead_ratio_per_variant"] = dict(zip(result["median_step_time_s"], ratios))
+        result["tracker_overhead_ratio"] = statistics.median(ratios.values())
+        result["tracker_overhead_ratio_per_variant"] = ratios
     write_json(args.json, result)
     print(json.dumps({k: result[k] for k in ("suite_wall_s", "speedup_vs_upstream", "tracker_overhead_ratio",
                                              "median_step_time_s", "launch_phases")}, indent=1))
