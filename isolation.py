@@ -11,6 +11,7 @@ on with the next piece.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -21,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -127,10 +128,13 @@ class Piece:
     keys: StoreKeys
 
 
-def run_isolated(pieces: list[Piece], rank: int, world_size: int, store: dist.TCPStore,
+def run_isolated(pieces: list[Piece], rank: int, participants: Sequence[int], store: dist.TCPStore,
                  device: torch.device) -> list[str | None]:
     """Run every piece at once, each in its own child; per piece, None if it succeeded on every
-    rank, else the first reason given. One piece's failure does not stop the others."""
+    participating rank, else the first reason given. One piece's failure does not stop the others.
+
+    ``participants`` are the launcher ranks that run these pieces: every rank for a training
+    variant, this rank alone for a simulated rank (which needs no peer)."""
     context = child_context(device)
     children = [context.Process(target=piece.target, args=piece.args) for piece in pieces]
     for child in children:
@@ -160,9 +164,21 @@ def run_isolated(pieces: list[Piece], rank: int, world_size: int, store: dist.TC
         store.set(piece.keys.status(rank), "done")
     failures = []
     for piece in pieces:
-        store.wait([piece.keys.status(r) for r in range(world_size)])
+        wait_for_keys(store, [piece.keys.status(r) for r in participants])
         failures.append(store.get(piece.keys.abort).decode() if store.check([piece.keys.abort]) else None)
     return failures
+
+
+def wait_for_keys(store: dist.TCPStore, keys: list[str]) -> None:
+    """Wait until every key exists, in short steps: ``store.wait`` blocks in C++, where a signal
+    handler never runs, so a rank waiting on a peer could not be interrupted."""
+    while not store.check(keys):
+        time.sleep(0.1)
+
+
+def gather_records(store: dist.TCPStore, keys: StoreKeys, ranks: Sequence[int]) -> list[dict]:
+    """What the children of a finished piece posted (``store.set(keys.record(rank), json)``)."""
+    return [json.loads(store.get(keys.record(r))) for r in ranks]
 
 
 def leave_together(store: dist.TCPStore, rank: int, world_size: int) -> None:
@@ -170,7 +186,7 @@ def leave_together(store: dist.TCPStore, rank: int, world_size: int) -> None:
     prefix = StoreKeys("exit").prefix
     store.set(f"{prefix}/{rank}", "bye")
     if rank == 0:
-        store.wait([f"{prefix}/{r}" for r in range(world_size)])
+        wait_for_keys(store, [f"{prefix}/{r}" for r in range(world_size)])
 
 
 # --------------------------------------------------------------------------- child side

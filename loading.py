@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 import utils
-from isolation import (Finisher, Interrupted, Piece, StoreKeys, catch_interrupts, init_group, launcher_env,
-                       leave_together, run_child, run_isolated, start_child_server)
+from isolation import (Finisher, Interrupted, Piece, StoreKeys, catch_interrupts, gather_records, init_group,
+                       launcher_env, leave_together, run_child, run_isolated, start_child_server)
 from measure import MIB, TRACE_KEYS, MemoryTracker, rss_mib, write_json
 from memory_model import local_tensor, shard_rows
 from utils import UserError
@@ -355,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"Writing a {args.checkpoint_dtype} checkpoint of {model_name} to {path} ...", flush=True)
             writer = job("write-checkpoint", None)
             failure, = run_isolated([Piece(write_checkpoint_process, (writer, path), writer.keys)], rank,
-                                    world_size, store, device)
+                                    range(world_size), store, device)
             if failure:
                 raise UserError(f"writing the checkpoint failed: {failure}")
             write_s = json.loads(store.get(writer.keys.record(0)))["write_s"]
@@ -368,10 +368,9 @@ def run(args: argparse.Namespace) -> int:
             if rank == 0:
                 print(f"[{mode}] loading on {world_size} rank(s)...", flush=True)
             j = job(mode, checkpoint)
-            failure, = run_isolated([Piece(load_process, (j,), j.keys)], rank, world_size, store, device)
+            failure, = run_isolated([Piece(load_process, (j,), j.keys)], rank, range(world_size), store, device)
             if rank == 0:
-                records[mode] = f"failed: {failure}" if failure else \
-                    [json.loads(store.get(j.keys.record(r))) for r in range(world_size)]
+                records[mode] = f"failed: {failure}" if failure else gather_records(store, j.keys, range(world_size))
                 summary["modes"] = summarise(records)
                 write_json(summary_path, summary)
     except Interrupted as exc:

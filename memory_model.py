@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from utils import UNFIXED
 
 KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "stale_param_bytes")
+PHASES = ("end_of_setup", "before_zero_grad", "end_of_training")  # when ``account`` counts
 ADAMW_MOMENTS = 2
 STEP_BYTES = 4  # AdamW's per-parameter fp32 step counter
 PROJECTION_WORLD_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -125,10 +126,10 @@ def expected_state(shapes, world_size: int, rank: int, variant: str, phase: str)
     }
 
 
-def projection(shapes, variants: list[str]) -> dict:
+def projection(shapes, variants: list[str], sizes: list[int] = PROJECTION_WORLD_SIZES) -> dict:
     """Per-rank state (worst rank) of each variant for larger clusters, between steps and at the step peak."""
     table = {}
-    for n in PROJECTION_WORLD_SIZES:
+    for n in sizes:
         table[str(n)] = {}
         for name in variants:
             row = {}

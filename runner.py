@@ -16,6 +16,7 @@ import utils
 from isolation import Finisher, StoreKeys, init_group, run_child
 from measure import TRACE_KEYS, MemoryTracker, write_json
 from memory_model import account
+from simulation import init_simulated_group
 
 
 @dataclass
@@ -32,6 +33,8 @@ class Job:
     rank: int
     world_size: int
     keys: "StoreKeys"
+    output_dir: str
+    simulated: bool = False  # rank ``rank`` of ``world_size`` played alone on a fake process group
 
 
 def rank_file(name: str, suffix: str, rank: int) -> str:
@@ -81,7 +84,8 @@ def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
         hook = (lambda: accounting.update(before_zero_grad=account(prep.model, prep.optimizer))) \
             if step == last else None
         loss = train_step(prep, batch.to(job.device), hook)
-        tracker.record_step(step, loss, time.perf_counter() - t)
+        # Under a fake group no collective moves data, so the loss of a simulated rank means nothing.
+        tracker.record_step(step, None if job.simulated else loss, time.perf_counter() - t)
     tracker.mark("training_finished")
     accounting["end_of_training"] = account(prep.model, prep.optimizer)
     return {"wall_s": time.perf_counter() - start, "accounting": accounting,
@@ -101,7 +105,7 @@ def variant_process(job: Job) -> None:
     # per allocation (about 1,350 launches a step here) and changes no result of a correct program.
     torch.utils.deterministic.fill_uninitialized_memory = False
     tracker = MemoryTracker(job.device, job.args.log_interval).start()
-    path = os.path.join(job.args.output_dir, rank_file(job.name, "memory_usage.json", job.rank))
+    path = os.path.join(job.output_dir, rank_file(job.name, "memory_usage.json", job.rank))
 
     def write(status: str, extra: dict) -> dict:
         tracker.stop()
@@ -115,11 +119,12 @@ def variant_process(job: Job) -> None:
         snapshot = job.args.save_memory_snapshot and job.device.type == "cuda"
         if snapshot:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
-        mesh = init_group(job.device, job.keys, store, job.rank, job.world_size)
+        mesh = init_simulated_group(job.device, job.rank, job.world_size) if job.simulated else \
+            init_group(job.device, job.keys, store, job.rank, job.world_size)
         tracker.mark("group_ready")
         extra = train(job, tracker, mesh)
         if snapshot:
-            torch.cuda.memory._dump_snapshot(os.path.join(job.args.output_dir,
+            torch.cuda.memory._dump_snapshot(os.path.join(job.output_dir,
                                                           rank_file(job.name, "memory_snapshot.pkl", job.rank)))
         extra["gpu_name"] = torch.cuda.get_device_name(job.device) if job.device.type == "cuda" else None
         data = finisher.finish(extra)

@@ -119,6 +119,12 @@ def nan_if_none(value):
     return float("nan") if value is None else value
 
 
+def simulated_label(runs: dict) -> str | None:
+    """"simulated N=.., rank R" for the traces of one world size of a --simulate_world_size sweep."""
+    meta = next(iter(runs.values()))[0]["meta"]
+    return f"simulated N={meta['world_size']}, rank {meta['rank']}" if meta.get("simulated") else None
+
+
 def plot_memory(runs: dict, keys: tuple, path: str, threshold: float, partition: float) -> bool:
     """Top: rank 0's polled trace over time. Bottom: per step, the counter peak (solid) and what
     stays allocated after the step (dotted), rank 0 thick, other ranks thin. False when no data."""
@@ -137,7 +143,7 @@ def plot_memory(runs: dict, keys: tuple, path: str, threshold: float, partition:
                     bottom.plot(steps, [nan_if_none(s.get(key)) for s in trace["steps"]], color=f"C{i}", lw=width, ls=style,
                                 label=name if rank == 0 and key == (peak_key or end_key) else None)
     top.set_xlabel(f"seconds since the model was sharded ('{ALIGN_EVENT}' event)")
-    top.set_title(f"{what}, rank 0, sampled over time (MiB)")
+    top.set_title(f"{what}, {simulated_label(runs) or 'rank 0'}, sampled over time (MiB)")
     bottom.set_xlabel("optimizer step")
     first_line = "peak within each step (allocator counter, solid); " if peak_key else ""
     bottom.set_title(f"{what} per step: {first_line}after the step (dotted); all ranks (MiB)")
@@ -211,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
             raise InputError(f"--dir {args.dir}: no such directory")
         runs = load_traces(args.dir, {name: f"{name}_memory_usage" for name in VARIANTS})
         loads = load_traces(args.dir, loading_stems(args.dir))
+        summary_path = os.path.join(args.dir, "summary.json")
+        if os.path.exists(summary_path) and read_json(summary_path).get("simulated"):
+            plot_sweep(read_json(summary_path), args.dir)
+            return 0
         if not runs and not loads:
             raise InputError(f"--dir {args.dir}: no <variant>_memory_usage.json files from main.py "
                              "(nor loading_*_memory_usage.json from loading.py)")
@@ -227,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot_training(runs: dict, args: argparse.Namespace) -> None:
-    """The plots of a main.py run."""
+    """The plots of a main.py run (or of one world size of a sweep)."""
     missing = [n for n in VARIANTS if n not in runs]
     if missing:
         print(f"note: no results for {', '.join(missing)}; plotting the others")
@@ -237,8 +247,11 @@ def plot_training(runs: dict, args: argparse.Namespace) -> None:
             print(f"wrote {path}")
         else:
             print(f"skipped {filename}: the traces hold no {keys[0]} values (a CPU run has no allocator counters)")
-    plot_loss(runs, os.path.join(args.dir, "loss.png"))
-    print(f"wrote {os.path.join(args.dir, 'loss.png')}")
+    if simulated_label(runs):
+        print("skipped loss.png: losses of a simulated world size mean nothing")
+    else:
+        plot_loss(runs, os.path.join(args.dir, "loss.png"))
+        print(f"wrote {os.path.join(args.dir, 'loss.png')}")
     summary_path = os.path.join(args.dir, "summary.json")
     path = os.path.join(args.dir, "memory_vs_world_size.png")
     summary = read_json(summary_path) if os.path.exists(summary_path) else {}
@@ -268,6 +281,71 @@ def plot_loading(loads: dict, path: str) -> None:
             ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, "no data (CPU run)", ha="center", transform=ax.transAxes)
+    save(fig, path)
+
+
+
+# --------------------------------------------------------------------------- simulated world sizes
+
+STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "stale_param_bytes")
+
+
+def sweep_points(summary: dict, name: str) -> list[tuple[int, int, dict]]:
+    """(N, rank, entry) of every finished run of one variant in a sweep's summary.json."""
+    return [(int(n), int(r), by_variant[name]) for n, by_rank in summary["simulated"].items()
+            for r, by_variant in by_rank.items() if by_variant.get(name, {}).get("status") == "ok"]
+
+
+def plot_sweep(summary: dict, directory: str) -> None:
+    """memory_vs_world_size.png of a --simulate_world_size sweep, and where the per-N plots come from."""
+    path = os.path.join(directory, "memory_vs_world_size.png")
+    plot_simulated(summary, path)
+    print(f"wrote {path}")
+    for n in summary["meta"]["simulated"]["world_sizes"]:
+        print(f"traces of N={n}: python3 visualize.py --dir {os.path.join(directory, f'simulated_N{n}')}")
+
+
+def plot_simulated(summary: dict, path: str) -> None:
+    """Top: the sharding rule's per-rank state for every N (lines) and, at each simulated N, the
+    measured peak allocated in training (dots) and the state counted (crosses). Bottom: the
+    measured memory beyond that state (activations, gathered parameters, buffers)."""
+    table = summary["projection"]["per_rank_state_bytes"]
+    sizes = [int(n) for n in table]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 10), sharex=True)
+    measured_any = False
+    for i, name in enumerate(VARIANTS):
+        if name not in table[str(sizes[0])]:
+            continue
+        top.plot(sizes, [table[str(n)][name]["before_zero_grad"] / GIB for n in sizes], color=f"C{i}", lw=1,
+                 label=f"{name}: state at the step peak (sharding rule)")
+        points = sweep_points(summary, name)
+        x = [n * 2 ** (0.05 * (i - 1.5)) for n, _, _ in points]  # nudged apart: the intended ones coincide
+        state = [max(sum(rank["before_zero_grad"][k] for k in STATE_KEYS) for rank in e["accounting"]) / GIB
+                 for _, _, e in points]
+        peak = [nan_if_none(e["training_peak_allocated_mib"]["max"]) / 1024 for _, _, e in points]
+        beyond = [nan_if_none(e["training_peak_beyond_state_mib"]["max"]) / 1024 for _, _, e in points]
+        top.plot(x, state, ls="none", marker="x", ms=7, color=f"C{i}", label=f"{name}: state counted (simulated)")
+        if any(v == v for v in peak):  # not all NaN: the device has an allocator
+            measured_any = True
+            top.plot(x, peak, ls="none", marker="o", ms=7, color=f"C{i}", markeredgecolor="black",
+                     label=f"{name}: peak allocated in training (simulated)")
+            bottom.plot(x, beyond, marker="o", ms=6, lw=1, color=f"C{i}", label=name)
+    ranks = sorted({int(r) for by_rank in summary["simulated"].values() for r in by_rank})
+    played = "rank 0" if ranks == [0] else f"ranks {', '.join(map(str, ranks))}"
+    top.set_title(f"{summary['meta']['model']}, per rank against world size N: simulated N, one process playing "
+                  f"{played}")
+    top.set_ylabel("GiB per rank")
+    bottom.set_title("measured beyond the state: peak allocated in training minus the state held at the step peak")
+    bottom.set_ylabel("GiB per rank")
+    if not measured_any:
+        bottom.text(0.5, 0.5, "no allocator counters (CPU run)", ha="center", transform=bottom.transAxes)
+    for ax in (top, bottom):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(n) for n in sizes])
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    bottom.set_xlabel("world size N (ranks)")
     save(fig, path)
 
 

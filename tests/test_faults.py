@@ -101,6 +101,14 @@ BAD_INPUTS = {
     "bad failure spec": (["--inject_failure", "accelerate:x:1"], "expected VARIANT:STEP:RANK"),
     "concurrency zero": (["--concurrent_variants", "0"], "--concurrent_variants must be a positive integer"),
     "bad flag": (["--batch_sizes", "2"], "unrecognized arguments"),
+    "simulated N zero": (["--simulate_world_size", "4,0"], "every N must be at least 1"),
+    "simulated N not an integer": (["--simulate_world_size", "8,x"], "expected comma-separated integers, got 'x'"),
+    "simulated N repeated": (["--simulate_world_size", "8,8"], "a value is given twice"),
+    "simulated rank too large": (["--simulate_world_size", "4,16", "--simulate_rank", "4"],
+                                 "--simulate_rank 4: outside [0, N) for N = 4"),
+    "simulated rank negative": (["--simulate_world_size", "4", "--simulate_rank", "-1"], "outside [0, N)"),
+    "simulated rank a word": (["--simulate_world_size", "4", "--simulate_rank", "first"],
+                              "integers or 'last', got 'first'"),
 }
 
 

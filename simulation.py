@@ -1,0 +1,167 @@
+"""Measure one rank of a world of N ranks with a single process: ``--simulate_world_size``.
+
+torch's "fake" process-group backend accepts every collective and moves no data, while every
+tensor is real and comes from the real allocator: the model, FSDP2's sharded parameters and its
+all-gather and reduce-scatter buffers, gradients, AdamW state, activations. So one process can
+play rank R of a world of N and its memory at N is measured, not estimated; its losses mean
+nothing (parameters are never really gathered). A sweep is a list of (N, rank, variant) runs,
+each in a fresh process as usual; they need no peers, so the launch's processes share them out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from isolation import Piece, StoreKeys, run_isolated, wait_for_keys
+from memory_model import PHASES, expected_state
+from utils import UserError
+
+FAKE_GROUP_MODULE = "torch.testing._internal.distributed.fake_pg"
+DEFAULT_STEPS = 10  # memory settles after the first optimizer step; losses mean nothing here
+LAST = "last"
+
+
+@dataclass(frozen=True)
+class SimulatedRun:
+    """One variant, playing rank ``rank`` of a world of ``world_size``."""
+    world_size: int
+    rank: int
+    variant: str
+
+    @property
+    def label(self) -> str:
+        return f"simulated N={self.world_size}, rank {self.rank}"
+
+    @property
+    def keys(self) -> StoreKeys:
+        return StoreKeys(f"simulated/N{self.world_size}/r{self.rank}/{self.variant}")
+
+
+def world_size_dir(output_dir: str, world_size: int) -> str:
+    """Traces of every rank played at N go to ``<output_dir>/simulated_N<N>/``, named as in a real run."""
+    return os.path.join(output_dir, f"simulated_N{world_size}")
+
+
+# --------------------------------------------------------------------------- command line
+
+def _integers(text: str, flag: str, allow_last: bool = False) -> list:
+    values = []
+    for part in (p.strip() for p in text.split(",")):
+        if allow_last and part == LAST:
+            values.append(LAST)
+            continue
+        try:
+            values.append(int(part))
+        except ValueError:
+            wanted = "integers or 'last'" if allow_last else "integers"
+            raise UserError(f"{flag}: expected comma-separated {wanted}, got {part!r}") from None
+    if len(set(values)) != len(values):
+        raise UserError(f"{flag}: a value is given twice")
+    return values
+
+
+def parse_world_sizes(text: str) -> list[int]:
+    """The world sizes of a sweep, smallest first."""
+    sizes = _integers(text, "--simulate_world_size")
+    if any(n < 1 for n in sizes):
+        raise UserError(f"--simulate_world_size: every N must be at least 1, got {text}")
+    return sorted(sizes)
+
+
+def parse_ranks(text: str, world_sizes: list[int]) -> list:
+    """Integer ranks must lie in [0, N) for every N; ``last`` is N - 1."""
+    ranks = _integers(text, "--simulate_rank", allow_last=True)
+    for rank in ranks:
+        if rank != LAST and not 0 <= rank < min(world_sizes):
+            raise UserError(f"--simulate_rank {rank}: outside [0, N) for N = {min(world_sizes)}")
+    return ranks
+
+
+def check_fake_group_available() -> None:
+    try:
+        __import__(FAKE_GROUP_MODULE)
+    except ImportError:
+        raise UserError(f"--simulate_world_size needs torch's fake process group ({FAKE_GROUP_MODULE}), "
+                        f"which torch {torch.__version__} lacks") from None
+
+
+# --------------------------------------------------------------------------- plan
+
+def _state(shapes, world_size: int, rank: int, variants: list[str]) -> list:
+    return [expected_state(shapes, world_size, rank, v, phase) for v in variants for phase in PHASES]
+
+
+def plan(world_sizes: list[int], ranks: list, variants: list[str], shapes) -> tuple[list[SimulatedRun], list[str]]:
+    """Every (N, rank, variant) to run, and a note for each ``last`` rank left out because the
+    sharding rule gives it exactly the bytes of a rank already played (it would measure the same)."""
+    runs, notes = [], []
+    for n in world_sizes:
+        played: list[int] = []
+        for spec in ranks:
+            rank = n - 1 if spec == LAST else spec
+            if rank in played:
+                continue
+            if spec == LAST and any(_state(shapes, n, rank, variants) == _state(shapes, n, r, variants)
+                                    for r in played):
+                notes.append(f"N={n}: rank {rank} holds the same bytes as rank {played[0]}; not played")
+                continue
+            played.append(rank)
+            runs.extend(SimulatedRun(n, rank, v) for v in variants)
+    return runs, notes
+
+
+# --------------------------------------------------------------------------- child side
+
+def init_simulated_group(device: torch.device, rank: int, world_size: int):
+    """A fake process group of ``world_size`` ranks in which this process is ``rank``, and its mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fake_pg = __import__(FAKE_GROUP_MODULE, fromlist=["FakeStore"])  # importing registers the backend
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world_size)
+    return init_device_mesh(device.type, (world_size,))
+
+
+# --------------------------------------------------------------------------- main process side
+
+def _outcome_key(run: SimulatedRun) -> str:
+    return f"{run.keys.prefix}/outcome"
+
+
+def run_share(runs: list[SimulatedRun], make_job: Callable[[SimulatedRun], object], target: Callable,
+              rank: int, world_size: int, store: dist.TCPStore, device: torch.device, at_once: int) -> bool:
+    """Run this launch process's share of the sweep (every ``world_size``-th run), ``at_once`` at a
+    time, each alone in a fresh process; post each outcome ("ok" or the failure) as it ends.
+    True if any of them failed."""
+    mine, any_failed = runs[rank::world_size], False
+    for first in range(0, len(mine), at_once):
+        group = mine[first:first + at_once]
+        print(f"[process {rank}] " + "; ".join(f"{r.variant} ({r.label})" for r in group), flush=True)
+        jobs = [make_job(r) for r in group]
+        failures = run_isolated([Piece(target, (job,), r.keys) for job, r in zip(jobs, group)], rank, [rank],
+                                store, device)
+        for r, failure in zip(group, failures):
+            store.set(_outcome_key(r), "ok" if failure is None else failure)
+            if failure:
+                any_failed = True
+                print(f"[process {rank}] {r.variant} ({r.label}) FAILED: {failure}", flush=True)
+    return any_failed
+
+
+def outcomes(runs: list[SimulatedRun], store: dist.TCPStore) -> dict[SimulatedRun, str | None]:
+    """Each run's posted outcome, None for a run that has not ended."""
+    return {r: store.get(_outcome_key(r)).decode() if store.check([_outcome_key(r)]) else None for r in runs}
+
+
+def wait_for_sweep(runs: list[SimulatedRun], store: dist.TCPStore) -> None:
+    """Until every process has posted the outcome of every run of its share."""
+    wait_for_keys(store, [_outcome_key(r) for r in runs])
+
+
+def record_of(run: SimulatedRun, store: dist.TCPStore) -> dict:
+    return json.loads(store.get(run.keys.record(run.rank)))

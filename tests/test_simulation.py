@@ -1,0 +1,111 @@
+"""--simulate_world_size: one process plays one rank of N; a 2-process launch shares the sweep out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import TINY, VARIANTS, load, run_script
+
+UNFIXED = "torch_optimizer_before_fsdp_not_fixed"
+KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "stale_param_bytes")
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """tiny (odd sizes: padding at every N > 1) at N = 5 and 8, ranks 0 and N - 1."""
+    out = tmp_path_factory.mktemp("sweep")
+    proc = run_script(["main.py", *TINY, "--max_steps", "3", "--simulate_world_size", "8,5",
+                       "--simulate_rank", "0,last", "--output_dir", str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out, proc
+
+
+def test_every_variant_rank_and_world_size_has_its_own_trace(sweep):
+    out, proc = sweep
+    for n, last in ((5, 4), (8, 7)):
+        for name in VARIANTS:
+            for rank, file in ((0, f"{name}_memory_usage.json"), (last, f"{name}_memory_usage_rank{last}.json")):
+                trace = load(out / f"simulated_N{n}" / file)
+                assert trace["status"] == "ok"
+                assert (trace["meta"]["world_size"], trace["meta"]["rank"], trace["meta"]["simulated"]) == \
+                    (n, rank, True)
+                assert [s["loss"] for s in trace["steps"]] == [None] * 3  # no loss is reported as measured
+    # The two processes of the launch shared the 16 runs.
+    assert proc.stdout.count("[process 0]") == 8 and proc.stdout.count("[process 1]") == 8
+
+
+def test_accounting_equals_the_sharding_rule_to_the_byte_for_every_rank_played(sweep):
+    out, _ = sweep
+    summary = load(out / "summary.json")
+    assert summary["meta"]["simulated"]["world_sizes"] == [5, 8]
+    assert summary["meta"]["world_size"] == 2  # the launch's own processes
+    full_bytes = 4 * summary["meta"]["num_parameters"]
+    for n, last in ((5, 4), (8, 7)):
+        by_rank = summary["simulated"][str(n)]
+        assert sorted(by_rank, key=int) == ["0", str(last)]
+        for rank in (0, last):
+            for name in VARIANTS:
+                entry = by_rank[str(rank)][name]
+                assert entry["label"] == f"simulated N={n}, rank {rank}" and entry["status"] == "ok"
+                assert entry["accounting_matches_expected"] is True
+                assert entry["accounting"] == entry["expected"]
+                held = entry["accounting"][0]["before_zero_grad"]
+                assert held["param_bytes"] == held["grad_bytes"] > 0
+                assert held["param_bytes"] < full_bytes / n + 4096  # one padded shard, not the model
+                assert held["stale_param_bytes"] == (full_bytes if name == UNFIXED else 0)
+                assert (held["optimizer_state_bytes"] == 0) == (name == UNFIXED)
+                assert "losses" not in entry
+        # The last rank holds less AdamW state than rank 0 (its rows are padding), the same shards.
+        first, final = (by_rank[str(r)]["torch_optimizer_after_fsdp"]["accounting"][0]["before_zero_grad"]
+                        for r in (0, last))
+        assert final["param_bytes"] == first["param_bytes"]
+        assert final["optimizer_state_bytes"] < first["optimizer_state_bytes"]
+
+
+def test_convergence_checks_are_skipped_not_passed(sweep):
+    out, proc = sweep
+    checks = load(out / "summary.json")["checks"]
+    assert checks["accounting_matches_expected"] == {"ok": True, "mismatched": []}
+    for key in ("intended_losses_match", "unfixed_did_not_train"):
+        assert checks[key]["ok"] is None and "losses mean nothing" in checks[key]["skipped"]
+        assert f"check {key}: SKIPPED" in proc.stdout
+    assert "PASS" not in proc.stdout.replace("check accounting_matches_expected: PASS", "")
+
+
+def test_the_unfixed_state_exceeds_the_intended_one_from_the_smallest_n_where_the_rule_says_so(sweep):
+    out, proc = sweep
+    summary = load(out / "summary.json")
+    # P + 2P/N against 4P/N: from N = 3 on, so at every simulated N here.
+    assert summary["simulation_findings"]["unfixed_exceeds_intended_from_world_size"] == {"state_at_step_peak": 5}
+    assert "state held at the step peak exceeds every intended variant's from simulated N = 5 on" in proc.stdout
+    assert "Simulated world sizes (tiny): one process played each rank shown" in proc.stdout
+
+
+def test_a_last_rank_that_holds_the_bytes_of_rank_0_is_not_played_twice(tmp_path):
+    # Every dimension of this model divides by 2: both ranks of N = 2 hold the same bytes.
+    config = {"model_type": "qwen2", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
+    (tmp_path / "even").mkdir()
+    (tmp_path / "even" / "config.json").write_text(json.dumps(config))
+    proc = run_script(["main.py", "--model", str(tmp_path / "even"), "--device", "cpu", "--max_steps", "1",
+                       "--simulate_world_size", "2", "--simulate_rank", "0,last",
+                       "--variants", "torch_optimizer_after_fsdp", "--output_dir", str(tmp_path / "out")], nproc=None)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "N=2: rank 1 holds the same bytes as rank 0; not played" in proc.stdout
+    summary = load(tmp_path / "out" / "summary.json")
+    assert list(summary["simulated"]["2"]) == ["0"]
+    assert summary["meta"]["simulated"]["notes"] == ["N=2: rank 1 holds the same bytes as rank 0; not played"]
+
+
+def test_visualize_draws_the_sweep_and_the_traces_of_one_world_size(sweep):
+    out, _ = sweep
+    proc = run_script(["visualize.py", "--dir", str(out)], nproc=None)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "memory_vs_world_size.png").stat().st_size > 10_000
+    assert f"visualize.py --dir {out / 'simulated_N8'}" in proc.stdout
+    proc = run_script(["visualize.py", "--dir", str(out / "simulated_N8")], nproc=None)
+    assert proc.returncode == 0, proc.stderr
+    assert "skipped loss.png: losses of a simulated world size mean nothing" in proc.stdout
+    assert not (out / "simulated_N8" / "loss.png").exists()
