@@ -266,13 +266,13 @@ def run_sweep(s: Session) -> int:
 def record_sweep(s: Session, runs: list, sizes: list[int]) -> None:
     """Rank 0: summary.json of a sweep, with every run that has ended (the rest marked not run)."""
     simulated: dict = {}
-    for run, outcome in simulation.outcomes(runs, s.store).items():
-        if outcome == "ok":
+    for run, status in simulation.statuses(runs, s.store).items():
+        if status == "ok":
             record = simulation.record_of(run, s.store)
             s.summary["meta"]["gpu_name"] = record["gpu_name"]
             entry = report.memory_summary(run.variant, [record], s.shapes, run.world_size, [run.rank])
         else:
-            entry = {"status": "not run" if outcome is None else f"failed: {outcome}"}
+            entry = {"status": status}
         simulated.setdefault(str(run.world_size), {}).setdefault(str(run.rank), {})[run.variant] = \
             {"label": run.label, **entry}
     s.summary["simulated"] = simulated
@@ -308,7 +308,12 @@ def run(args: argparse.Namespace) -> int:
         print("warning: --save_memory_snapshot needs CUDA; no snapshot is written on CPU.")
     catch_interrupts()
     timeline["variants_started"] = time.time()
-    return run_sweep(s) if args.simulate_world_size else run_variants(s)
+    try:
+        return run_sweep(s) if args.simulate_world_size else run_variants(s)
+    except Interrupted as exc:  # while waiting for the other ranks, after this rank's results were written
+        print(f"Interrupted ({exc}) while waiting for the other ranks; results so far are in {args.output_dir}/",
+              file=sys.stderr)
+        return 130
 
 
 def main() -> None:

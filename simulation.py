@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from isolation import Piece, StoreKeys, run_isolated, wait_for_keys
+from isolation import INTERRUPTED, Interrupted, Piece, StoreKeys, run_isolated, wait_for_keys
 from memory_model import PHASES, expected_state
 from utils import UserError
 
@@ -143,8 +143,13 @@ def run_share(runs: list[SimulatedRun], make_job: Callable[[SimulatedRun], objec
         group = mine[first:first + at_once]
         print(f"[process {rank}] " + "; ".join(f"{r.variant} ({r.label})" for r in group), flush=True)
         jobs = [make_job(r) for r in group]
-        failures = run_isolated([Piece(target, (job,), r.keys) for job, r in zip(jobs, group)], rank, [rank],
-                                store, device)
+        try:
+            failures = run_isolated([Piece(target, (job,), r.keys) for job, r in zip(jobs, group)], rank, [rank],
+                                    store, device)
+        except Interrupted:
+            for r in mine[first:]:  # so that rank 0 need not wait for runs that will never end
+                store.set(_outcome_key(r), INTERRUPTED)
+            raise
         for r, failure in zip(group, failures):
             store.set(_outcome_key(r), "ok" if failure is None else failure)
             if failure:
@@ -153,9 +158,10 @@ def run_share(runs: list[SimulatedRun], make_job: Callable[[SimulatedRun], objec
     return any_failed
 
 
-def outcomes(runs: list[SimulatedRun], store: dist.TCPStore) -> dict[SimulatedRun, str | None]:
-    """Each run's posted outcome, None for a run that has not ended."""
-    return {r: store.get(_outcome_key(r)).decode() if store.check([_outcome_key(r)]) else None for r in runs}
+def statuses(runs: list[SimulatedRun], store: dist.TCPStore) -> dict[SimulatedRun, str]:
+    """Each run's status as summary.json gives it: ok, failed: <reason>, interrupted, or not run."""
+    found = {r: store.get(_outcome_key(r)).decode() if store.check([_outcome_key(r)]) else None for r in runs}
+    return {r: "not run" if o is None else o if o in ("ok", INTERRUPTED) else f"failed: {o}" for r, o in found.items()}
 
 
 def wait_for_sweep(runs: list[SimulatedRun], store: dist.TCPStore) -> None:

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from conftest import TINY, VARIANTS, load, run_script
+from conftest import ROOT, TINY, VARIANTS, load, run_script
 
 UNFIXED = "torch_optimizer_before_fsdp_not_fixed"
 KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "stale_param_bytes")
@@ -109,3 +114,23 @@ def test_visualize_draws_the_sweep_and_the_traces_of_one_world_size(sweep):
     assert proc.returncode == 0, proc.stderr
     assert "skipped loss.png: losses of a simulated world size mean nothing" in proc.stdout
     assert not (out / "simulated_N8" / "loss.png").exists()
+
+
+def test_sigterm_keeps_finished_runs_and_marks_the_interrupted_one(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "main.py", *TINY, "--max_steps", "200", "--simulate_world_size", "4,8",
+                             "--variants", "torch_optimizer_after_fsdp", "--output_dir", str(tmp_path)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # the N = 4 run has ended once the N = 8 one starts
+        if "(simulated N=8, rank 0)" in line:
+            break
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    simulated = load(tmp_path / "summary.json")["simulated"]
+    assert simulated["4"]["0"]["torch_optimizer_after_fsdp"]["status"] == "ok"
+    assert simulated["8"]["0"]["torch_optimizer_after_fsdp"]["status"] == "interrupted"
+    partial = load(tmp_path / "simulated_N8" / "torch_optimizer_after_fsdp_memory_usage.json")
+    assert partial["status"] == "interrupted" and 0 < len(partial["steps"]) < 200
+    assert "Interrupted (SIGTERM)" in stderr and "Traceback" not in stderr
