@@ -2,6 +2,10 @@
 
 Launch with ``torchrun --nproc_per_node N main.py`` or ``accelerate launch main.py``
 (plain ``python main.py`` runs one rank). See README.md for every option and output.
+
+Where things are: the four variants and the fix in ``utils.py``; the memory tracker in
+``measure.py``; one variant's training in ``fsdp2bench/runner.py``; failures, interrupts and
+fresh processes in ``fsdp2bench/isolation.py``; the summary and checks in ``fsdp2bench/report.py``.
 """
 
 from __future__ import annotations
@@ -11,29 +15,19 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 import psutil
 import torch
-import torch.distributed as dist
 
-import report
-import utils
-import simulation
-from isolation import (Interrupted, Piece, StoreKeys, catch_interrupts, gather_records, launcher_env, leave_together,
-                       run_isolated, start_child_server)
-from measure import write_json
-from memory_model import PROJECTION_WORLD_SIZES, param_shapes
-from runner import Job, variant_process
-from utils import VARIANTS, UserError
-
-
-@dataclass
-class FailureSpec:
-    name: str
-    step: int
-    rank: int
-    kill: bool
+from fsdp2bench import simulation
+from fsdp2bench.cli import OneLineParser, UserError, exit_with, parse_names
+from fsdp2bench.data import load_tokens, rank_batches
+from fsdp2bench.isolation import Interrupted
+from fsdp2bench.model import PRESETS, max_positions
+from fsdp2bench.names import VARIANTS
+from fsdp2bench.runner import FailureSpec, TrainConfig
+from fsdp2bench.session import open_session, say_interrupted
+from fsdp2bench.suite import Suite, run_sweep, run_variants
 
 
 def parse_failure(text: str) -> FailureSpec:
@@ -47,7 +41,7 @@ def parse_failure(text: str) -> FailureSpec:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = utils.OneLineParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--output_dir", default="out", help="where the JSON files go (default: out)")
     p.add_argument("--save_memory_snapshot", action="store_true",
                    help="also write <run>_memory_snapshot.pkl for pytorch.org/memory_viz (CUDA only)")
@@ -64,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto: CUDA when a GPU is present, else CPU with gloo (default: auto)")
     p.add_argument("--model", default="qwen2.5-1.5b",
-                   help=f"preset ({', '.join(utils.PRESETS)}), a local directory with config.json, "
+                   help=f"preset ({', '.join(PRESETS)}), a local directory with config.json, "
                         "or a Hub id (default: qwen2.5-1.5b)")
     p.add_argument("--dataset", default=None, help="local text file (default: built-in text)")
     p.add_argument("--tokenizer", default=None,
@@ -105,13 +99,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
         raise UserError(f"--learning_rate must be a positive number, got {args.learning_rate}")
     if not args.log_interval > 0:
         raise UserError(f"--log_interval must be positive, got {args.log_interval}")
-    names = [n.strip() for n in args.variants.split(",") if n.strip()]
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown or not names:
-        raise UserError(f"--variants: unknown name(s) {', '.join(unknown) or '(none given)'}; "
-                        f"choose from {', '.join(VARIANTS)}")
-    if len(set(names)) != len(names):
-        raise UserError("--variants: a name is given twice")
+    names = parse_names(args.variants, "--variants", VARIANTS)
     if args.dataset is not None and not os.path.isfile(args.dataset):
         raise UserError(f"--dataset {args.dataset}: no such file")
     if args.simulate_world_size is not None:
@@ -123,6 +111,11 @@ def check_args(args: argparse.Namespace) -> list[str]:
     return names
 
 
+def check_positions(block_size: int, config) -> None:
+    if max_positions(config) and block_size > max_positions(config):
+        raise UserError(f"--block_size {block_size} exceeds the model's {max_positions(config)} positions")
+
+
 def versions() -> dict:
     import accelerate
     import transformers
@@ -131,193 +124,42 @@ def versions() -> dict:
             "transformers": transformers.__version__, "python": sys.version.split()[0]}
 
 
-@dataclass
-class Session:
-    """What every rank has set up before the first variant starts."""
-    args: argparse.Namespace
-    names: list[str]
-    device: torch.device
-    rank: int
-    world_size: int
-    config: object
-    batches: list
-    shapes: list
-    layer_classes: list[str]
-    meta: dict
-    store: dist.TCPStore
-    summary: dict
-    summary_path: str
-
-    def job(self, name: str, keys: StoreKeys, rank: int, world_size: int, output_dir: str,
-            simulated: bool = False) -> Job:
-        meta = {**self.meta, "rank": rank, "world_size": world_size, "simulated": simulated}
-        return Job(name, self.args, self.device, self.config, self.batches, self.layer_classes, meta, rank,
-                   world_size, keys, output_dir, simulated)
-
-
-def set_up(args: argparse.Namespace, timeline: dict) -> Session:
-    names = check_args(args)
-    device = utils.pick_device(args.device)
-    rank, world_size = launcher_env()
-    start_child_server(device)  # its imports overlap the set-up below
-    config = utils.load_config(args.model)
-    if utils.max_positions(config) and args.block_size > utils.max_positions(config):
-        raise UserError(f"--block_size {args.block_size} exceeds the model's {utils.max_positions(config)} positions")
-    tokens = utils.load_tokens(args.dataset, args.tokenizer)
-    # A simulated rank has no peers to share the data with: every run takes the batches of a world of one.
-    data_rank, data_world = (0, 1) if args.simulate_world_size else (rank, world_size)
-    batches = utils.rank_batches(tokens, args.block_size, args.batch_size, args.dataset_fraction,
-                                 data_rank, data_world, args.max_steps)
-    utils.prepare_output_dir(args.output_dir)
-    meta_model = utils.build_model(config, torch.device("meta"), args.seed)
-    meta = {"rank": rank, "world_size": world_size, "device": device.type, "versions": versions(),
-            "model": args.model, "model_type": config.model_type,
-            "num_parameters": sum(p.numel() for p in meta_model.parameters()),
-            "steps_per_variant": len(batches),
-            "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()}}
-    store, _, _ = next(dist.rendezvous("env://"))
-    summary = {"meta": {**{k: v for k, v in meta.items() if k != "rank"}, "timeline": timeline}}
-    return Session(args, names, device, rank, world_size, config, batches, param_shapes(meta_model),
-                   utils.layer_class_names(meta_model), meta, store, summary,
-                   os.path.join(args.output_dir, "summary.json"))
-
-
-# --------------------------------------------------------------------------- orchestration
-
-def run_variants(s: Session) -> int:
-    """The benchmark proper: every variant on every rank, ``--concurrent_variants`` at a time."""
-    s.summary.update(variants={}, checks={}, projection=None)
-    any_failed = False
-    for first in range(0, len(s.names), s.args.concurrent_variants):
-        group = s.names[first:first + s.args.concurrent_variants]
-        if s.rank == 0:
-            print(f"[{', '.join(group)}] {len(s.batches)} steps on {s.world_size} rank(s)...", flush=True)
-        jobs = [s.job(name, StoreKeys(name), s.rank, s.world_size, s.args.output_dir) for name in group]
-        started, started_at = time.perf_counter(), time.time()
-        try:
-            failures = run_isolated([Piece(variant_process, (job,), job.keys) for job in jobs], s.rank,
-                                    range(s.world_size), s.store, s.device)
-            wall = time.perf_counter() - started  # the group's, so one figure for every variant in it
-        except Interrupted as exc:
-            if s.rank == 0:
-                for later in s.names[first:]:
-                    s.summary["variants"][later] = {"status": "interrupted" if later in group else "not run"}
-                write_json(s.summary_path, s.summary)
-                print(f"Interrupted ({exc}) during {', '.join(group)}; finished variants and partial traces are in "
-                      f"{s.args.output_dir}/", file=sys.stderr)
-            return 130
-        any_failed = any_failed or any(failures)
-        if s.rank == 0:
-            record_group(s, jobs, failures, started_at, wall)
-    return finish(s, report.print_table, any_failed)
-
-
-def record_group(s: Session, jobs: list[Job], failures: list[str | None], started_at: float, wall: float) -> None:
-    """Rank 0: summarise the variants that just ended and rewrite summary.json."""
-    for job, failure in zip(jobs, failures):
-        if failure is None:
-            records = gather_records(s.store, job.keys, range(s.world_size))
-            s.summary["meta"]["gpu_name"] = records[0]["gpu_name"]
-            s.summary["variants"][job.name] = report.variant_summary(job.name, records, s.shapes)
-            s.summary["variants"][job.name].update(process_started_at=started_at, process_wall_s=wall)
-        else:
-            s.summary["variants"][job.name] = {"status": f"failed: {failure}"}
-            print(f"[{job.name}] FAILED: {failure}", file=sys.stderr, flush=True)
-    s.summary["checks"] = report.run_checks(s.summary["variants"], s.device.type)
-    s.summary["projection"] = report.projection_summary(s.shapes, s.summary["variants"], s.world_size)
-    write_json(s.summary_path, s.summary)
-
-
-def run_sweep(s: Session) -> int:
-    """``--simulate_world_size``: each run plays one rank of N alone; the launch's processes share them."""
-    sizes = simulation.parse_world_sizes(s.args.simulate_world_size)
-    runs, notes = simulation.plan(sizes, simulation.parse_ranks(s.args.simulate_rank, sizes), s.names, s.shapes)
-    s.summary["meta"]["simulated"] = {"world_sizes": sizes, "ranks": s.args.simulate_rank, "runs": len(runs),
-                                      "steps": len(s.batches), "processes": s.world_size, "notes": notes}
-    if s.rank == 0:
-        for note in notes:
-            print(note)
-        print(f"Simulating {len(runs)} runs ({len(sizes)} world sizes x {len(s.names)} variants x the ranks played) "
-              f"over {s.world_size} process(es), {len(s.batches)} steps each...", flush=True)
-    for n in sizes:
-        os.makedirs(simulation.world_size_dir(s.args.output_dir, n), exist_ok=True)
-
-    def make_job(run: simulation.SimulatedRun) -> Job:
-        return s.job(run.variant, run.keys, run.rank, run.world_size,
-                     simulation.world_size_dir(s.args.output_dir, run.world_size), simulated=True)
-
-    try:
-        own_failed = simulation.run_share(runs, make_job, variant_process, s.rank, s.world_size, s.store, s.device,
-                                          s.args.concurrent_variants)
-        if s.rank == 0:
-            simulation.wait_for_sweep(runs, s.store)
-    except Interrupted as exc:
-        if s.rank == 0:
-            record_sweep(s, runs, sizes)
-            print(f"Interrupted ({exc}); finished runs are in {s.summary_path}", file=sys.stderr)
-        return 130
-    if s.rank == 0:
-        record_sweep(s, runs, sizes)
-    failed = own_failed or (s.rank == 0 and any(e["status"] != "ok"
-                                                for *_, e in report.simulated_entries(s.summary["simulated"])))
-    return finish(s, report.print_sweep_table, failed)
-
-
-def record_sweep(s: Session, runs: list, sizes: list[int]) -> None:
-    """Rank 0: summary.json of a sweep, with every run that has ended (the rest marked not run)."""
-    simulated: dict = {}
-    for run, status in simulation.statuses(runs, s.store).items():
-        if status == "ok":
-            record = simulation.record_of(run, s.store)
-            s.summary["meta"]["gpu_name"] = record["gpu_name"]
-            entry = report.memory_summary(run.variant, [record], s.shapes, run.world_size, [run.rank])
-        else:
-            entry = {"status": status}
-        simulated.setdefault(str(run.world_size), {}).setdefault(str(run.rank), {})[run.variant] = \
-            {"label": run.label, **entry}
-    s.summary["simulated"] = simulated
-    s.summary["checks"] = report.sweep_checks(simulated)
-    s.summary["simulation_findings"] = {"unfixed_exceeds_intended_from_world_size": report.measured_crossover(simulated)}
-    s.summary["projection"] = report.state_projection(s.shapes, s.names,
-                                                      sorted(set(PROJECTION_WORLD_SIZES) | set(sizes)))
-    write_json(s.summary_path, s.summary)
-
-
-def finish(s: Session, print_results, any_failed: bool) -> int:
-    """Every rank leaves together; rank 0 prints the results and decides the exit code."""
-    if s.rank == 0:
-        s.summary["meta"]["timeline"]["variants_finished"] = time.time()
-        write_json(s.summary_path, s.summary)
-    leave_together(s.store, s.rank, s.world_size)
-    if s.rank != 0:
-        return 1 if any_failed else 0
-    print_results(s.summary)
-    print(f"Wrote per-rank traces and summary.json to {s.args.output_dir}/")
-    failed = any_failed or any(v["status"] != "ok" for v in s.summary.get("variants", {}).values())
-    return 1 if failed or not report.checks_passed(s.summary["checks"]) else 0
-
-
 def run(args: argparse.Namespace) -> int:
     # Seconds since the epoch, so that speed.py can split the launch's wall time.
     timeline = {"process_created": psutil.Process().create_time(), "main_started": time.time()}
-    s = set_up(args, timeline)
-    if s.rank == 0 and s.device.type == "cpu":
+    names = check_args(args)
+    session = open_session(args.model, args.device, args.output_dir, args.seed,
+                           lambda config: check_positions(args.block_size, config))
+    # A simulated rank has no peers to share the data with: every run takes the batches of a world of one.
+    data_rank, data_world = (0, 1) if args.simulate_world_size else (session.rank, session.world_size)
+    batches = rank_batches(load_tokens(args.dataset, args.tokenizer), args.block_size, args.batch_size,
+                           args.dataset_fraction, data_rank, data_world, args.max_steps)
+    meta = {"world_size": session.world_size, "device": session.device.type, "versions": versions(),
+            "model": args.model, "model_type": session.config.model_type, "num_parameters": session.num_parameters,
+            "steps_per_variant": len(batches),
+            "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()}}
+    train = TrainConfig(args.seed, args.learning_rate, args.log_interval, args.save_memory_snapshot,
+                        args.tracker_overhead, args.inject_failure)
+    suite = Suite(session, names, train, batches, meta, args.output_dir, args.concurrent_variants,
+                  {"meta": {**meta, "timeline": timeline}})
+    if session.rank == 0 and session.device.type == "cpu":
         print(f"Running on CPU{'' if args.simulate_world_size else ' with gloo'}: a functional run. Allocator "
               "figures are n/a; RSS is host memory, not GPU memory.")
-    if s.rank == 0 and args.save_memory_snapshot and s.device.type == "cpu":
+    if session.rank == 0 and args.save_memory_snapshot and session.device.type == "cpu":
         print("warning: --save_memory_snapshot needs CUDA; no snapshot is written on CPU.")
-    catch_interrupts()
     timeline["variants_started"] = time.time()
     try:
-        return run_sweep(s) if args.simulate_world_size else run_variants(s)
+        if args.simulate_world_size:
+            sizes = simulation.parse_world_sizes(args.simulate_world_size)
+            return run_sweep(suite, sizes, simulation.parse_ranks(args.simulate_rank, sizes))
+        return run_variants(suite)
     except Interrupted as exc:  # while waiting for the other ranks, after this rank's results were written
-        print(f"Interrupted ({exc}) while waiting for the other ranks; results so far are in {args.output_dir}/",
-              file=sys.stderr)
-        return 130
+        return say_interrupted(session, exc, f" while waiting for the other ranks; results so far are in "
+                                             f"{args.output_dir}/")
 
 
 def main() -> None:
-    utils.exit_with(lambda: run(parse_args()))
+    exit_with(lambda: run(parse_args()))
 
 
 if __name__ == "__main__":

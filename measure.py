@@ -8,7 +8,6 @@ segment, and the variant's true peak is the maximum over segments.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -16,9 +15,7 @@ import time
 import psutil
 import torch
 
-MIB = 1024 * 1024
-# The upstream's per-rank trace: four lists of equal length, one entry per sample.
-TRACE_KEYS = ("timestamps", "allocated_memory", "reserved_memory", "virtual_memory")
+from fsdp2bench.names import MIB, TRACE_KEYS
 
 
 _process: psutil.Process | None = None
@@ -146,11 +143,3 @@ class MemoryTracker:
 def _max_or_none(values) -> float | None:
     values = [v for v in values if v is not None]
     return max(values) if values else None
-
-
-def write_json(path: str, data: dict) -> None:
-    """Write to a temporary name, then rename: a reader never sees half a file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)

@@ -17,10 +17,10 @@ import subprocess
 import sys
 import time
 
-from measure import write_json
+from fsdp2bench.cli import write_json
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-# The upstream scripts on 2x H200, same work (UPSTREAM.md): 282 s and 302 s for two launches.
+# The upstream scripts timed on 2x H200 on the same work: 282 s and 302 s for two launches.
 UPSTREAM_SUITE_WALL_S = 282.0
 UPSTREAM_WORK = {"model": "qwen2.5-1.5b", "batch_size": 2, "block_size": 128, "steps_per_variant": 144, "world_size": 2}
 

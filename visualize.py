@@ -1,38 +1,18 @@
-"""Plot a benchmark run: memory over time per variant, and loss per step.
+"""Plot a benchmark run: memory over time per variant, loss per step, memory against world size.
 
-Reads only the JSON files main.py wrote; ``python3 visualize.py --dir out``.
+Reads only the JSON files main.py (or loading.py) wrote: ``python3 visualize.py --dir out``.
+The figures themselves are drawn in ``fsdp2bench/plots.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
-import re
 import sys
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-VARIANTS = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_not_fixed",
-            "torch_optimizer_before_fsdp_fixed", "accelerate"]
-GIB = 1024 ** 3
-TRACE_KEYS = ("timestamps", "allocated_memory", "reserved_memory", "virtual_memory")
-# The zero of every time axis: all variants are compared from the moment their model is sharded,
-# so the time each spent building the model does not offset the curves.
-ALIGN_EVENT = "sharded"
-MEMORY_PLOTS = {  # file -> (trace key, per-step peak key, per-step end key, what is measured)
-    "allocated_memory.png": ("allocated_memory", "peak_allocated_mib", "allocated_mib", "GPU memory allocated"),
-    "reserved_memory.png": ("reserved_memory", "peak_reserved_mib", "reserved_mib", "GPU memory reserved"),
-    "rss_memory.png": ("virtual_memory", None, "rss_mib", "host RSS"),
-}
-
-
-class InputError(Exception):
-    """Unusable input: reported in one line."""
+from fsdp2bench.names import VARIANTS
+from fsdp2bench.plots import (InputError, load_traces, loading_stems, plot_loading, plot_sweep, plot_training,
+                              read_json)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,166 +25,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read it ({exc.strerror})") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{path}: not a memory trace of main.py (expected a JSON object)")
-    return data
-
-
-def check_trace(path: str, data: dict) -> None:
-    missing = [k for k in (*TRACE_KEYS, "steps", "events") if k not in data]
-    if missing:
-        raise InputError(f"{path}: not a memory trace of main.py (missing {', '.join(missing)})")
-    lengths = {len(data[k]) for k in TRACE_KEYS}
-    if len(lengths) != 1:
-        raise InputError(f"{path}: trace lists have different lengths")
-
-
-def load_traces(directory: str, stems: dict[str, str]) -> dict[str, dict[int, dict]]:
-    """{name: {rank: trace}} for each name whose rank-0 file ``<stem>.json`` exists."""
-    runs: dict[str, dict[int, dict]] = {}
-    for name, stem in stems.items():
-        rank0 = os.path.join(directory, f"{stem}.json")
-        if not os.path.exists(rank0):
-            continue
-        ranks = {0: rank0}
-        for path in glob.glob(os.path.join(directory, f"{stem}_rank*.json")):
-            match = re.search(r"_rank(\d+)\.json$", path)
-            if match:
-                ranks[int(match.group(1))] = path
-        runs[name] = {}
-        for rank, path in sorted(ranks.items()):
-            data = read_json(path)
-            check_trace(path, data)
-            runs[name][rank] = data
-    return runs
-
-
-def loading_stems(directory: str) -> dict[str, str]:
-    """Loading modes found in ``directory`` (files written by loading.py)."""
-    stems = {}
-    for path in sorted(glob.glob(os.path.join(directory, "loading_*_memory_usage.json"))):
-        stem = os.path.basename(path)[: -len(".json")]
-        stems[stem[len("loading_"): -len("_memory_usage")]] = stem
-    return stems
-
-
-def aligned_times(trace: dict) -> list[float]:
-    zero = next((e["t"] for e in trace["events"] if e["name"] == ALIGN_EVENT), 0.0)
-    return [t - zero for t in trace["timestamps"]]
-
-
-def filtered(times: list[float], values: list, threshold: float, partition: float) -> tuple[list, list]:
-    """Drop missing values, and values under ``threshold`` within the first 1/partition of the trace."""
-    head = int(len(values) / partition) if partition > 0 else 0
-    kept = [(t, v) for i, (t, v) in enumerate(zip(times, values))
-            if v is not None and not (i < head and v < threshold)]
-    return [t for t, _ in kept], [v for _, v in kept]
-
-
-def save(fig, path: str, dpi: int = 110) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
-
-
-def nan_if_none(value):
-    return float("nan") if value is None else value
-
-
-def simulated_label(runs: dict) -> str | None:
-    """"simulated N=.., rank R" for the traces of one world size of a --simulate_world_size sweep."""
-    meta = next(iter(runs.values()))[0]["meta"]
-    return f"simulated N={meta['world_size']}, rank {meta['rank']}" if meta.get("simulated") else None
-
-
-def plot_memory(runs: dict, keys: tuple, path: str, threshold: float, partition: float) -> bool:
-    """Top: rank 0's polled trace over time. Bottom: per step, the counter peak (solid) and what
-    stays allocated after the step (dotted), rank 0 thick, other ranks thin. False when no data."""
-    trace_key, peak_key, end_key, what = keys
-    if not any(v is not None for ranks in runs.values() for v in ranks[0][trace_key]):
-        return False
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 9))
-    for i, (name, ranks) in enumerate(runs.items()):
-        times, values = filtered(aligned_times(ranks[0]), ranks[0][trace_key], threshold, partition)
-        top.plot(times, values, color=f"C{i}", lw=0.8, alpha=0.75, label=name)
-        for rank, trace in ranks.items():
-            steps = [s["step"] for s in trace["steps"]]
-            width = 1.8 if rank == 0 else 0.7
-            for key, style in ((peak_key, "-"), (end_key, ":")):
-                if key is not None:
-                    bottom.plot(steps, [nan_if_none(s.get(key)) for s in trace["steps"]], color=f"C{i}", lw=width, ls=style,
-                                label=name if rank == 0 and key == (peak_key or end_key) else None)
-    top.set_xlabel(f"seconds since the model was sharded ('{ALIGN_EVENT}' event)")
-    top.set_title(f"{what}, {simulated_label(runs) or 'rank 0'}, sampled over time (MiB)")
-    bottom.set_xlabel("optimizer step")
-    first_line = "peak within each step (allocator counter, solid); " if peak_key else ""
-    bottom.set_title(f"{what} per step: {first_line}after the step (dotted); all ranks (MiB)")
-    for ax in (top, bottom):
-        ax.set_ylabel(f"{what} (MiB)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    save(fig, path)
-    return True
-
-
-def plot_loss(runs: dict, path: str) -> None:
-    fig, ax = plt.subplots(figsize=(11, 6))
-    for i, (name, ranks) in enumerate(runs.items()):
-        steps = ranks[0]["steps"]
-        ax.plot([s["step"] for s in steps], [s["loss"] for s in steps], color=f"C{i}", label=name,
-                lw=2.5 if i == 0 else 1.2, ls="-" if i == 0 else "--")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (rank 0's batches)")
-    ax.set_title("Loss per step: the unfixed variant never trains")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    save(fig, path, dpi=120)
-
-
-def plot_projection(summary: dict, path: str) -> bool:
-    """Expected per-rank state against world size, with the run's own measurements on top."""
-    proj = summary.get("projection")
-    if not proj:
-        return False
-    table = proj["per_rank_state_bytes"]
-    sizes = [int(n) for n in table]
-    fig, ax = plt.subplots(figsize=(10, 6))
-    for i, name in enumerate(VARIANTS):
-        if name not in table[str(sizes[0])]:
-            continue
-        peak = [table[str(n)][name]["before_zero_grad"] / GIB for n in sizes]
-        held = [table[str(n)][name]["end_of_training"] / GIB for n in sizes]
-        ax.plot(sizes, peak, color=f"C{i}", marker="o", ms=3, label=f"{name}: at the step peak")
-        ax.plot(sizes, held, color=f"C{i}", ls=":", label=f"{name}: between steps")
-        measured = proj["measured"]["per_rank_state_bytes"].get(name)
-        if measured:
-            n = proj["measured"]["world_size"]
-            x = n * 2 ** (0.06 * (i - 1.5))  # nudge the stars apart: the intended ones coincide
-            ax.plot([x, x], [measured["before_zero_grad"] / GIB, measured["end_of_training"] / GIB], ls="none",
-                    marker="*", ms=14, color=f"C{i}", markeredgecolor="black")
-    crossover = proj.get("unfixed_costs_more_from_world_size")
-    if crossover:
-        ax.axvline(crossover, color="grey", ls="--", lw=1)
-        ax.annotate(f"unfixed costs more at the peak from N = {crossover}", (crossover, ax.get_ylim()[1] * 0.9),
-                    xytext=(6, 0), textcoords="offset points", fontsize=9)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [str(n) for n in sizes])
-    ax.set_xlabel("world size N (ranks)")
-    ax.set_ylabel("parameters + gradients + optimizer state + stale parameters per rank (GiB)")
-    ax.set_title(f"Expected state per rank for {summary['meta']['model']} (the three intended variants coincide); "
-                 "stars: measured in this run")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    save(fig, path)
-    return True
+def plot(args: argparse.Namespace) -> None:
+    """Whatever the directory holds: a sweep, a benchmark run, loading runs."""
+    if not os.path.isdir(args.dir):
+        raise InputError(f"--dir {args.dir}: no such directory")
+    summary_path = os.path.join(args.dir, "summary.json")
+    if os.path.exists(summary_path) and read_json(summary_path).get("simulated"):
+        plot_sweep(read_json(summary_path), args.dir)
+        return
+    runs = load_traces(args.dir, {name: f"{name}_memory_usage" for name in VARIANTS})
+    loads = load_traces(args.dir, loading_stems(args.dir))
+    if not runs and not loads:
+        raise InputError(f"--dir {args.dir}: no <variant>_memory_usage.json files from main.py "
+                         "(nor loading_*_memory_usage.json from loading.py)")
+    if runs:
+        plot_training(runs, args.dir, args.memory_threshold, args.filter_partition)
+    if loads:
+        path = os.path.join(args.dir, "loading_memory.png")
+        plot_loading(loads, path)
+        print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,140 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --filter_partition must be positive", file=sys.stderr)
         return 2
     try:
-        if not os.path.isdir(args.dir):
-            raise InputError(f"--dir {args.dir}: no such directory")
-        runs = load_traces(args.dir, {name: f"{name}_memory_usage" for name in VARIANTS})
-        loads = load_traces(args.dir, loading_stems(args.dir))
-        summary_path = os.path.join(args.dir, "summary.json")
-        if os.path.exists(summary_path) and read_json(summary_path).get("simulated"):
-            plot_sweep(read_json(summary_path), args.dir)
-            return 0
-        if not runs and not loads:
-            raise InputError(f"--dir {args.dir}: no <variant>_memory_usage.json files from main.py "
-                             "(nor loading_*_memory_usage.json from loading.py)")
-        if runs:
-            plot_training(runs, args)
-        if loads:
-            path = os.path.join(args.dir, "loading_memory.png")
-            plot_loading(loads, path)
-            print(f"wrote {path}")
+        plot(args)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-def plot_training(runs: dict, args: argparse.Namespace) -> None:
-    """The plots of a main.py run (or of one world size of a sweep)."""
-    missing = [n for n in VARIANTS if n not in runs]
-    if missing:
-        print(f"note: no results for {', '.join(missing)}; plotting the others")
-    for filename, keys in MEMORY_PLOTS.items():
-        path = os.path.join(args.dir, filename)
-        if plot_memory(runs, keys, path, args.memory_threshold, args.filter_partition):
-            print(f"wrote {path}")
-        else:
-            print(f"skipped {filename}: the traces hold no {keys[0]} values (a CPU run has no allocator counters)")
-    if simulated_label(runs):
-        print("skipped loss.png: losses of a simulated world size mean nothing")
-    else:
-        plot_loss(runs, os.path.join(args.dir, "loss.png"))
-        print(f"wrote {os.path.join(args.dir, 'loss.png')}")
-    summary_path = os.path.join(args.dir, "summary.json")
-    path = os.path.join(args.dir, "memory_vs_world_size.png")
-    summary = read_json(summary_path) if os.path.exists(summary_path) else {}
-    if plot_projection(summary, path):
-        print(f"wrote {path}")
-    else:
-        print("skipped memory_vs_world_size.png: no summary.json with a projection")
-
-
-def plot_loading(loads: dict, path: str) -> None:
-    """Host RSS and GPU memory while each mode loads the checkpoint; rank 0 solid, others dashed."""
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
-    for i, (mode, ranks) in enumerate(loads.items()):
-        for rank, trace in ranks.items():
-            style = dict(color=f"C{i}", lw=1.6 if rank == 0 else 1.0, ls="-" if rank == 0 else "--",
-                         label=f"{mode} (rank {rank})")
-            for ax, key in zip(axes, ("virtual_memory", "allocated_memory")):
-                times, values = filtered(trace["timestamps"], trace[key], 0.0, 1.0)
-                if values:
-                    ax.plot(times, values, **style)
-    for ax, what in zip(axes, ("host RSS (MiB)", "GPU memory allocated (MiB)")):
-        ax.set_xlabel("seconds since the mode's process started")
-        ax.set_ylabel(what)
-        ax.set_title(f"{what.split(' (')[0]} while loading")
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "no data (CPU run)", ha="center", transform=ax.transAxes)
-    save(fig, path)
-
-
-
-# --------------------------------------------------------------------------- simulated world sizes
-
-STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "stale_param_bytes")
-
-
-def sweep_points(summary: dict, name: str) -> list[tuple[int, int, dict]]:
-    """(N, rank, entry) of every finished run of one variant in a sweep's summary.json."""
-    return [(int(n), int(r), by_variant[name]) for n, by_rank in summary["simulated"].items()
-            for r, by_variant in by_rank.items() if by_variant.get(name, {}).get("status") == "ok"]
-
-
-def plot_sweep(summary: dict, directory: str) -> None:
-    """memory_vs_world_size.png of a --simulate_world_size sweep, and where the per-N plots come from."""
-    path = os.path.join(directory, "memory_vs_world_size.png")
-    plot_simulated(summary, path)
-    print(f"wrote {path}")
-    for n in summary["meta"]["simulated"]["world_sizes"]:
-        print(f"traces of N={n}: python3 visualize.py --dir {os.path.join(directory, f'simulated_N{n}')}")
-
-
-def plot_simulated(summary: dict, path: str) -> None:
-    """Top: the sharding rule's per-rank state for every N (lines) and, at each simulated N, the
-    measured peak allocated in training (dots) and the state counted (crosses). Bottom: the
-    measured memory beyond that state (activations, gathered parameters, buffers)."""
-    table = summary["projection"]["per_rank_state_bytes"]
-    sizes = [int(n) for n in table]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 10), sharex=True)
-    measured_any = False
-    for i, name in enumerate(VARIANTS):
-        if name not in table[str(sizes[0])]:
-            continue
-        top.plot(sizes, [table[str(n)][name]["before_zero_grad"] / GIB for n in sizes], color=f"C{i}", lw=1,
-                 label=f"{name}: state at the step peak (sharding rule)")
-        points = sweep_points(summary, name)
-        x = [n * 2 ** (0.05 * (i - 1.5)) for n, _, _ in points]  # nudged apart: the intended ones coincide
-        state = [max(sum(rank["before_zero_grad"][k] for k in STATE_KEYS) for rank in e["accounting"]) / GIB
-                 for _, _, e in points]
-        peak = [nan_if_none(e["training_peak_allocated_mib"]["max"]) / 1024 for _, _, e in points]
-        beyond = [nan_if_none(e["training_peak_beyond_state_mib"]["max"]) / 1024 for _, _, e in points]
-        top.plot(x, state, ls="none", marker="x", ms=7, color=f"C{i}", label=f"{name}: state counted (simulated)")
-        if any(v == v for v in peak):  # not all NaN: the device has an allocator
-            measured_any = True
-            top.plot(x, peak, ls="none", marker="o", ms=7, color=f"C{i}", markeredgecolor="black",
-                     label=f"{name}: peak allocated in training (simulated)")
-            bottom.plot(x, beyond, marker="o", ms=6, lw=1, color=f"C{i}", label=name)
-    ranks = sorted({int(r) for by_rank in summary["simulated"].values() for r in by_rank})
-    played = "rank 0" if ranks == [0] else f"ranks {', '.join(map(str, ranks))}"
-    top.set_title(f"{summary['meta']['model']}, per rank against world size N: simulated N, one process playing "
-                  f"{played}")
-    top.set_ylabel("GiB per rank")
-    bottom.set_title("measured beyond the state: peak allocated in training minus the state held at the step peak")
-    bottom.set_ylabel("GiB per rank")
-    if not measured_any:
-        bottom.text(0.5, 0.5, "no allocator counters (CPU run)", ha="center", transform=bottom.transAxes)
-    for ax in (top, bottom):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sizes, [str(n) for n in sizes])
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=7)
-    bottom.set_xlabel("world size N (ranks)")
-    save(fig, path)
 
 
 if __name__ == "__main__":

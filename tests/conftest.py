@@ -17,12 +17,32 @@ VARIANTS = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_not_fixed
 TINY = ["--model", "tiny", "--device", "cpu", "--max_steps", "12", "--learning_rate", "1e-3"]
 
 
-def run_script(args: list[str], nproc: int | None = 2, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node nproc <args>``, or plain python when nproc is None."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-    launcher = [sys.executable] if nproc is None else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return subprocess.run(launcher + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+def command(args: list[str], nproc: int | None = 2, launcher: list[str] | None = None) -> list[str]:
+    """``torchrun --standalone --nproc_per_node nproc <args>``, plain python when nproc is None, or
+    torchrun with the given ``launcher`` options instead of ``--standalone`` and the process count."""
+    if nproc is None and launcher is None:
+        return [sys.executable, *args]
+    options = launcher if launcher is not None else ["--standalone", f"--nproc_per_node={nproc}"]
+    return [sys.executable, "-m", "torch.distributed.run", *options, *args]
+
+
+def environment(**extra: str) -> dict:
+    """One thread per process (2 cores run 2 ranks), unbuffered output, and never the Hub."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **extra}
+
+
+def start_script(args: list[str], nproc: int | None = 2, launcher: list[str] | None = None,
+                 **env: str) -> subprocess.Popen:
+    """The same launch as ``run_script``, left running (to signal it, or to start several)."""
+    return subprocess.Popen(command(args, nproc, launcher), cwd=ROOT, env=environment(**env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def run_script(args: list[str], nproc: int | None = 2, timeout: int = 300, launcher: list[str] | None = None,
+               **env: str) -> subprocess.CompletedProcess:
+    """Launch a script of the project as a user does, wait for it, and keep its output."""
+    return subprocess.run(command(args, nproc, launcher), cwd=ROOT, env=environment(**env), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def load(path: Path) -> dict:

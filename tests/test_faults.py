@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
-from conftest import ROOT, TINY, VARIANTS, load, run_script
+from conftest import TINY, VARIANTS, load, run_script, start_script
 
 FIXED = "torch_optimizer_before_fsdp_fixed"
 SHORT = ["--model", "tiny", "--device", "cpu", "--max_steps", "6"]
@@ -53,12 +50,8 @@ def test_a_rank_that_dies_does_not_hang_the_others(tmp_path):
 
 
 def test_sigterm_keeps_finished_variants_and_marks_the_interrupted_one(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "main.py", "--model", "tiny", "--device", "cpu", "--max_steps", "400",
-                             "--variants", "torch_optimizer_after_fsdp,accelerate",
-                             "--output_dir", str(tmp_path)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_script(["main.py", "--model", "tiny", "--device", "cpu", "--max_steps", "400",
+                         "--variants", "torch_optimizer_after_fsdp,accelerate", "--output_dir", str(tmp_path)])
     # Wait until the first variant is finished and the second has started (a few seconds of
     # its 400 steps), then stop the launcher as a cluster scheduler would.
     for line in proc.stdout:
@@ -156,11 +149,9 @@ def free_port() -> int:
 def test_two_nodes_give_the_losses_of_one_node_with_two_processes(tmp_path, suite):
     out = tmp_path / "two_nodes"
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-                                f"--node_rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                                "--rdzv-id=fsdp2bench-test", "main.py", *TINY, "--output_dir", str(out)],
-                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    agents = [start_script(["main.py", *TINY, "--output_dir", str(out)],
+                           launcher=["--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}", "--rdzv-backend=c10d",
+                                     f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=fsdp2bench-test"])
               for node in (0, 1)]
     for agent in agents:
         agent.communicate(timeout=300)
@@ -175,11 +166,9 @@ def test_two_nodes_give_the_losses_of_one_node_with_two_processes(tmp_path, suit
 def test_variants_run_together_from_the_fork_server_give_the_numbers_of_the_sequential_run(tmp_path, suite):
     """With CUDA the children come from a fork server (isolation.child_context), not from the main
     process; --concurrent_variants runs several at once. Neither may change what a variant measures."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "FSDP2_BENCH_START_METHOD": "forkserver"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "main.py", *TINY, "--variants", "torch_optimizer_after_fsdp,accelerate",
-                           "--concurrent_variants", "2", "--output_dir", str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_script(["main.py", *TINY, "--variants", "torch_optimizer_after_fsdp,accelerate",
+                       "--concurrent_variants", "2", "--output_dir", str(tmp_path)],
+                      FSDP2_BENCH_START_METHOD="forkserver")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[torch_optimizer_after_fsdp, accelerate] 12 steps on 2 rank(s)..." in proc.stdout
     sequential = load(suite[0] / "summary.json")["variants"]

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from utils import point_optimizer_at_sharded_params  # noqa: E402
+from utils import point_optimizer_at_sharded_params
 
 
 def model_and_replacement():

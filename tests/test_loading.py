@@ -82,3 +82,10 @@ def test_unknown_mode_is_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: --modes: unknown mode(s) magic; choose from naive, rank0_broadcast, " \
                                   "accelerate, sharded_read"
+
+
+def test_a_repeated_mode_is_refused_in_one_line(tmp_path):
+    proc = run_script(["loading.py", "--model", "small", "--device", "cpu", "--modes", "naive,naive",
+                       "--output_dir", str(tmp_path)], nproc=None)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: --modes: a mode is given twice"

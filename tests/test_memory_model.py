@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 from conftest import VARIANTS, load, run_script
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from memory_model import expected_state, first_world_size_where_unfixed_costs_more, projection  # noqa: E402
+from fsdp2bench.memory_model import expected_state, first_world_size_where_unfixed_costs_more, projection
 
 INTENDED = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_fixed", "accelerate"]
 UNFIXED = "torch_optimizer_before_fsdp_not_fixed"

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from conftest import ROOT, TINY, VARIANTS, load, run_script
+from conftest import TINY, VARIANTS, load, run_script, start_script
 
 UNFIXED = "torch_optimizer_before_fsdp_not_fixed"
 KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "stale_param_bytes")
@@ -117,10 +114,8 @@ def test_visualize_draws_the_sweep_and_the_traces_of_one_world_size(sweep):
 
 
 def test_sigterm_keeps_finished_runs_and_marks_the_interrupted_one(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "main.py", *TINY, "--max_steps", "200", "--simulate_world_size", "4,8",
-                             "--variants", "torch_optimizer_after_fsdp", "--output_dir", str(tmp_path)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_script(["main.py", *TINY, "--max_steps", "200", "--simulate_world_size", "4,8",
+                         "--variants", "torch_optimizer_after_fsdp", "--output_dir", str(tmp_path)], nproc=None)
     for line in proc.stdout:  # the N = 4 run has ended once the N = 8 one starts
         if "(simulated N=8, rank 0)" in line:
             break

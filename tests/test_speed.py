@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-from conftest import ROOT, VARIANTS, load
+from conftest import VARIANTS, load, run_script
 
 
 def test_speed_json_splits_the_launch_and_every_variant(tmp_path):
     out, record = tmp_path / "run", tmp_path / "speed.json"
-    proc = subprocess.run([sys.executable, "speed.py", "--nproc_per_node", "2", "--json", str(record),
-                           "--output_dir", str(out), "--", "--model", "tiny", "--device", "cpu", "--max_steps", "6",
-                           "--concurrent_variants", "4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_script(["speed.py", "--nproc_per_node", "2", "--json", str(record), "--output_dir", str(out), "--",
+                       "--model", "tiny", "--device", "cpu", "--max_steps", "6", "--concurrent_variants", "4"],
+                      nproc=None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     speed = load(record)
     assert speed["steps_per_variant"] == 6 and speed["world_size"] == 2 and speed["concurrent_variants"] == 4

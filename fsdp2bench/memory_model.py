@@ -25,10 +25,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from utils import UNFIXED
+from fsdp2bench.names import UNFIXED
 
-KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "stale_param_bytes")
-PHASES = ("end_of_setup", "before_zero_grad", "end_of_training")  # when ``account`` counts
 ADAMW_MOMENTS = 2
 STEP_BYTES = 4  # AdamW's per-parameter fp32 step counter
 PROJECTION_WORLD_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]

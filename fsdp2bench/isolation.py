@@ -99,15 +99,17 @@ def child_context(device: torch.device) -> multiprocessing.context.BaseContext:
     unusable once the main process has merely counted the GPUs, and spawn re-imports torch and
     transformers for every child (10-15 s each on the 2x H200 machine); a fork server is a
     clean process, started once, that imports them once and forks every child from there.
-    FSDP2_BENCH_START_METHOD overrides (tests use it)."""
+    FSDP2_BENCH_START_METHOD (fork, spawn or forkserver) overrides it, for a platform where the
+    default does not work, and so that the tests can run the CUDA path's fork server on CPU."""
     method = os.environ.get("FSDP2_BENCH_START_METHOD") or ("forkserver" if device.type == "cuda" else "fork")
     context = multiprocessing.get_context(method)
     if method == "forkserver":
         # The server must not initialise CUDA itself: it inherits PYTORCH_NVML_BASED_CUDA_CHECK
-        # from utils.pick_device, so any "is CUDA available?" asked while importing is answered by NVML.
-        # "__main__" lets a child unpickle the main script's classes; the rest are imported lazily
-        # by the children, so importing them once here is what saves the time.
-        context.set_forkserver_preload(["__main__", "transformers.models.qwen2.modeling_qwen2",
+        # from cli.pick_device, so any "is CUDA available?" asked while importing is answered by NVML.
+        # The children's targets live in this package; transformers and accelerate are imported
+        # lazily by the children, so importing them once here is what saves the time.
+        context.set_forkserver_preload(["fsdp2bench.runner", "fsdp2bench.loading",
+                                        "transformers.models.qwen2.modeling_qwen2",
                                         "transformers.models.auto.modeling_auto", "accelerate"])
     return context
 
@@ -199,11 +201,13 @@ class Finisher:
 
     def __init__(self, keys: StoreKeys, rank: int, write: Callable[[str, dict], None]):
         self.keys, self.rank, self._write = keys, rank, write
-        self.lock = threading.Lock()
+        # Two threads may race to write the result: the work on success, and the failure path (the
+        # work's own exception, or the watcher seeing an abort). Whoever takes this first writes.
+        self._writer = threading.Lock()
 
     def finish(self, extra: dict):
         """Success: write it, and from now on ignore a late abort."""
-        self.lock.acquire()
+        self._writer.acquire()
         return self._write("ok", extra)
 
     def fail(self, error: str | None, store: dist.TCPStore) -> None:
@@ -211,7 +215,7 @@ class Finisher:
 
         ``error`` is this rank's own failure, or None when leaving because the abort key is set.
         """
-        if not self.lock.acquire(blocking=False):
+        if not self._writer.acquire(blocking=False):
             return
         try:
             own = f"rank {self.rank}: {error}"
@@ -230,6 +234,8 @@ class Finisher:
 
 
 def _watch_for_abort(finisher: Finisher) -> None:
+    """The main thread may be blocked in a collective that will never return (its peer is gone), so
+    this thread itself writes the partial result and ends the process (``Finisher.fail``)."""
     store = connect_store()
     while True:
         if store.check([finisher.keys.abort]):

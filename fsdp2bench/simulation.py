@@ -18,9 +18,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from isolation import INTERRUPTED, Interrupted, Piece, StoreKeys, run_isolated, wait_for_keys
-from memory_model import PHASES, expected_state
-from utils import UserError
+from fsdp2bench.cli import UserError
+from fsdp2bench.isolation import INTERRUPTED, Interrupted, Piece, StoreKeys, run_isolated, wait_for_keys
+from fsdp2bench.memory_model import expected_state
+from fsdp2bench.names import PHASES, simulated_dir_name
 
 FAKE_GROUP_MODULE = "torch.testing._internal.distributed.fake_pg"
 DEFAULT_STEPS = 10  # memory settles after the first optimizer step; losses mean nothing here
@@ -45,7 +46,7 @@ class SimulatedRun:
 
 def world_size_dir(output_dir: str, world_size: int) -> str:
     """Traces of every rank played at N go to ``<output_dir>/simulated_N<N>/``, named as in a real run."""
-    return os.path.join(output_dir, f"simulated_N{world_size}")
+    return os.path.join(output_dir, simulated_dir_name(world_size))
 
 
 # --------------------------------------------------------------------------- command line

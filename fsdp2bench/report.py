@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import statistics
 
-from memory_model import (KEYS, PHASES, PROJECTION_WORLD_SIZES, expected_state, first_world_size_where_unfixed_costs_more,
-                          projection)
-from utils import INTENDED, UNFIXED
-
-MIB = 1024 * 1024
-GIB = 1024 * MIB
+from fsdp2bench.memory_model import (PROJECTION_WORLD_SIZES, expected_state, first_world_size_where_unfixed_costs_more,
+                                     projection)
+from fsdp2bench.names import GIB, INTENDED, MIB, PHASES, STATE_KEYS, UNFIXED
 # Losses are compared step by step. On CPU the intended variants are bit-identical; on GPUs
 # accelerate groups its parameters differently, which may change bf16 rounding a little.
 LOSS_TOLERANCE = {"cpu": 0.0, "cuda": 1e-2}  # relative
@@ -43,8 +40,8 @@ def _phase_peaks(record: dict) -> dict:
 
 def _by_phase(per_phase: dict) -> dict:
     """End-of-training keys on top, every phase nested beside them."""
-    return {**{k: per_phase["end_of_training"][k] for k in KEYS},
-            **{phase: {k: per_phase[phase][k] for k in KEYS} for phase in PHASES}}
+    return {**{k: per_phase["end_of_training"][k] for k in STATE_KEYS},
+            **{phase: {k: per_phase[phase][k] for k in STATE_KEYS} for phase in PHASES}}
 
 
 def _training_peak(record: dict, key: str) -> float | None:
@@ -120,7 +117,7 @@ def state_projection(shapes, names: list[str], sizes: list[int] = PROJECTION_WOR
 
 def _held_state(entry: dict, phase: str) -> int:
     """State bytes counted at ``phase``, on the rank that held the most."""
-    return max(sum(rank[phase][k] for k in KEYS) for rank in entry["accounting"])
+    return max(sum(rank[phase][k] for k in STATE_KEYS) for rank in entry["accounting"])
 
 
 def projection_summary(shapes, variants: dict, world_size: int) -> dict:
@@ -169,7 +166,7 @@ def _size(n_bytes: float) -> str:
 def _gap_bytes(v: dict) -> int:
     """Largest difference, in bytes, between what a rank held and what the sharding rule predicts."""
     return max(abs(held[phase][k] - exp[phase][k]) for held, exp in zip(v["accounting"], v["expected"])
-               for phase in PHASES for k in KEYS)
+               for phase in PHASES for k in STATE_KEYS)
 
 
 def print_table(summary: dict) -> None:
@@ -184,7 +181,7 @@ def print_table(summary: dict) -> None:
         if v["status"] != "ok":
             print(f"{name:38} {v['status']}")
             continue
-        state = max(v["accounting"], key=lambda r: sum(r[k] for k in KEYS))
+        state = max(v["accounting"], key=lambda r: sum(r[k] for k in STATE_KEYS))
         print(f"{name:38} {v['steps']:>5} {v['losses'][0]:>10.4f} {v['final_loss']:>7.4f} {v['loss_drop']:>6.1%} "
               f"{_fmt(v['peak_allocated_mib']['max']):>10} {_fmt(v['polled_peak_allocated_mib']['max']):>8} "
               f"{_fmt(v['peak_reserved_mib']['max'], '.0f'):>9} {_fmt(v['peak_rss_mib']['max'], '.0f'):>8} | "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -10,13 +9,35 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 import utils
-from isolation import Finisher, StoreKeys, init_group, run_child
-from measure import TRACE_KEYS, MemoryTracker, write_json
-from memory_model import account
-from simulation import init_simulated_group
+from fsdp2bench.child import TracedChild, run_traced_child
+from fsdp2bench.isolation import StoreKeys, init_group
+from fsdp2bench.memory_model import account
+from fsdp2bench.model import build_model
+from fsdp2bench.names import rank_file
+from fsdp2bench.simulation import init_simulated_group
+from measure import MemoryTracker
+
+
+@dataclass(frozen=True)
+class FailureSpec:
+    """``--inject_failure VARIANT:STEP:RANK[:kill]``: a test option to prove failures are contained."""
+    name: str
+    step: int
+    rank: int
+    kill: bool
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The options of a launch that reach the children."""
+    seed: int
+    learning_rate: float
+    log_interval: float
+    save_memory_snapshot: bool
+    tracker_overhead: bool
+    inject_failure: FailureSpec | None
 
 
 @dataclass
@@ -24,7 +45,7 @@ class Job:
     """Everything one rank needs to run one variant (inherited by a forked child, pickled for
     one from the fork server)."""
     name: str
-    args: object
+    train: TrainConfig
     device: torch.device
     config: object
     batches: list
@@ -32,15 +53,9 @@ class Job:
     meta: dict
     rank: int
     world_size: int
-    keys: "StoreKeys"
+    keys: StoreKeys
     output_dir: str
     simulated: bool = False  # rank ``rank`` of ``world_size`` played alone on a fake process group
-
-
-def rank_file(name: str, suffix: str, rank: int) -> str:
-    """Rank 0 keeps the upstream file name; rank r adds ``_rank<r>``."""
-    stem, ext = os.path.splitext(suffix)
-    return f"{name}_{stem}{'' if rank == 0 else f'_rank{rank}'}{ext}"
 
 
 # --------------------------------------------------------------------------- training
@@ -58,8 +73,7 @@ def train_step(prep: utils.Prepared, input_ids: torch.Tensor,
 
 
 def injected_failure(job: Job, step: int) -> None:
-    """``--inject_failure VARIANT:STEP:RANK[:kill]``: a test option to prove failures are contained."""
-    spec = job.args.inject_failure
+    spec = job.train.inject_failure
     if spec and spec.name == job.name and spec.step == step and spec.rank == job.rank:
         if spec.kill:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -69,9 +83,9 @@ def injected_failure(job: Job, step: int) -> None:
 def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
     """Build, prepare and train one variant; return this rank's record beyond the trace."""
     start = time.perf_counter()
-    model = utils.build_model(job.config, job.device, job.args.seed)
+    model = build_model(job.config, job.device, job.train.seed)
     tracker.mark("model_built")
-    ctx = utils.Context(job.device, mesh, job.args.learning_rate, job.layer_classes, tracker.mark)
+    ctx = utils.Context(job.device, mesh, job.train.learning_rate, job.layer_classes, tracker.mark)
     prep = utils.VARIANTS[job.name](model, ctx)
     del model
     accounting = {"end_of_setup": account(prep.model, prep.optimizer)}
@@ -79,7 +93,7 @@ def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
     last = len(job.batches) - 1
     for step, batch in enumerate(job.batches):
         injected_failure(job, step)
-        tracker.polling = not (job.args.tracker_overhead and step % 2)
+        tracker.polling = not (job.train.tracker_overhead and step % 2)
         t = time.perf_counter()
         hook = (lambda: accounting.update(before_zero_grad=account(prep.model, prep.optimizer))) \
             if step == last else None
@@ -95,28 +109,25 @@ def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
 
 # --------------------------------------------------------------------------- the process
 
-def variant_process(job: Job) -> None:
-    """Entry point of the child process: one variant on one rank."""
-    if job.device.type == "cuda":
+def deterministic(device: torch.device) -> None:
+    """Per process: a child of the fork server does not inherit it."""
+    if device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS needs it
-        torch.cuda.set_device(job.device)  # before the tracker's first allocator reading
-    torch.use_deterministic_algorithms(True)  # per process: a child of the fork server does not inherit it
+    torch.use_deterministic_algorithms(True)
     # ...but without its side job of filling every new tensor with NaN: that is one extra kernel
     # per allocation (about 1,350 launches a step here) and changes no result of a correct program.
     torch.utils.deterministic.fill_uninitialized_memory = False
-    tracker = MemoryTracker(job.device, job.args.log_interval).start()
-    path = os.path.join(job.output_dir, rank_file(job.name, "memory_usage.json", job.rank))
 
-    def write(status: str, extra: dict) -> dict:
-        tracker.stop()
-        data = {**tracker.record(), **extra, "status": status, "meta": job.meta}
-        write_json(path, data)
-        return data
 
-    finisher = Finisher(job.keys, job.rank, write)
+def variant_process(job: Job) -> None:
+    """Entry point of the child process: one variant on one rank."""
+    deterministic(job.device)
+    snapshot = job.train.save_memory_snapshot and job.device.type == "cuda"
+    child = TracedChild(job.keys, job.rank, job.device, job.train.log_interval,
+                        os.path.join(job.output_dir, rank_file(job.name, "memory_usage.json", job.rank)),
+                        {"meta": job.meta})
 
-    def work(store) -> None:
-        snapshot = job.args.save_memory_snapshot and job.device.type == "cuda"
+    def work(store, tracker: MemoryTracker) -> dict:
         if snapshot:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
         mesh = init_simulated_group(job.device, job.rank, job.world_size) if job.simulated else \
@@ -127,8 +138,6 @@ def variant_process(job: Job) -> None:
             torch.cuda.memory._dump_snapshot(os.path.join(job.output_dir,
                                                           rank_file(job.name, "memory_snapshot.pkl", job.rank)))
         extra["gpu_name"] = torch.cuda.get_device_name(job.device) if job.device.type == "cuda" else None
-        data = finisher.finish(extra)
-        store.set(job.keys.record(job.rank), json.dumps({k: v for k, v in data.items() if k not in TRACE_KEYS}))
-        dist.destroy_process_group()
+        return extra
 
-    run_child(finisher, work)
+    run_traced_child(child, work)

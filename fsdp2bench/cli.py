@@ -1,0 +1,76 @@
+"""What every entry script does with its command line: one-line errors, device and output checks, JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Callable
+
+
+class UserError(Exception):
+    """A problem the user can fix (bad flag, missing file); reported in one line."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag gets one line and exit code 2, like every other user error."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def exit_with(run: Callable[[], int]) -> None:
+    """Run a command; a UserError becomes one line on stderr and exit code 2."""
+    try:
+        code = run()
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
+def parse_names(text: str, flag: str, known, noun: str = "name") -> list[str]:
+    """A comma-separated list of known names, each at most once, in the order given."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise UserError(f"{flag}: unknown {noun}(s) {', '.join(unknown) or '(none given)'}; "
+                        f"choose from {', '.join(known)}")
+    if len(set(names)) != len(names):
+        raise UserError(f"{flag}: a {noun} is given twice")
+    return names
+
+
+def pick_device(choice: str):
+    """The device the children will use. Asked through NVML, so that the main process never
+    initialises CUDA (its children do, each for itself)."""
+    import torch
+
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    has_gpu = torch.cuda.is_available()
+    if choice == "cuda" and not has_gpu:
+        raise UserError("--device cuda: no CUDA GPU is visible to this process")
+    if choice == "cpu" or not has_gpu:
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def prepare_output_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_test{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        raise UserError(f"--output_dir {path}: cannot write there ({exc.strerror})") from None
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write to a temporary name, then rename: a reader never sees half a file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)

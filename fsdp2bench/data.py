@@ -1,0 +1,71 @@
+"""The data every variant trains on: built-in text or a local file, cut into the same batches for all."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from fsdp2bench.cli import UserError
+
+_SUBJECTS = ["the miller", "a sailor", "the old queen", "my brother", "the clerk", "a fox", "the weaver", "our host"]
+_VERBS = ["carried", "counted", "sold", "hid", "found", "painted", "mended", "lost"]
+_OBJECTS = ["barrels of salt", "red lanterns", "silver spoons", "bolts of wool", "letters", "stones", "candles"]
+_PLACES = ["by the river", "in the market", "at the gate", "under the bridge", "before dawn", "in the hall"]
+
+
+def builtin_text(min_bytes: int) -> str:
+    """Deterministic English-like prose with simple regularities a model picks up within a few steps."""
+    rng = random.Random(0)
+    lines, size = [], 0
+    while size < min_bytes:
+        count = rng.randint(2, 40)
+        line = (f"{rng.choice(_SUBJECTS).capitalize()} {rng.choice(_VERBS)} {count} {rng.choice(_OBJECTS)} "
+                f"{rng.choice(_PLACES)}, and {count + 1} more the next day.\n")
+        lines.append(line)
+        size += len(line)
+    return "".join(lines)
+
+
+# One pass over the built-in data is 160 steps at batch 2, block 128 on 8 ranks.
+BUILTIN_TOKENS = 160 * 2 * 128 * 8
+
+
+def load_tokens(dataset: str | None, tokenizer: str | None) -> torch.Tensor:
+    """Token ids of the built-in text or of a local text file; bytes unless a tokenizer is given."""
+    if dataset is None:
+        text = builtin_text(BUILTIN_TOKENS)
+    else:
+        try:
+            with open(dataset, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError as exc:
+            raise UserError(f"--dataset {dataset}: cannot read it ({exc.strerror})") from None
+    if tokenizer is None:
+        ids = list(text.encode("utf-8"))
+        return torch.tensor(ids[:BUILTIN_TOKENS] if dataset is None else ids, dtype=torch.long)
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+    except Exception as exc:
+        raise UserError(f"--tokenizer {tokenizer}: cannot load it ({type(exc).__name__})") from None
+    return torch.tensor(tok(text)["input_ids"], dtype=torch.long)
+
+
+def rank_batches(tokens: torch.Tensor, block_size: int, batch_size: int, fraction: float,
+                 rank: int, world_size: int, max_steps: int | None) -> list[torch.Tensor]:
+    """Cut tokens into blocks, keep ``fraction`` of them, deal them round-robin to ranks, batch them.
+
+    Every rank gets the same number of batches, in a fixed order, so all variants see identical data.
+    """
+    n_blocks = int(tokens.numel() // block_size * fraction)
+    steps = n_blocks // (world_size * batch_size)
+    if max_steps is not None:
+        steps = min(steps, max_steps)
+    if steps == 0:
+        raise UserError(f"the dataset gives {n_blocks} blocks of {block_size} tokens, too few for one step of "
+                        f"batch {batch_size} on {world_size} ranks")
+    blocks = tokens[: n_blocks * block_size].view(n_blocks, block_size)
+    mine = blocks[rank::world_size]
+    return [mine[i * batch_size:(i + 1) * batch_size] for i in range(steps)]

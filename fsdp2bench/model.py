@@ -1,0 +1,75 @@
+"""Built-in model shapes (no run needs the Hub) and building a model from a config."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from fsdp2bench.cli import UserError
+
+# Built-in model shapes, so that no run needs the Hub. All are Qwen2 decoders;
+# the Qwen2.5 entries copy the published configs' shapes.
+PRESETS: dict[str, dict] = {
+    # tiny: odd sizes on purpose, so that sharding needs padding at any N > 1.
+    "tiny": dict(vocab_size=509, hidden_size=64, intermediate_size=170, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                 max_position_embeddings=2048),
+    "small": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                  num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=True,
+                  max_position_embeddings=4096),
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                         max_position_embeddings=32768),
+    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
+                         max_position_embeddings=32768),
+    "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False,
+                       max_position_embeddings=32768),
+}
+QWEN2_COMMON = dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, hidden_act="silu", use_cache=False)
+
+
+def load_config(model: str):
+    """A preset name, a local directory with config.json, or a Hub id (needs the network)."""
+    from transformers import AutoConfig, Qwen2Config
+
+    if model in PRESETS:
+        return Qwen2Config(**PRESETS[model], **QWEN2_COMMON)
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise UserError(f"--model {model}: directory has no config.json")
+        config = AutoConfig.from_pretrained(model)
+    elif os.path.sep in model or model.startswith("."):
+        raise UserError(f"--model {model}: no such directory")
+    else:
+        try:
+            config = AutoConfig.from_pretrained(model)
+        except Exception as exc:  # offline, unknown id, gated repo...
+            raise UserError(f"--model {model}: not a preset ({', '.join(PRESETS)}), not a local directory, "
+                            f"and the Hub could not provide it ({type(exc).__name__})") from None
+    config.use_cache = False
+    return config
+
+
+def build_model(config, device: torch.device, seed: int) -> nn.Module:
+    """Random fp32 weights, built directly on ``device``: same seed, same weights on every rank."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with device:
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def layer_class_names(model: nn.Module) -> list[str]:
+    """The transformer block classes to shard one by one (what accelerate's auto-wrap uses too)."""
+    names = sorted(getattr(model, "_no_split_modules", None) or [])
+    if not names:
+        raise UserError(f"{type(model).__name__} names no transformer block class (_no_split_modules)")
+    return names
+
+
+def max_positions(config) -> int:
+    return int(getattr(config, "max_position_embeddings", 0) or 0)

@@ -1,0 +1,29 @@
+"""Run names, keys of the files and units, shared by the benchmark and the plots (no torch here)."""
+
+from __future__ import annotations
+
+MIB = 1024 * 1024
+GIB = 1024 * MIB
+
+# The upstream's run names, in its order.
+VARIANTS = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_not_fixed",
+            "torch_optimizer_before_fsdp_fixed", "accelerate"]
+INTENDED = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_fixed", "accelerate"]
+UNFIXED = "torch_optimizer_before_fsdp_not_fixed"
+
+# The upstream's per-rank trace: four lists of equal length, one entry per sample.
+TRACE_KEYS = ("timestamps", "allocated_memory", "reserved_memory", "virtual_memory")
+# What the memory model counts, and when.
+STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "stale_param_bytes")
+PHASES = ("end_of_setup", "before_zero_grad", "end_of_training")
+
+
+def rank_file(name: str, suffix: str, rank: int) -> str:
+    """Rank 0 keeps the upstream file name; rank r adds ``_rank<r>``."""
+    stem, ext = suffix.rsplit(".", 1)
+    return f"{name}_{stem}{'' if rank == 0 else f'_rank{rank}'}.{ext}"
+
+
+def simulated_dir_name(world_size: int) -> str:
+    """Where a sweep puts the traces of every rank it played at world size N."""
+    return f"simulated_N{world_size}"

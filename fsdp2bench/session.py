@@ -1,0 +1,61 @@
+"""The set-up every entry script shares, before its first piece of work starts."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from fsdp2bench.cli import pick_device, prepare_output_dir
+from fsdp2bench.isolation import catch_interrupts, launcher_env, start_child_server
+from fsdp2bench.memory_model import param_shapes
+from fsdp2bench.model import build_model, layer_class_names, load_config
+
+
+@dataclass
+class Session:
+    """This rank's place in the launch, the model's shape, and the launcher's store."""
+    device: torch.device
+    rank: int
+    world_size: int
+    config: object
+    shapes: list  # (shape, bytes per element) of each unique parameter
+    layer_classes: list[str]  # the transformer blocks to shard one by one
+    store: dist.TCPStore
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(torch.Size(shape).numel() for shape, _ in self.shapes)
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(torch.Size(shape).numel() * size for shape, size in self.shapes)
+
+
+def open_session(model: str, device_choice: str, output_dir: str, seed: int,
+                 check_config: Callable[[object], None] = lambda config: None) -> Session:
+    """Refuse what cannot work (one line, before anything runs), then meet the other ranks.
+
+    From here on SIGINT and SIGTERM raise ``isolation.Interrupted`` in the main process.
+    """
+    device = pick_device(device_choice)
+    rank, world_size = launcher_env()
+    start_child_server(device)  # its imports overlap the set-up below
+    config = load_config(model)
+    check_config(config)
+    prepare_output_dir(output_dir)
+    meta_model = build_model(config, torch.device("meta"), seed)
+    shapes, layer_classes = param_shapes(meta_model), layer_class_names(meta_model)
+    store, _, _ = next(dist.rendezvous("env://"))
+    catch_interrupts()
+    return Session(device, rank, world_size, config, shapes, layer_classes, store)
+
+
+def say_interrupted(session: Session, exc: BaseException, where: str) -> int:
+    """One line, from rank 0 (every rank is told by the launcher); the exit code of an interrupt."""
+    if session.rank == 0:
+        print(f"Interrupted ({exc}){where}", file=sys.stderr)
+    return 130

@@ -1,0 +1,162 @@
+"""Running the variants: every rank together (the benchmark), or each simulated rank alone (a sweep)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+from fsdp2bench import report, simulation
+from fsdp2bench.cli import write_json
+from fsdp2bench.isolation import Interrupted, Piece, StoreKeys, gather_records, leave_together, run_isolated
+from fsdp2bench.memory_model import PROJECTION_WORLD_SIZES
+from fsdp2bench.runner import Job, TrainConfig, variant_process
+from fsdp2bench.session import Session, say_interrupted
+
+
+@dataclass
+class Suite:
+    """One launch of the benchmark on this rank; rank 0 keeps ``summary`` and rewrites summary.json."""
+    session: Session
+    names: list[str]
+    train: TrainConfig
+    batches: list
+    meta: dict
+    output_dir: str
+    concurrent: int  # pieces of work at a time on this rank
+    summary: dict
+
+    @property
+    def summary_path(self) -> str:
+        return os.path.join(self.output_dir, "summary.json")
+
+    def job(self, name: str, keys: StoreKeys, rank: int, world_size: int, output_dir: str,
+            simulated: bool = False) -> Job:
+        meta = {**self.meta, "rank": rank, "world_size": world_size, "simulated": simulated}
+        s = self.session
+        return Job(name, self.train, s.device, s.config, self.batches, s.layer_classes, meta, rank, world_size, keys,
+                   output_dir, simulated)
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+def run_variants(suite: Suite) -> int:
+    """Every variant on every rank, ``concurrent`` at a time."""
+    s = suite.session
+    suite.summary.update(variants={}, checks={}, projection=None)
+    any_failed = False
+    for first in range(0, len(suite.names), suite.concurrent):
+        group = suite.names[first:first + suite.concurrent]
+        if s.rank == 0:
+            print(f"[{', '.join(group)}] {len(suite.batches)} steps on {s.world_size} rank(s)...", flush=True)
+        jobs = [suite.job(name, StoreKeys(name), s.rank, s.world_size, suite.output_dir) for name in group]
+        started, started_at = time.perf_counter(), time.time()
+        try:
+            failures = run_isolated([Piece(variant_process, (job,), job.keys) for job in jobs], s.rank,
+                                    range(s.world_size), s.store, s.device)
+            wall = time.perf_counter() - started  # the group's, so one figure for every variant in it
+        except Interrupted as exc:
+            if s.rank == 0:
+                for later in suite.names[first:]:
+                    suite.summary["variants"][later] = {"status": "interrupted" if later in group else "not run"}
+                write_json(suite.summary_path, suite.summary)
+            return say_interrupted(s, exc, f" during {', '.join(group)}; finished variants and partial traces "
+                                           f"are in {suite.output_dir}/")
+        any_failed = any_failed or any(failures)
+        if s.rank == 0:
+            record_group(suite, jobs, failures, started_at, wall)
+    return finish(suite, report.print_table, any_failed)
+
+
+def record_group(suite: Suite, jobs: list[Job], failures: list[str | None], started_at: float, wall: float) -> None:
+    """Rank 0: summarise the variants that just ended and rewrite summary.json."""
+    s, variants = suite.session, suite.summary["variants"]
+    for job, failure in zip(jobs, failures):
+        if failure is None:
+            records = gather_records(s.store, job.keys, range(s.world_size))
+            suite.summary["meta"]["gpu_name"] = records[0]["gpu_name"]
+            variants[job.name] = report.variant_summary(job.name, records, s.shapes)
+            variants[job.name].update(process_started_at=started_at, process_wall_s=wall)
+        else:
+            variants[job.name] = {"status": f"failed: {failure}"}
+            print(f"[{job.name}] FAILED: {failure}", file=sys.stderr, flush=True)
+    suite.summary["checks"] = report.run_checks(variants, s.device.type)
+    suite.summary["projection"] = report.projection_summary(s.shapes, variants, s.world_size)
+    write_json(suite.summary_path, suite.summary)
+
+
+# --------------------------------------------------------------------------- a sweep of simulated ranks
+
+def run_sweep(suite: Suite, sizes: list[int], rank_specs: list) -> int:
+    """Each run plays one rank of N alone; the launch's processes share the runs out."""
+    s = suite.session
+    runs, notes = simulation.plan(sizes, rank_specs, suite.names, s.shapes)
+    suite.summary["meta"]["simulated"] = {"world_sizes": sizes, "ranks": suite.meta["args"]["simulate_rank"],
+                                          "runs": len(runs), "steps": len(suite.batches), "processes": s.world_size,
+                                          "notes": notes}
+    if s.rank == 0:
+        for note in notes:
+            print(note)
+        print(f"Simulating {len(runs)} runs ({len(sizes)} world sizes x {len(suite.names)} variants x the ranks "
+              f"played) over {s.world_size} process(es), {len(suite.batches)} steps each...", flush=True)
+    for n in sizes:
+        os.makedirs(simulation.world_size_dir(suite.output_dir, n), exist_ok=True)
+
+    def make_job(run: simulation.SimulatedRun) -> Job:
+        return suite.job(run.variant, run.keys, run.rank, run.world_size,
+                         simulation.world_size_dir(suite.output_dir, run.world_size), simulated=True)
+
+    try:
+        own_failed = simulation.run_share(runs, make_job, variant_process, s.rank, s.world_size, s.store, s.device,
+                                          suite.concurrent)
+        if s.rank == 0:
+            simulation.wait_for_sweep(runs, s.store)
+    except Interrupted as exc:
+        if s.rank == 0:
+            record_sweep(suite, runs, sizes)
+        return say_interrupted(s, exc, f"; finished runs are in {suite.summary_path}")
+    if s.rank == 0:
+        record_sweep(suite, runs, sizes)
+    failed = own_failed or (s.rank == 0 and any(e["status"] != "ok"
+                                                for *_, e in report.simulated_entries(suite.summary["simulated"])))
+    return finish(suite, report.print_sweep_table, failed)
+
+
+def record_sweep(suite: Suite, runs: list, sizes: list[int]) -> None:
+    """Rank 0: summary.json of a sweep, with every run that has ended (the rest marked so)."""
+    s = suite.session
+    simulated: dict = {}
+    for run, status in simulation.statuses(runs, s.store).items():
+        if status == "ok":
+            record = simulation.record_of(run, s.store)
+            suite.summary["meta"]["gpu_name"] = record["gpu_name"]
+            entry = report.memory_summary(run.variant, [record], s.shapes, run.world_size, [run.rank])
+        else:
+            entry = {"status": status}
+        simulated.setdefault(str(run.world_size), {}).setdefault(str(run.rank), {})[run.variant] = \
+            {"label": run.label, **entry}
+    suite.summary["simulated"] = simulated
+    suite.summary["checks"] = report.sweep_checks(simulated)
+    suite.summary["simulation_findings"] = {
+        "unfixed_exceeds_intended_from_world_size": report.measured_crossover(simulated)}
+    suite.summary["projection"] = report.state_projection(s.shapes, suite.names,
+                                                          sorted(set(PROJECTION_WORLD_SIZES) | set(sizes)))
+    write_json(suite.summary_path, suite.summary)
+
+
+# --------------------------------------------------------------------------- the end
+
+def finish(suite: Suite, print_results, any_failed: bool) -> int:
+    """Every rank leaves together; rank 0 prints the results and decides the exit code."""
+    s = suite.session
+    if s.rank == 0:
+        suite.summary["meta"]["timeline"]["variants_finished"] = time.time()
+        write_json(suite.summary_path, suite.summary)
+    leave_together(s.store, s.rank, s.world_size)
+    if s.rank != 0:
+        return 1 if any_failed else 0
+    print_results(suite.summary)
+    print(f"Wrote per-rank traces and summary.json to {suite.output_dir}/")
+    failed = any_failed or any(v["status"] != "ok" for v in suite.summary.get("variants", {}).values())
+    return 1 if failed or not report.checks_passed(suite.summary["checks"]) else 0
