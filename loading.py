@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 
-from fsdp2bench.cli import OneLineParser, UserError, exit_with, parse_names, write_json
+from fsdp2bench.cli import OneLineParser, UserError, exit_with, parse_names, save_summary
 from fsdp2bench.isolation import Interrupted, Piece, StoreKeys, gather_records, leave_together, run_isolated
 from fsdp2bench.loading import (CHECKPOINT_DTYPES, MODES, Checkpoint, LoadConfig, LoadJob, load_process, print_table,
                                 summarise, write_checkpoint_process)
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         raise UserError(f"--checkpoint {args.checkpoint}: no such directory")
     model_name = args.model or args.checkpoint or "qwen2.5-1.5b"
-    s = open_session(model_name, args.device, args.output_dir, args.seed)
+    s = open_session(model_name, args.device, args.output_dir, args.seed, "loading_summary.json")
     options = LoadConfig(args.output_dir, args.seed, args.log_interval, args.checkpoint_dtype,
                          args.checkpoint_shard_size)
     summary_path = os.path.join(args.output_dir, "loading_summary.json")
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
                 records[mode] = f"failed: {failure}" if failure else gather_records(s.store, job.keys,
                                                                                    range(s.world_size))
                 summary["modes"] = summarise(records)
-                write_json(summary_path, summary)
+                save_summary(summary_path, summary)
         leave_together(s.store, s.rank, s.world_size)
     except Interrupted as exc:
         return say_interrupted(s, exc, f"; finished modes are in {summary_path}")

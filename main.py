@@ -128,11 +128,12 @@ def run(args: argparse.Namespace) -> int:
     # Seconds since the epoch, so that speed.py can split the launch's wall time.
     timeline = {"process_created": psutil.Process().create_time(), "main_started": time.time()}
     names = check_args(args)
-    session = open_session(args.model, args.device, args.output_dir, args.seed,
+    session = open_session(args.model, args.device, args.output_dir, args.seed, "summary.json",
                            lambda config: check_positions(args.block_size, config))
     # A simulated rank has no peers to share the data with: every run takes the batches of a world of one.
     data_rank, data_world = (0, 1) if args.simulate_world_size else (session.rank, session.world_size)
-    batches = rank_batches(load_tokens(args.dataset, args.tokenizer), args.block_size, args.batch_size,
+    tokens = load_tokens(args.dataset, args.tokenizer, session.config.vocab_size)
+    batches = rank_batches(tokens, args.block_size, args.batch_size,
                            args.dataset_fraction, data_rank, data_world, args.max_steps)
     meta = {"world_size": session.world_size, "device": session.device.type, "versions": versions(),
             "model": args.model, "model_type": session.config.model_type, "num_parameters": session.num_parameters,

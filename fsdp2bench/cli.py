@@ -31,6 +31,11 @@ def exit_with(run: Callable[[], int]) -> None:
     sys.exit(code)
 
 
+def one_line(exc: BaseException) -> str:
+    """The first line of an exception's message, for an error line that names its cause."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
 def parse_names(text: str, flag: str, known, noun: str = "name") -> list[str]:
     """A comma-separated list of known names, each at most once, in the order given."""
     names = [n.strip() for n in text.split(",") if n.strip()]
@@ -68,9 +73,42 @@ def prepare_output_dir(path: str) -> None:
         raise UserError(f"--output_dir {path}: cannot write there ({exc.strerror})") from None
 
 
-def write_json(path: str, data: dict) -> None:
-    """Write to a temporary name, then rename: a reader never sees half a file."""
+def check_replaceable(path: str) -> None:
+    """A file the run will rewrite must be replaceable now, not only when the first results arrive.
+    An existing one is replaced by a copy of itself: its content does not change."""
+    if os.path.isdir(path):
+        raise UserError(f"{path} is a directory; the run writes a file of that name")
+    if os.path.exists(path):
+        try:
+            with open(path, "rb") as f:
+                content = f.read()
+            write_bytes(path, content)
+        except OSError as exc:
+            raise UserError(f"{path}: cannot be replaced ({exc.strerror}); move it away or choose another "
+                            "--output_dir") from None
+
+
+def write_bytes(path: str, content: bytes) -> None:
+    """Write to a temporary name, then rename: a reader never sees half a file, and a failed
+    write leaves nothing behind."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(content)
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def write_json(path: str, data: dict) -> None:
+    write_bytes(path, json.dumps(data, indent=1).encode())
+
+
+def save_summary(path: str, data: dict) -> None:
+    """A summary that cannot be written costs one line, not the variants still to run."""
+    try:
+        write_json(path, data)
+    except OSError as exc:
+        print(f"warning: cannot write {path} ({exc.strerror}); the run goes on", file=sys.stderr, flush=True)

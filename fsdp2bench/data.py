@@ -31,26 +31,41 @@ def builtin_text(min_bytes: int) -> str:
 BUILTIN_TOKENS = 160 * 2 * 128 * 8
 
 
-def load_tokens(dataset: str | None, tokenizer: str | None) -> torch.Tensor:
-    """Token ids of the built-in text or of a local text file; bytes unless a tokenizer is given."""
-    if dataset is None:
-        text = builtin_text(BUILTIN_TOKENS)
-    else:
-        try:
-            with open(dataset, encoding="utf-8", errors="replace") as f:
-                text = f.read()
-        except OSError as exc:
-            raise UserError(f"--dataset {dataset}: cannot read it ({exc.strerror})") from None
+def load_tokens(dataset: str | None, tokenizer: str | None, vocab_size: int) -> torch.Tensor:
+    """Token ids of the built-in text or of a local file: its bytes as they are, unless a tokenizer
+    is given. Ids the model's embedding cannot hold are refused here, not as an IndexError mid-run."""
+    raw = builtin_text(BUILTIN_TOKENS).encode("utf-8")[:BUILTIN_TOKENS] if dataset is None else read_bytes(dataset)
     if tokenizer is None:
-        ids = list(text.encode("utf-8"))
-        return torch.tensor(ids[:BUILTIN_TOKENS] if dataset is None else ids, dtype=torch.long)
+        ids = torch.tensor(list(raw), dtype=torch.long)
+        source = "--dataset's bytes" if dataset else "the built-in text's bytes"
+    else:
+        tok = load_tokenizer(tokenizer)
+        if len(tok) > vocab_size:
+            raise UserError(f"--tokenizer {tokenizer}: its vocabulary has {len(tok)} tokens, the model's "
+                            f"{vocab_size}")
+        ids = torch.tensor(tok(raw.decode("utf-8", errors="replace"))["input_ids"], dtype=torch.long)
+        source = f"--tokenizer {tokenizer}"
+    if ids.numel() and int(ids.max()) >= vocab_size:
+        raise UserError(f"{source} give token ids up to {int(ids.max())}, but the model's vocabulary has "
+                        f"{vocab_size} tokens")
+    return ids
+
+
+def read_bytes(dataset: str) -> bytes:
+    try:
+        with open(dataset, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise UserError(f"--dataset {dataset}: cannot read it ({exc.strerror})") from None
+
+
+def load_tokenizer(tokenizer: str):
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(tokenizer)
+        return AutoTokenizer.from_pretrained(tokenizer)
     except Exception as exc:
         raise UserError(f"--tokenizer {tokenizer}: cannot load it ({type(exc).__name__})") from None
-    return torch.tensor(tok(text)["input_ids"], dtype=torch.long)
 
 
 def rank_batches(tokens: torch.Tensor, block_size: int, batch_size: int, fraction: float,

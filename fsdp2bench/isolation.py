@@ -85,13 +85,44 @@ class Interrupted(Exception):
     """SIGINT or SIGTERM reached this rank's main process."""
 
 
+class StoreLost(Interrupted):
+    """The launcher's store stopped answering (its agent was killed): handled like an interrupt."""
+
+
 def _raise_interrupted(signum, _frame) -> None:
+    # The shutdown that follows (partial results, summary.json) must not itself be interrupted:
+    # a second Ctrl-C or the launcher's own SIGTERM is ignored, and says nothing more.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise Interrupted(signal.Signals(signum).name)
 
 
 def catch_interrupts() -> None:
     signal.signal(signal.SIGTERM, _raise_interrupted)
     signal.signal(signal.SIGINT, _raise_interrupted)
+    end_with_parent()
+
+
+def end_with_parent() -> None:
+    """Linux: SIGTERM this process when its parent (the launcher) dies, so that a ``kill -9`` of
+    torchrun leaves no orphan training on: the interrupt path then saves what it can."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the watcher threads of the children still notice
+        return
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def has_keys(store: dist.TCPStore, keys: list[str]) -> bool:
+    """``store.check``, with a store that is gone reported as ``StoreLost``."""
+    try:
+        return store.check(keys)
+    except dist.DistError as exc:
+        raise StoreLost(f"the launcher's store is gone: {str(exc).splitlines()[0][:120]}") from None
 
 
 def child_context(device: torch.device) -> multiprocessing.context.BaseContext:
@@ -144,12 +175,15 @@ def run_isolated(pieces: list[Piece], rank: int, participants: Sequence[int], st
     try:
         running = list(zip(pieces, children))
         while running:
-            running = [(p, c) for p, c in running if c.exitcode is None and not store.check([p.keys.abort])]
+            running = [(p, c) for p, c in running if c.exitcode is None and not has_keys(store, [p.keys.abort])]
             if running:
                 multiprocessing.connection.wait([c.sentinel for _, c in running], timeout=0.2)
     except Interrupted:
         for piece in pieces:
-            set_first(store, piece.keys.abort, INTERRUPTED)
+            try:
+                set_first(store, piece.keys.abort, INTERRUPTED)
+            except dist.DistError:  # no store: the children notice that themselves
+                break
         raise
     finally:
         deadline = time.monotonic() + GRACE_S
@@ -174,7 +208,7 @@ def run_isolated(pieces: list[Piece], rank: int, participants: Sequence[int], st
 def wait_for_keys(store: dist.TCPStore, keys: list[str]) -> None:
     """Wait until every key exists, in short steps: ``store.wait`` blocks in C++, where a signal
     handler never runs, so a rank waiting on a peer could not be interrupted."""
-    while not store.check(keys):
+    while not has_keys(store, keys):
         time.sleep(0.1)
 
 
@@ -218,27 +252,51 @@ class Finisher:
         if not self._writer.acquire(blocking=False):
             return
         try:
-            own = f"rank {self.rank}: {error}"
-            if error is not None:
-                # A peer that died makes our collectives fail at once, before its main process
-                # can say why: give that first reason a moment to arrive.
-                deadline = time.monotonic() + CAUSE_WAIT_S
-                while not store.check([self.keys.abort]) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                set_first(store, self.keys.abort, own)
-            reason = store.get(self.keys.abort).decode()
-            status = "interrupted" if reason == INTERRUPTED else "failed" if reason == own else f"aborted: {reason}"
+            try:
+                status = self._agreed_status(error, store)
+            except dist.DistError:  # the launcher is gone: nobody to tell, nothing to wait for
+                status, error = "interrupted", error or "the launcher's store is gone"
             self._write(status, {"error": error})
         finally:
             os._exit(1)
 
+    def _agreed_status(self, error: str | None, store: dist.TCPStore) -> str:
+        """Give this rank's reason (the first one given wins) and read back the one that counts."""
+        own = f"rank {self.rank}: {error}"
+        if error is not None:
+            # A peer that died makes our collectives fail at once, before its main process
+            # can say why: give that first reason a moment to arrive.
+            deadline = time.monotonic() + CAUSE_WAIT_S
+            while not store.check([self.keys.abort]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            set_first(store, self.keys.abort, own)
+        reason = store.get(self.keys.abort).decode()
+        return "interrupted" if reason == INTERRUPTED else "failed" if reason == own else f"aborted: {reason}"
 
-def _watch_for_abort(finisher: Finisher) -> None:
+    def leave_alone(self, reason: str) -> None:
+        """The launch is gone: write the partial result as interrupted, with no store, and exit."""
+        if not self._writer.acquire(blocking=False):
+            return
+        try:
+            self._write("interrupted", {"error": reason})
+        finally:
+            os._exit(1)
+
+
+def _watch_for_abort(finisher: Finisher, parent: int) -> None:
     """The main thread may be blocked in a collective that will never return (its peer is gone), so
-    this thread itself writes the partial result and ends the process (``Finisher.fail``)."""
+    this thread itself writes the partial result and ends the process (``Finisher.fail``). It also
+    ends a child whose launch is gone (its parent died, or the launcher's store stopped answering):
+    nobody could tell it to stop, and it would train on as an orphan."""
     store = connect_store()
     while True:
-        if store.check([finisher.keys.abort]):
+        if os.getppid() != parent:
+            finisher.leave_alone("the launch's main process is gone")
+        try:
+            aborted = store.check([finisher.keys.abort])
+        except dist.DistError:
+            finisher.leave_alone("the launcher's store is gone")
+        if aborted:
             finisher.fail(None, store)
         time.sleep(POLL_S)
 
@@ -247,7 +305,7 @@ def run_child(finisher: Finisher, work: Callable[[dist.TCPStore], None]) -> None
     """Body of every forked child: watch for aborts, do the work, report any failure."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides what an interrupt means
     store = connect_store()
-    threading.Thread(target=_watch_for_abort, args=(finisher,), daemon=True).start()
+    threading.Thread(target=_watch_for_abort, args=(finisher, os.getppid()), daemon=True).start()
     try:
         work(store)
         sys.stdout.flush()

@@ -14,7 +14,7 @@ from torch import nn
 
 import utils
 from fsdp2bench.child import TracedChild, run_traced_child
-from fsdp2bench.cli import UserError
+from fsdp2bench.cli import UserError, one_line
 from fsdp2bench.isolation import Finisher, StoreKeys, init_group, run_child
 from fsdp2bench.memory_model import local_tensor, shard_rows
 from fsdp2bench.model import build_model
@@ -26,25 +26,26 @@ CHECKPOINT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 # --------------------------------------------------------------------------- checkpoint access
 
+def tensor_names(file: str) -> list[str]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="pt") as f:
+            return list(f.keys())
+    except Exception as exc:  # safetensors raises its own error type for a bad header or a short file
+        raise UserError(f"--checkpoint: {file} is not a readable safetensors file ({one_line(exc)})") from None
+
+
 class Checkpoint:
     """Tensor names and files of a Hugging Face safetensors checkpoint, read lazily (memory-mapped)."""
 
     def __init__(self, path: str):
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            self.files = {name: os.path.join(path, file) for name, file in weight_map.items()}
-        else:
-            files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-            if not files:
-                raise UserError(f"--checkpoint {path}: no *.safetensors files")
-            from safetensors import safe_open
-
-            self.files = {}
-            for file in files:
-                with safe_open(file, framework="pt") as f:
-                    self.files.update({name: file for name in f.keys()})
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise UserError(f"--checkpoint {path}: no *.safetensors files")
+        self.files = {}
+        for file in files:  # every header is read: a corrupt or truncated file is refused before any load
+            self.files.update({name: file for name in tensor_names(file)})
         self.path = path
 
     def bytes(self) -> int:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
 from torch import nn
 
-from fsdp2bench.cli import UserError
+from fsdp2bench.cli import UserError, one_line
 
 # Built-in model shapes, so that no run needs the Hub. All are Qwen2 decoders;
 # the Qwen2.5 entries copy the published configs' shapes.
@@ -39,9 +40,11 @@ def load_config(model: str):
     if model in PRESETS:
         return Qwen2Config(**PRESETS[model], **QWEN2_COMMON)
     if os.path.isdir(model):
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            raise UserError(f"--model {model}: directory has no config.json")
-        config = AutoConfig.from_pretrained(model)
+        check_config_file(model)
+        try:
+            config = AutoConfig.from_pretrained(model)
+        except Exception as exc:  # an unknown model_type, a field transformers refuses...
+            raise UserError(f"--model {model}: transformers cannot read its config.json ({one_line(exc)})") from None
     elif os.path.sep in model or model.startswith("."):
         raise UserError(f"--model {model}: no such directory")
     else:
@@ -50,8 +53,31 @@ def load_config(model: str):
         except Exception as exc:  # offline, unknown id, gated repo...
             raise UserError(f"--model {model}: not a preset ({', '.join(PRESETS)}), not a local directory, "
                             f"and the Hub could not provide it ({type(exc).__name__})") from None
+    check_causal_lm(model, config)
     config.use_cache = False
     return config
+
+
+def check_config_file(directory: str) -> None:
+    """What transformers would report with a traceback: no file, no JSON, no model type."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise UserError(f"--model {directory}: directory has no config.json")
+    try:
+        with open(path) as f:
+            fields = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"--model {directory}: config.json is not valid JSON ({one_line(exc)})") from None
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise UserError(f"--model {directory}: config.json has no model_type")
+
+
+def check_causal_lm(model: str, config) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(f"--model {model}: a {config.model_type} model is not a causal language model "
+                        "(transformers has no AutoModelForCausalLM for it)")
 
 
 def build_model(config, device: torch.device, seed: int) -> nn.Module:
@@ -67,8 +93,17 @@ def layer_class_names(model: nn.Module) -> list[str]:
     """The transformer block classes to shard one by one (what accelerate's auto-wrap uses too)."""
     names = sorted(getattr(model, "_no_split_modules", None) or [])
     if not names:
-        raise UserError(f"{type(model).__name__} names no transformer block class (_no_split_modules)")
+        raise UserError(f"{type(model).__name__} names no transformer block class (_no_split_modules), so "
+                        "FSDP2 cannot shard it block by block")
     return names
+
+
+def build_meta_model(name: str, config, seed: int) -> nn.Module:
+    """The model's shapes without its memory; a config transformers cannot build is the user's to fix."""
+    try:
+        return build_model(config, torch.device("meta"), seed)
+    except Exception as exc:
+        raise UserError(f"--model {name}: transformers cannot build it ({one_line(exc)})") from None
 
 
 def max_positions(config) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 
 from fsdp2bench.memory_model import (PROJECTION_WORLD_SIZES, expected_state, first_world_size_where_unfixed_costs_more,
@@ -127,25 +128,39 @@ def projection_summary(shapes, variants: dict, world_size: int) -> dict:
             "measured": {"world_size": world_size, "per_rank_state_bytes": measured}}
 
 
+def first_non_finite(losses: list) -> int | None:
+    return next((i for i, loss in enumerate(losses) if loss is None or not math.isfinite(loss)), None)
+
+
 def run_checks(variants: dict, device_type: str) -> dict:
-    """The upstream's equality check, plus: the state bytes are what FSDP2's rule predicts, and the
-    unfixed variant must not have trained."""
+    """The upstream's equality check, plus: every loss is a number, the intended variants train,
+    the state bytes are what FSDP2's rule predicts, and the unfixed variant does not train."""
     checks = {}
-    ran = [n for n in INTENDED if variants.get(n, {}).get("status") == "ok"]
+    ok = {n: v for n, v in variants.items() if v.get("status") == "ok"}
+    non_finite = {n: first_non_finite(v["losses"]) for n, v in ok.items() if first_non_finite(v["losses"]) is not None}
+    if ok:  # NaN compares false with everything, so without this a diverged run would pass the others
+        checks["losses_finite"] = {"ok": not non_finite, "first_non_finite_step": non_finite}
+    ran = [n for n in INTENDED if n in ok]
     if len(ran) >= 2:
         tol = LOSS_TOLERANCE[device_type]
         ref = variants[ran[0]]["losses"]
-        diffs = {n: max(abs(a - b) / abs(b) for a, b in zip(variants[n]["losses"], ref)) for n in ran[1:]}
-        checks["intended_losses_match"] = {"ok": all(d <= tol for d in diffs.values()), "reference": ran[0],
-                                           "relative_tolerance": tol, "max_relative_diff": diffs}
-    counted = {n: v["accounting_matches_expected"] for n, v in variants.items() if v.get("status") == "ok"}
+        diffs = {n: None if non_finite else max(abs(a - b) / abs(b) for a, b in zip(variants[n]["losses"], ref))
+                 for n in ran[1:]}
+        checks["intended_losses_match"] = {"ok": not non_finite and all(d <= tol for d in diffs.values()),
+                                           "reference": ran[0], "relative_tolerance": tol, "max_relative_diff": diffs}
+    if ran:
+        drops = {n: variants[n]["loss_drop"] for n in ran}
+        checks["intended_variants_trained"] = {"ok": not non_finite and all(d > 0 for d in drops.values()),
+                                               "loss_drop": drops} if ok[ran[0]]["steps"] >= 2 else \
+            {"ok": None, "skipped": "one step cannot show a falling loss"}
+    counted = {n: v["accounting_matches_expected"] for n, v in ok.items()}
     if counted:
         checks["accounting_matches_expected"] = {"ok": all(counted.values()),
-                                                 "mismatched": [n for n, ok in counted.items() if not ok]}
-    if variants.get(UNFIXED, {}).get("status") == "ok":
+                                                 "mismatched": [n for n, good in counted.items() if not good]}
+    if UNFIXED in ok:
         drop = variants[UNFIXED]["loss_drop"]
-        checks["unfixed_did_not_train"] = {"ok": drop <= TRAINED_DROP, "loss_drop": drop,
-                                           "threshold": TRAINED_DROP}
+        checks["unfixed_did_not_train"] = {"ok": UNFIXED not in non_finite and drop <= TRAINED_DROP,
+                                           "loss_drop": drop, "threshold": TRAINED_DROP}
     return checks
 
 

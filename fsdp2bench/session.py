@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -9,10 +10,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fsdp2bench.cli import pick_device, prepare_output_dir
+from fsdp2bench.cli import check_replaceable, pick_device, prepare_output_dir
 from fsdp2bench.isolation import catch_interrupts, launcher_env, start_child_server
 from fsdp2bench.memory_model import param_shapes
-from fsdp2bench.model import build_model, layer_class_names, load_config
+from fsdp2bench.model import build_meta_model, layer_class_names, load_config
 
 
 @dataclass
@@ -35,9 +36,10 @@ class Session:
         return sum(torch.Size(shape).numel() * size for shape, size in self.shapes)
 
 
-def open_session(model: str, device_choice: str, output_dir: str, seed: int,
+def open_session(model: str, device_choice: str, output_dir: str, seed: int, summary_file: str,
                  check_config: Callable[[object], None] = lambda config: None) -> Session:
     """Refuse what cannot work (one line, before anything runs), then meet the other ranks.
+    ``summary_file`` is the file rank 0 will keep rewriting in ``output_dir``.
 
     From here on SIGINT and SIGTERM raise ``isolation.Interrupted`` in the main process.
     """
@@ -47,7 +49,9 @@ def open_session(model: str, device_choice: str, output_dir: str, seed: int,
     config = load_config(model)
     check_config(config)
     prepare_output_dir(output_dir)
-    meta_model = build_model(config, torch.device("meta"), seed)
+    if rank == 0:
+        check_replaceable(os.path.join(output_dir, summary_file))
+    meta_model = build_meta_model(model, config, seed)
     shapes, layer_classes = param_shapes(meta_model), layer_class_names(meta_model)
     store, _, _ = next(dist.rendezvous("env://"))
     catch_interrupts()

@@ -8,8 +8,9 @@ import time
 from dataclasses import dataclass
 
 from fsdp2bench import report, simulation
-from fsdp2bench.cli import write_json
-from fsdp2bench.isolation import Interrupted, Piece, StoreKeys, gather_records, leave_together, run_isolated
+from fsdp2bench.cli import save_summary
+from fsdp2bench.isolation import (Interrupted, Piece, StoreKeys, StoreLost, gather_records, has_keys, leave_together,
+                                  run_isolated)
 from fsdp2bench.memory_model import PROJECTION_WORLD_SIZES
 from fsdp2bench.runner import Job, TrainConfig, variant_process
 from fsdp2bench.session import Session, say_interrupted
@@ -58,15 +59,30 @@ def run_variants(suite: Suite) -> int:
             wall = time.perf_counter() - started  # the group's, so one figure for every variant in it
         except Interrupted as exc:
             if s.rank == 0:
-                for later in suite.names[first:]:
-                    suite.summary["variants"][later] = {"status": "interrupted" if later in group else "not run"}
-                write_json(suite.summary_path, suite.summary)
+                record_interrupted(suite, jobs, suite.names[first:], started_at)
             return say_interrupted(s, exc, f" during {', '.join(group)}; finished variants and partial traces "
                                            f"are in {suite.output_dir}/")
         any_failed = any_failed or any(failures)
         if s.rank == 0:
             record_group(suite, jobs, failures, started_at, wall)
     return finish(suite, report.print_table, any_failed)
+
+
+def record_interrupted(suite: Suite, jobs: list[Job], left: list[str], started_at: float) -> None:
+    """Rank 0: a variant that finished on every rank before the interrupt is ``ok``, whatever came
+    after it; the others of its group are ``interrupted``, the later ones ``not run``."""
+    s = suite.session
+    ranks = range(s.world_size)
+    try:
+        done = [job for job in jobs if has_keys(s.store, [job.keys.record(r) for r in ranks])]
+    except StoreLost:  # the launcher was killed: what finished was recorded before
+        done = []
+    for name in left:
+        suite.summary["variants"][name] = {"status": "interrupted" if any(j.name == name for j in jobs) else "not run"}
+    if done:
+        record_group(suite, done, [None] * len(done), started_at, time.time() - started_at)
+    else:
+        save_summary(suite.summary_path, suite.summary)
 
 
 def record_group(suite: Suite, jobs: list[Job], failures: list[str | None], started_at: float, wall: float) -> None:
@@ -83,7 +99,7 @@ def record_group(suite: Suite, jobs: list[Job], failures: list[str | None], star
             print(f"[{job.name}] FAILED: {failure}", file=sys.stderr, flush=True)
     suite.summary["checks"] = report.run_checks(variants, s.device.type)
     suite.summary["projection"] = report.projection_summary(s.shapes, variants, s.world_size)
-    write_json(suite.summary_path, suite.summary)
+    save_summary(suite.summary_path, suite.summary)
 
 
 # --------------------------------------------------------------------------- a sweep of simulated ranks
@@ -113,9 +129,9 @@ def run_sweep(suite: Suite, sizes: list[int], rank_specs: list) -> int:
         if s.rank == 0:
             simulation.wait_for_sweep(runs, s.store)
     except Interrupted as exc:
-        if s.rank == 0:
+        if s.rank == 0 and not isinstance(exc, StoreLost):
             record_sweep(suite, runs, sizes)
-        return say_interrupted(s, exc, f"; finished runs are in {suite.summary_path}")
+        return say_interrupted(s, exc, f"; finished runs are in {suite.output_dir}/")
     if s.rank == 0:
         record_sweep(suite, runs, sizes)
     failed = own_failed or (s.rank == 0 and any(e["status"] != "ok"
@@ -142,7 +158,7 @@ def record_sweep(suite: Suite, runs: list, sizes: list[int]) -> None:
         "unfixed_exceeds_intended_from_world_size": report.measured_crossover(simulated)}
     suite.summary["projection"] = report.state_projection(s.shapes, suite.names,
                                                           sorted(set(PROJECTION_WORLD_SIZES) | set(sizes)))
-    write_json(suite.summary_path, suite.summary)
+    save_summary(suite.summary_path, suite.summary)
 
 
 # --------------------------------------------------------------------------- the end
@@ -152,7 +168,7 @@ def finish(suite: Suite, print_results, any_failed: bool) -> int:
     s = suite.session
     if s.rank == 0:
         suite.summary["meta"]["timeline"]["variants_finished"] = time.time()
-        write_json(suite.summary_path, suite.summary)
+        save_summary(suite.summary_path, suite.summary)
     leave_together(s.store, s.rank, s.world_size)
     if s.rank != 0:
         return 1 if any_failed else 0

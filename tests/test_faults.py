@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import signal
 import socket
 import time
 
+import psutil
 import pytest
 from conftest import TINY, VARIANTS, load, run_script, start_script
 
@@ -102,7 +104,30 @@ BAD_INPUTS = {
     "simulated rank negative": (["--simulate_world_size", "4", "--simulate_rank", "-1"], "outside [0, N)"),
     "simulated rank a word": (["--simulate_world_size", "4", "--simulate_rank", "first"],
                               "integers or 'last', got 'first'"),
+    "config not JSON": (["--model", "{tmp}/not_json"], "config.json is not valid JSON"),
+    "config without model_type": (["--model", "{tmp}/no_type"], "config.json has no model_type"),
+    "not a causal LM": (["--model", "{tmp}/t5"], "a t5 model is not a causal language model"),
+    "tokenizer larger than the model": (["--dataset", "{tmp}/words.txt", "--tokenizer", "{tmp}/big_tokenizer"],
+                                        "its vocabulary has 1001 tokens, the model's 509"),
+    "summary.json is a directory": (["--output_dir", "{tmp}/taken"], "summary.json is a directory"),
 }
+
+
+def write_bad_inputs(tmp) -> None:
+    """The files and directories the cases above point at."""
+    (tmp / "short.txt").write_text("too short")
+    (tmp / "words.txt").write_text("w1 w2 w3 " * 2000)
+    for name, text in {"not_json": "{model_type: qwen2", "no_type": '{"hidden_size": 64}',
+                       "t5": '{"model_type": "t5"}'}.items():
+        (tmp / name).mkdir()
+        (tmp / name / "config.json").write_text(text)
+    (tmp / "taken" / "summary.json").mkdir(parents=True)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({**{f"w{i}": i for i in range(1000)}, "[UNK]": 1000}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(tmp / "big_tokenizer")
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
@@ -110,7 +135,7 @@ def test_bad_input_gets_one_line_and_loses_nothing(case, tmp_path, suite):
     if case == "no gpu" and __import__("torch").cuda.is_available():
         pytest.skip("this machine has a GPU")
     flags, message = BAD_INPUTS[case]
-    (tmp_path / "short.txt").write_text("too short")
+    write_bad_inputs(tmp_path)
     out = tmp_path / "previous"  # results of an earlier run must survive
     out.mkdir()
     (out / "summary.json").write_bytes((suite[0] / "summary.json").read_bytes())
@@ -181,3 +206,86 @@ def test_variants_run_together_from_the_fork_server_give_the_numbers_of_the_sequ
     traces = [load(tmp_path / f"{name}_memory_usage.json") for name in together]
     ends = [t["started_at"] + t["events"][-1]["t"] for t in traces]
     assert traces[0]["started_at"] < ends[1] and traces[1]["started_at"] < ends[0]
+
+
+def test_a_binary_dataset_is_read_as_its_bytes(tmp_path):
+    data = tmp_path / "binary.bin"
+    data.write_bytes(bytes(range(128, 256)) * 3)  # no byte of it is UTF-8 on its own
+    proc = run_script(["main.py", *TINY, "--variants", "torch_optimizer_after_fsdp", "--dataset", str(data),
+                       "--block_size", "64", "--output_dir", str(tmp_path / "out")], nproc=None)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # 384 bytes are 6 blocks of 64, 3 steps of batch 2; decoded as text, each byte would become 3.
+    assert load(tmp_path / "out" / "summary.json")["variants"]["torch_optimizer_after_fsdp"]["steps"] == 3
+
+
+def test_a_diverging_run_fails_its_checks_and_names_the_cause(tmp_path):
+    proc = run_script(["main.py", "--model", "tiny", "--device", "cpu", "--max_steps", "4", "--learning_rate", "1e308",
+                       "--variants", "torch_optimizer_after_fsdp,torch_optimizer_before_fsdp_fixed",
+                       "--output_dir", str(tmp_path)], nproc=None)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    checks = load(tmp_path / "summary.json")["checks"]
+    assert checks["losses_finite"]["ok"] is False
+    assert checks["losses_finite"]["first_non_finite_step"] == {"torch_optimizer_after_fsdp": 1,
+                                                                "torch_optimizer_before_fsdp_fixed": 1}
+    assert checks["intended_losses_match"]["ok"] is False
+    assert checks["intended_variants_trained"]["ok"] is False
+    assert "check losses_finite: FAIL" in proc.stdout
+
+
+def rank_processes(agent) -> dict[int, psutil.Process]:
+    """The main process of every rank of a torchrun agent, by rank."""
+    ranks = {}
+    for child in psutil.Process(agent.pid).children():
+        with contextlib.suppress(psutil.Error, KeyError, ValueError):
+            ranks[int(child.environ()["RANK"])] = child
+    return ranks
+
+
+def start_long_run(out):
+    """Two ranks, a finished first variant, then a long second one: returned once the second runs."""
+    proc = start_script(["main.py", "--model", "tiny", "--device", "cpu", "--max_steps", "150",
+                         "--variants", "torch_optimizer_after_fsdp,accelerate", "--output_dir", str(out)])
+    for line in proc.stdout:
+        if line.startswith("[accelerate]"):
+            break
+    time.sleep(2)
+    return proc
+
+
+def test_an_interrupt_that_reaches_one_rank_only_ends_every_rank_with_the_summary_written(tmp_path):
+    proc = start_long_run(tmp_path)
+    rank_processes(proc)[1].send_signal(signal.SIGINT)  # Ctrl-C on one node of a multi-node run
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert statuses(tmp_path) == {"torch_optimizer_after_fsdp": "ok", "accelerate": "interrupted"}
+    assert load(tmp_path / "accelerate_memory_usage.json")["status"] == "interrupted"
+
+
+def test_a_second_signal_during_shutdown_adds_nothing(tmp_path):
+    proc = start_script(["main.py", *TINY, "--max_steps", "400", "--variants", "torch_optimizer_after_fsdp",
+                         "--output_dir", str(tmp_path)], nproc=None)
+    for line in proc.stdout:
+        if line.startswith("[torch_optimizer_after_fsdp]"):
+            break
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert len(stderr.strip().splitlines()) == 1 and "Interrupted (SIGINT) during" in stderr, stderr
+    assert "Exception ignored" not in stderr and "Traceback" not in stderr
+    assert statuses(tmp_path) == {"torch_optimizer_after_fsdp": "interrupted"}
+
+
+def test_a_killed_launcher_leaves_no_orphan_and_keeps_the_partial_traces(tmp_path):
+    proc = start_long_run(tmp_path)
+    family = psutil.Process(proc.pid).children(recursive=True)
+    proc.kill()  # kill -9 of the torchrun agent: nobody will tell its ranks to stop
+    proc.communicate(timeout=30)
+    gone, alive = psutil.wait_procs(family, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
+    assert statuses(tmp_path) == {"torch_optimizer_after_fsdp": "ok", "accelerate": "interrupted"}
+    for suffix in ("", "_rank1"):
+        partial = load(tmp_path / f"accelerate_memory_usage{suffix}.json")
+        assert partial["status"] == "interrupted" and 0 < len(partial["steps"]) < 150
