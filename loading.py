@@ -59,13 +59,13 @@ def run(args: argparse.Namespace) -> int:
     model_name = args.model or args.checkpoint or "qwen2.5-1.5b"
     s = open_session(model_name, args.device, args.output_dir, args.seed, "loading_summary.json")
     options = LoadConfig(args.output_dir, args.seed, args.log_interval, args.checkpoint_dtype,
-                         args.checkpoint_shard_size)
+                         args.checkpoint_shard_size, s.run_id)
     summary_path = os.path.join(args.output_dir, "loading_summary.json")
     try:
         path, write_s = (args.checkpoint, None) if args.checkpoint else write_checkpoint(s, options, model_name)
         checkpoint = Checkpoint(path)
         records: dict = {}
-        summary = {"model": model_name, "world_size": s.world_size, "device": s.device.type,
+        summary = {"run_id": s.run_id, "model": model_name, "world_size": s.world_size, "device": s.device.type,
                    "model_bytes": s.model_bytes, "checkpoint": {"path": path, "dtype": checkpoint.dtype_name(),
                                                                 "bytes": checkpoint.bytes(), "write_s": write_s},
                    "modes": {}}

@@ -135,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
     tokens = load_tokens(args.dataset, args.tokenizer, session.config.vocab_size)
     batches = rank_batches(tokens, args.block_size, args.batch_size,
                            args.dataset_fraction, data_rank, data_world, args.max_steps)
-    meta = {"world_size": session.world_size, "device": session.device.type, "versions": versions(),
+    meta = {"run_id": session.run_id, "world_size": session.world_size, "device": session.device.type,
+            "versions": versions(),
             "model": args.model, "model_type": session.config.model_type, "num_parameters": session.num_parameters,
             "steps_per_variant": len(batches),
             "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()}}

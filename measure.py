@@ -9,6 +9,7 @@ segment, and the variant's true peak is the maximum over segments.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 
@@ -123,6 +124,20 @@ class MemoryTracker:
         stats = torch.cuda.memory_stats(self.device)
         return {"num_alloc_retries": stats.get("num_alloc_retries", 0), "num_ooms": stats.get("num_ooms", 0)}
 
+    def at_failure(self, error: str | None) -> dict:
+        """Where a failed run stood: its last phase and step, the allocator's peak up to the failure
+        (the open segment included), and, for an out-of-memory error, the allocation that failed."""
+        state = {"last_event": self.events[-1]["name"] if self.events else None, "steps_done": len(self.steps),
+                 "peak_allocated_mib_so_far": None, "num_alloc_retries": None, "num_ooms": None,
+                 "failed_allocation_mib": failed_allocation_mib(error or "")}
+        try:
+            open_segment = self._allocator("peak")["allocated_mib"] if self.cuda else None
+            state.update(self.allocator_stats(), peak_allocated_mib_so_far=_max_or_none(
+                [seg["peak_allocated_mib"] for seg in self.events + self.steps] + [open_segment]))
+        except RuntimeError:  # a broken CUDA context: what the trace holds must do
+            pass
+        return state
+
     # ----------------------------------------------------------------- summaries
     def counter_peaks(self) -> dict:
         """Exact peaks: the maximum over every closed segment (events and steps)."""
@@ -138,6 +153,15 @@ class MemoryTracker:
     def record(self) -> dict:
         """The per-rank JSON: upstream's four trace keys plus steps and events."""
         return {**self.samples, "steps": self.steps, "events": self.events, "started_at": self.started_at}
+
+
+_UNITS = {"B": 1 / MIB, "KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0, "TiB": 1024.0 ** 2}
+
+
+def failed_allocation_mib(error: str) -> float | None:
+    """The size in "Tried to allocate 2.00 GiB" of torch's out-of-memory message."""
+    match = re.search(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)", error)
+    return float(match.group(1)) * _UNITS[match.group(2)] if match else None
 
 
 def _max_or_none(values) -> float | None:

@@ -11,8 +11,8 @@ import os
 import sys
 
 from fsdp2bench.names import VARIANTS
-from fsdp2bench.plots import (InputError, load_traces, loading_stems, plot_loading, plot_sweep, plot_training,
-                              read_json)
+from fsdp2bench.plots import (InputError, latest_run, load_traces, loading_stems, plot_loading, plot_sweep,
+                              plot_training, read_json, reading)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -25,25 +25,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def plot(args: argparse.Namespace) -> None:
-    """Whatever the directory holds: a sweep, a benchmark run, loading runs."""
+def plot(args: argparse.Namespace) -> list[str]:
+    """Whatever the directory holds: a sweep, a benchmark run, loading runs. Returns the files it
+    had to leave out, each with its reason."""
     if not os.path.isdir(args.dir):
         raise InputError(f"--dir {args.dir}: no such directory")
     summary_path = os.path.join(args.dir, "summary.json")
-    if os.path.exists(summary_path) and read_json(summary_path).get("simulated"):
-        plot_sweep(read_json(summary_path), args.dir)
-        return
-    runs = load_traces(args.dir, {name: f"{name}_memory_usage" for name in VARIANTS})
-    loads = load_traces(args.dir, loading_stems(args.dir))
+    summary = read_json(summary_path) if os.path.exists(summary_path) else {}
+    if summary.get("simulated"):
+        with reading(summary_path):
+            plot_sweep(summary, args.dir)
+        return []
+    problems: list[str] = []
+    runs = load_traces(args.dir, {name: f"{name}_memory_usage" for name in VARIANTS}, problems)
+    loads = load_traces(args.dir, loading_stems(args.dir), problems)
     if not runs and not loads:
-        raise InputError(f"--dir {args.dir}: no <variant>_memory_usage.json files from main.py "
-                         "(nor loading_*_memory_usage.json from loading.py)")
+        raise InputError(problems[0] if problems else f"--dir {args.dir}: no <variant>_memory_usage.json files "
+                         "from main.py (nor loading_*_memory_usage.json from loading.py)")
+    run_id = summary.get("meta", {}).get("run_id") if isinstance(summary.get("meta"), dict) else None
+    runs, left_out = latest_run(runs, run_id)
+    if left_out:
+        print(f"note: left out {left_out} trace file(s) of other runs in {args.dir}; plotting only the run that "
+              f"{'summary.json describes' if run_id else 'started last'}")
     if runs:
         plot_training(runs, args.dir, args.memory_threshold, args.filter_partition)
     if loads:
         path = os.path.join(args.dir, "loading_memory.png")
-        plot_loading(loads, path)
+        plot_loading(latest_run(loads, None)[0], path)
         print(f"wrote {path}")
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,11 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --filter_partition must be positive", file=sys.stderr)
         return 2
     try:
-        plot(args)
+        problems = plot(args)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    for problem in problems:
+        print(f"error: {problem}; left out, the other plots were drawn", file=sys.stderr)
+    return 2 if problems else 0
 
 
 if __name__ == "__main__":

@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2bench.cli import write_json
-from fsdp2bench.isolation import Finisher, StoreKeys, run_child
-from fsdp2bench.names import TRACE_KEYS
+from fsdp2bench.isolation import Finisher, StoreKeys, run_child, without_trace
 from measure import MemoryTracker
 
 
@@ -39,6 +38,8 @@ def run_traced_child(child: TracedChild, work: Callable[[dist.Store, MemoryTrack
 
     def write(status: str, extra: dict) -> dict:
         tracker.stop()
+        if status != "ok":
+            extra = {**extra, "failure": tracker.at_failure(extra.get("error"))}
         data = {**tracker.record(), **extra, "status": status, **child.fields}
         write_json(child.trace_path, data)
         return data
@@ -47,7 +48,7 @@ def run_traced_child(child: TracedChild, work: Callable[[dist.Store, MemoryTrack
 
     def body(store: dist.Store) -> None:
         data = finisher.finish(work(store, tracker))
-        store.set(child.keys.record(child.rank), json.dumps({k: v for k, v in data.items() if k not in TRACE_KEYS}))
+        store.set(child.keys.record(child.rank), json.dumps(without_trace(data)))
         if dist.is_initialized():
             dist.destroy_process_group()
 

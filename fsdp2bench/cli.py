@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import json
 import os
+import socket
 import sys
 from typing import Callable
 
@@ -71,6 +74,56 @@ def prepare_output_dir(path: str) -> None:
         os.remove(probe)
     except OSError as exc:
         raise UserError(f"--output_dir {path}: cannot write there ({exc.strerror})") from None
+
+
+LOCK_FILE = ".fsdp2bench.lock"
+
+
+def lock_output_dir(path: str) -> None:
+    """One launch at a time writes into a directory: two would mix their files silently. The lock
+    names its host and process; one left by a process that is gone is taken over."""
+    lock, me = os.path.join(path, LOCK_FILE), f"{socket.gethostname()} {os.getpid()}"
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            _refuse_or_clear(path, lock)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(me)
+        atexit.register(_unlock, lock, me)
+        return
+    raise UserError(f"--output_dir {path}: could not take {LOCK_FILE}")
+
+
+def _refuse_or_clear(path: str, lock: str) -> None:
+    try:
+        with open(lock) as f:
+            host, pid = f.read().split()
+        alive = host != socket.gethostname() or _running(int(pid))
+    except (OSError, ValueError):
+        host, pid, alive = "?", "?", False  # unreadable: left by a run that died while writing it
+    if alive:
+        raise UserError(f"--output_dir {path}: another run (process {pid} on {host}) is writing there; wait for "
+                        f"it to end, choose another directory, or remove {lock} if that run is gone")
+    os.remove(lock)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unlock(lock: str, me: str) -> None:
+    with contextlib.suppress(OSError):
+        with open(lock) as f:
+            if f.read() == me:
+                os.remove(lock)
 
 
 def check_replaceable(path: str) -> None:

@@ -11,6 +11,7 @@ on with the next piece.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -26,6 +27,8 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from fsdp2bench.names import TRACE_KEYS
 
 STORE_TIMEOUT = timedelta(minutes=30)
 POLL_S = 0.25
@@ -153,6 +156,9 @@ def start_child_server(device: torch.device) -> None:
         forkserver.ensure_running()
 
 
+_PIECES_RUN: set[str] = set()  # key prefixes of the pieces this process has started
+
+
 @dataclass
 class Piece:
     """One piece of work: ``target(*args)`` in a child on every rank, coordinated through ``keys``."""
@@ -168,6 +174,10 @@ def run_isolated(pieces: list[Piece], rank: int, participants: Sequence[int], st
 
     ``participants`` are the launcher ranks that run these pieces: every rank for a training
     variant, this rank alone for a simulated rank (which needs no peer)."""
+    for piece in pieces:  # a second piece on the same keys would read the first one's results
+        if piece.keys.prefix in _PIECES_RUN:
+            raise ValueError(f"{piece.keys.prefix}: ran already in this launch; every piece needs keys of its own")
+        _PIECES_RUN.add(piece.keys.prefix)
     context = child_context(device)
     children = [context.Process(target=piece.target, args=piece.args) for piece in pieces]
     for child in children:
@@ -210,6 +220,11 @@ def wait_for_keys(store: dist.TCPStore, keys: list[str]) -> None:
     handler never runs, so a rank waiting on a peer could not be interrupted."""
     while not has_keys(store, keys):
         time.sleep(0.1)
+
+
+def without_trace(data: dict) -> dict:
+    """A child's result less the sampled lists: what travels through the store."""
+    return {k: v for k, v in data.items() if k not in TRACE_KEYS}
 
 
 def gather_records(store: dist.TCPStore, keys: StoreKeys, ranks: Sequence[int]) -> list[dict]:
@@ -256,7 +271,10 @@ class Finisher:
                 status = self._agreed_status(error, store)
             except dist.DistError:  # the launcher is gone: nobody to tell, nothing to wait for
                 status, error = "interrupted", error or "the launcher's store is gone"
-            self._write(status, {"error": error})
+            data = self._write(status, {"error": error})
+            if status != "interrupted" and isinstance(data, dict):  # how far it got, for rank 0's summary
+                with contextlib.suppress(dist.DistError):
+                    store.set(self.keys.record(self.rank), json.dumps(without_trace(data)))
         finally:
             os._exit(1)
 

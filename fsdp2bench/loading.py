@@ -184,6 +184,7 @@ class LoadConfig:
     log_interval: float
     checkpoint_dtype: str
     checkpoint_shard_size: str
+    run_id: str
 
 
 @dataclass
@@ -219,7 +220,8 @@ def quiet_transformers() -> None:
 def load_process(job: LoadJob) -> None:
     """Entry point of the child process: one mode on one rank."""
     quiet_transformers()
-    fields = {"mode": job.mode, "rank": job.rank, "world_size": job.world_size, "baseline_rss_mib": rss_mib()}
+    fields = {"mode": job.mode, "rank": job.rank, "world_size": job.world_size, "baseline_rss_mib": rss_mib(),
+              "run_id": job.options.run_id}
     child = TracedChild(job.keys, job.rank, job.device, job.options.log_interval,
                         trace_file(job.options.output_dir, job.mode, job.rank), fields)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -27,6 +28,15 @@ class InputError(Exception):
     """Unusable input: reported in one line."""
 
 
+@contextlib.contextmanager
+def reading(path: str):
+    """A file of the right name with the wrong content becomes one line that names it."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise InputError(f"{path}: not what main.py writes ({type(exc).__name__}: {exc})") from None
+
+
 def read_json(path: str) -> dict:
     try:
         with open(path) as f:
@@ -40,17 +50,47 @@ def read_json(path: str) -> dict:
     return data
 
 
-def check_trace(path: str, data: dict) -> None:
+STEP_NUMBERS = ("loss", "step_time_s", "t", "peak_allocated_mib", "peak_reserved_mib", "allocated_mib",
+                "reserved_mib", "rss_mib")
+
+
+def _number(value) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+def trace_problem(data: dict) -> str | None:
+    """What makes ``data`` unusable as a trace (the first thing found), or None."""
     missing = [k for k in (*TRACE_KEYS, "steps", "events") if k not in data]
     if missing:
-        raise InputError(f"{path}: not a memory trace of main.py (missing {', '.join(missing)})")
-    lengths = {len(data[k]) for k in TRACE_KEYS}
-    if len(lengths) != 1:
-        raise InputError(f"{path}: trace lists have different lengths")
+        return f"not a memory trace of main.py (missing {', '.join(missing)})"
+    for key in TRACE_KEYS:
+        if not isinstance(data[key], list):
+            return f"{key} is not a list"
+        bad = next((i for i, v in enumerate(data[key]) if not _number(v)), None)
+        if bad is not None:
+            return f"{key}[{bad}] is not a number"
+    if len({len(data[k]) for k in TRACE_KEYS}) != 1:
+        return "trace lists have different lengths"
+    for key, fields in (("steps", {"step": int, **{k: float for k in STEP_NUMBERS}}), ("events", {"t": float})):
+        if not isinstance(data[key], list):
+            return f"{key} is not a list"
+        for i, record in enumerate(data[key]):
+            if not isinstance(record, dict):
+                return f"{key}[{i}] is not an object"
+            for field, kind in fields.items():
+                if field in ("step", "loss", "t") and field not in record:
+                    return f"{key}[{i}] has no {field}"
+                if field in record and not (_number(record[field]) if kind is float else
+                                            isinstance(record[field], int) and not isinstance(record[field], bool)):
+                    return f"{key}[{i}].{field} is not {'a number' if kind is float else 'a whole number'}"
+            if key == "events" and not isinstance(record.get("name"), str):
+                return f"events[{i}].name is not a string"
+    return None
 
 
-def load_traces(directory: str, stems: dict[str, str]) -> dict[str, dict[int, dict]]:
-    """{name: {rank: trace}} for each name whose rank-0 file ``<stem>.json`` exists."""
+def load_traces(directory: str, stems: dict[str, str], problems: list[str]) -> dict[str, dict[int, dict]]:
+    """{name: {rank: trace}} for each name whose rank-0 file ``<stem>.json`` is usable. A file that
+    is not is left out, with a line in ``problems`` naming it and the field."""
     runs: dict[str, dict[int, dict]] = {}
     for name, stem in stems.items():
         rank0 = os.path.join(directory, f"{stem}.json")
@@ -61,12 +101,35 @@ def load_traces(directory: str, stems: dict[str, str]) -> dict[str, dict[int, di
             match = re.search(r"_rank(\d+)\.json$", path)
             if match:
                 ranks[int(match.group(1))] = path
-        runs[name] = {}
+        traces = {}
         for rank, path in sorted(ranks.items()):
-            data = read_json(path)
-            check_trace(path, data)
-            runs[name][rank] = data
+            try:
+                data = read_json(path)
+                problem = trace_problem(data)
+            except InputError as exc:
+                problem, path = str(exc), None
+            if problem is None:
+                traces[rank] = data
+            else:
+                problems.append(problem if path is None else f"{path}: {problem}")
+        if 0 in traces:
+            runs[name] = traces
     return runs
+
+
+def latest_run(traces: dict[str, dict[int, dict]], preferred: str | None) -> tuple[dict, int]:
+    """Only the traces of one launch: ``preferred`` (summary.json's run) if present, else the one
+    that started last. Returns them and how many files of other launches were left out."""
+    ids = {t.get("run_id") for ranks in traces.values() for t in ranks.values()}
+    if len(ids) <= 1:
+        return traces, 0
+    started = {i: max((t["started_at"] for ranks in traces.values() for t in ranks.values()
+                       if t.get("run_id") == i and isinstance(t.get("started_at"), (int, float))), default=0.0)
+               for i in ids}
+    chosen = preferred if preferred in ids else max(ids, key=lambda i: started[i])
+    kept = {name: {r: t for r, t in ranks.items() if t.get("run_id") == chosen} for name, ranks in traces.items()}
+    left_out = sum(len(ranks) for ranks in traces.values()) - sum(len(ranks) for ranks in kept.values())
+    return {name: ranks for name, ranks in kept.items() if 0 in ranks}, left_out
 
 
 def loading_stems(directory: str) -> dict[str, str]:
@@ -107,6 +170,16 @@ def simulated_label(runs: dict) -> str | None:
     return f"simulated N={meta['world_size']}, rank {meta['rank']}" if meta.get("simulated") else None
 
 
+def failure_note(trace: dict) -> str:
+    """", failed at step 3 (training_started), 2048 MiB requested" for a trace that did not finish."""
+    if trace.get("status", "ok") == "ok":
+        return ""
+    state = trace.get("failure") if isinstance(trace.get("failure"), dict) else {}
+    where = f" at step {state['steps_done']} ({state.get('last_event')})" if "steps_done" in state else ""
+    asked = state.get("failed_allocation_mib")
+    return f", {trace['status'].split(':')[0]}{where}" + (f", {asked:.0f} MiB requested" if asked else "")
+
+
 def plot_memory(runs: dict, keys: tuple, path: str, threshold: float, partition: float) -> bool:
     """Top: rank 0's polled trace over time. Bottom: per step, the counter peak (solid) and what
     stays allocated after the step (dotted), rank 0 thick, other ranks thin. False when no data."""
@@ -116,7 +189,9 @@ def plot_memory(runs: dict, keys: tuple, path: str, threshold: float, partition:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 9))
     for i, (name, ranks) in enumerate(runs.items()):
         times, values = filtered(aligned_times(ranks[0]), ranks[0][trace_key], threshold, partition)
-        top.plot(times, values, color=f"C{i}", lw=0.8, alpha=0.75, label=name)
+        top.plot(times, values, color=f"C{i}", lw=0.8, alpha=0.75, label=f"{name}{failure_note(ranks[0])}")
+        if values and ranks[0].get("status", "ok") != "ok":  # where it stopped
+            top.plot(times[-1:], values[-1:], ls="none", marker="X", ms=11, color=f"C{i}", markeredgecolor="black")
         for rank, trace in ranks.items():
             steps = [s["step"] for s in trace["steps"]]
             width = 1.8 if rank == 0 else 0.7
@@ -208,7 +283,9 @@ def plot_training(runs: dict, directory: str, threshold: float, partition: float
     summary_path = os.path.join(directory, "summary.json")
     path = os.path.join(directory, "memory_vs_world_size.png")
     summary = read_json(summary_path) if os.path.exists(summary_path) else {}
-    if plot_projection(summary, path):
+    with reading(summary_path):
+        drawn = plot_projection(summary, path)
+    if drawn:
         print(f"wrote {path}")
     else:
         print("skipped memory_vs_world_size.png: no summary.json with a projection")

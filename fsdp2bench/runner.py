@@ -125,7 +125,7 @@ def variant_process(job: Job) -> None:
     snapshot = job.train.save_memory_snapshot and job.device.type == "cuda"
     child = TracedChild(job.keys, job.rank, job.device, job.train.log_interval,
                         os.path.join(job.output_dir, rank_file(job.name, "memory_usage.json", job.rank)),
-                        {"meta": job.meta})
+                        {"meta": job.meta, "run_id": job.meta["run_id"]})
 
     def work(store, tracker: MemoryTracker) -> dict:
         if snapshot:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from fsdp2bench.cli import check_replaceable, pick_device, prepare_output_dir
-from fsdp2bench.isolation import catch_interrupts, launcher_env, start_child_server
+from fsdp2bench.cli import check_replaceable, lock_output_dir, pick_device, prepare_output_dir
+from fsdp2bench.isolation import StoreKeys, catch_interrupts, launcher_env, start_child_server, wait_for_keys
 from fsdp2bench.memory_model import param_shapes
 from fsdp2bench.model import build_meta_model, layer_class_names, load_config
 
@@ -26,6 +27,7 @@ class Session:
     shapes: list  # (shape, bytes per element) of each unique parameter
     layer_classes: list[str]  # the transformer blocks to shard one by one
     store: dist.TCPStore
+    run_id: str  # the same on every rank; in every file this launch writes
 
     @property
     def num_parameters(self) -> int:
@@ -50,12 +52,22 @@ def open_session(model: str, device_choice: str, output_dir: str, seed: int, sum
     check_config(config)
     prepare_output_dir(output_dir)
     if rank == 0:
+        lock_output_dir(output_dir)
         check_replaceable(os.path.join(output_dir, summary_file))
     meta_model = build_meta_model(model, config, seed)
     shapes, layer_classes = param_shapes(meta_model), layer_class_names(meta_model)
     store, _, _ = next(dist.rendezvous("env://"))
     catch_interrupts()
-    return Session(device, rank, world_size, config, shapes, layer_classes, store)
+    return Session(device, rank, world_size, config, shapes, layer_classes, store, agree_on_run_id(store, rank))
+
+
+def agree_on_run_id(store: dist.TCPStore, rank: int) -> str:
+    """Rank 0 names the launch (when it started, and its process), every rank reads the name."""
+    key = StoreKeys("run-id").prefix
+    if rank == 0:
+        store.set(key, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    wait_for_keys(store, [key])
+    return store.get(key).decode()
 
 
 def say_interrupted(session: Session, exc: BaseException, where: str) -> int:

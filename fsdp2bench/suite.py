@@ -85,6 +85,13 @@ def record_interrupted(suite: Suite, jobs: list[Job], left: list[str], started_a
         save_summary(suite.summary_path, suite.summary)
 
 
+def failure_records(s: Session, keys: StoreKeys) -> list[dict]:
+    """Per rank that reported it, how far a failed variant got (phase, step, peak, failed allocation)."""
+    ranks = [r for r in range(s.world_size) if has_keys(s.store, [keys.record(r)])]
+    return [{"rank": r, "status": rec["status"], "error": rec.get("error"), **rec.get("failure", {})}
+            for r, rec in zip(ranks, gather_records(s.store, keys, ranks))]
+
+
 def record_group(suite: Suite, jobs: list[Job], failures: list[str | None], started_at: float, wall: float) -> None:
     """Rank 0: summarise the variants that just ended and rewrite summary.json."""
     s, variants = suite.session, suite.summary["variants"]
@@ -95,7 +102,7 @@ def record_group(suite: Suite, jobs: list[Job], failures: list[str | None], star
             variants[job.name] = report.variant_summary(job.name, records, s.shapes)
             variants[job.name].update(process_started_at=started_at, process_wall_s=wall)
         else:
-            variants[job.name] = {"status": f"failed: {failure}"}
+            variants[job.name] = {"status": f"failed: {failure}", "failure": failure_records(s, job.keys)}
             print(f"[{job.name}] FAILED: {failure}", file=sys.stderr, flush=True)
     suite.summary["checks"] = report.run_checks(variants, s.device.type)
     suite.summary["projection"] = report.projection_summary(s.shapes, variants, s.world_size)

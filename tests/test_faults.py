@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import signal
 import socket
 import time
@@ -38,6 +39,12 @@ def test_an_exception_on_one_rank_fails_that_variant_only(tmp_path):
     assert load(tmp_path / "accelerate_memory_usage_rank1.json")["status"] == "ok"  # ran beside the failure
     assert load(tmp_path / "summary.json")["checks"]["intended_losses_match"]["ok"] is True
     assert not list(tmp_path.glob("*.tmp*"))
+    # How far it got, per rank, for the summary (on a GPU the peak and the failed allocation too).
+    failure = {f["rank"]: f for f in load(tmp_path / "summary.json")["variants"][FIXED]["failure"]}
+    assert failure[1]["status"] == "failed" and failure[1]["last_event"] == "training_started"
+    assert failure[1]["steps_done"] == 3 and failure[1]["failed_allocation_mib"] is None
+    assert failure[0]["status"] == f"aborted: {reason}" and failure[0]["steps_done"] <= 4
+    assert failed["failure"]["steps_done"] == 3
 
 
 def test_a_rank_that_dies_does_not_hang_the_others(tmp_path):
@@ -289,3 +296,19 @@ def test_a_killed_launcher_leaves_no_orphan_and_keeps_the_partial_traces(tmp_pat
     for suffix in ("", "_rank1"):
         partial = load(tmp_path / f"accelerate_memory_usage{suffix}.json")
         assert partial["status"] == "interrupted" and 0 < len(partial["steps"]) < 150
+
+
+def test_a_second_run_into_the_same_directory_is_refused_while_the_first_lives(tmp_path):
+    lock = tmp_path / ".fsdp2bench.lock"
+    lock.write_text(f"{socket.gethostname()} {os.getpid()}")  # this test process: alive
+    args = ["main.py", *TINY, "--max_steps", "1", "--variants", VARIANTS[0], "--output_dir", str(tmp_path)]
+    proc = run_script(args, nproc=None)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"error: --output_dir {tmp_path}: another run (process {os.getpid()} on "
+                                   f"{socket.gethostname()}) is writing there; wait for it to end, choose another "
+                                   f"directory, or remove {lock} if that run is gone")
+    assert not (tmp_path / "summary.json").exists()
+    lock.write_text(f"{socket.gethostname()} 999999999")  # a run that is gone: its lock is taken over
+    proc = run_script(args, nproc=None)
+    assert proc.returncode == 0, proc.stderr
+    assert not lock.exists()  # and released at the end

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from conftest import VARIANTS, run_script
+from conftest import TINY, VARIANTS, run_script
 
 
 def test_plots_a_cpu_run_and_says_what_it_skipped(suite, tmp_path):
@@ -60,3 +60,36 @@ def test_refuses_missing_dir_empty_dir_corrupt_and_foreign_json(tmp_path):
         assert "Traceback" not in proc.stderr
     assert f"{VARIANTS[0]}_memory_usage.json" in run_script(
         ["visualize.py", "--dir", str(cases["corrupt"])], nproc=None).stderr
+
+
+def test_a_file_with_wrong_contents_is_named_left_out_and_the_rest_is_drawn(suite, tmp_path):
+    work = tmp_path / "out"
+    shutil.copytree(suite[0], work)
+    bad_step = work / f"{VARIANTS[1]}_memory_usage_rank1.json"
+    data = json.loads(bad_step.read_text())
+    data["steps"][2]["loss"] = "low"
+    bad_step.write_text(json.dumps(data))
+    bad_event = work / f"{VARIANTS[2]}_memory_usage.json"
+    data = json.loads(bad_event.read_text())
+    del data["events"][0]["t"]
+    bad_event.write_text(json.dumps(data))
+    proc = run_script(["visualize.py", "--dir", str(work)], nproc=None)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {bad_step}: steps[2].loss is not a number; left out, the other plots were drawn",
+        f"error: {bad_event}: events[0] has no t; left out, the other plots were drawn"]
+    assert f"no results for {VARIANTS[2]}" in proc.stdout  # its rank 0 was unusable
+    assert (work / "loss.png").stat().st_size > 10_000 and "Traceback" not in proc.stderr
+
+
+def test_files_of_an_earlier_run_in_the_same_directory_are_left_out(suite, tmp_path):
+    work = tmp_path / "out"
+    shutil.copytree(suite[0], work)  # 2 ranks, 4 variants
+    proc = run_script(["main.py", *TINY, "--max_steps", "2", "--variants", VARIANTS[0], "--output_dir", str(work)],
+                      nproc=None)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_script(["visualize.py", "--dir", str(work)], nproc=None)
+    assert proc.returncode == 0, proc.stderr
+    # The new run rewrote the first variant's rank-0 file; its rank-1 file and the 3 others' 6 are old.
+    assert "note: left out 7 trace file(s) of other runs" in proc.stdout
+    assert f"no results for {', '.join(VARIANTS[1:])}" in proc.stdout
