@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from fsdp2bench import report, simulation
 from fsdp2bench.cli import save_summary
 from fsdp2bench.isolation import (Interrupted, Piece, StoreKeys, StoreLost, gather_records, has_keys, leave_together,
-                                  run_isolated)
+                                  run_isolated, wait_for_keys)
 from fsdp2bench.memory_model import PROJECTION_WORLD_SIZES
 from fsdp2bench.runner import Job, TrainConfig, variant_process
 from fsdp2bench.session import Session, say_interrupted
@@ -177,9 +177,13 @@ def finish(suite: Suite, print_results, any_failed: bool) -> int:
         suite.summary["meta"]["timeline"]["variants_finished"] = time.time()
         save_summary(suite.summary_path, suite.summary)
     leave_together(s.store, s.rank, s.world_size)
+    done = StoreKeys("results-printed").prefix
     if s.rank != 0:
+        # An early non-zero exit here would make torchrun stop rank 0 in the middle of its table.
+        wait_for_keys(s.store, [done])
         return 1 if any_failed else 0
     print_results(suite.summary)
-    print(f"Wrote per-rank traces and summary.json to {suite.output_dir}/")
+    print(f"Wrote per-rank traces and summary.json to {suite.output_dir}/", flush=True)
+    s.store.set(done, "yes")
     failed = any_failed or any(v["status"] != "ok" for v in suite.summary.get("variants", {}).values())
     return 1 if failed or not report.checks_passed(suite.summary["checks"]) else 0

@@ -45,6 +45,7 @@ def test_an_exception_on_one_rank_fails_that_variant_only(tmp_path):
     assert failure[1]["steps_done"] == 3 and failure[1]["failed_allocation_mib"] is None
     assert failure[0]["status"] == f"aborted: {reason}" and failure[0]["steps_done"] <= 4
     assert failed["failure"]["steps_done"] == 3
+    assert "rank 1 reached step 3 (training_started)" in proc.stdout
 
 
 def test_a_rank_that_dies_does_not_hang_the_others(tmp_path):
