@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -89,3 +90,18 @@ def test_a_repeated_mode_is_refused_in_one_line(tmp_path):
                        "--output_dir", str(tmp_path)], nproc=None)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: --modes: a mode is given twice"
+
+
+def test_a_corrupt_or_truncated_checkpoint_is_refused_in_one_line(tmp_path):
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    (checkpoint / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not a header")
+    proc = run_script(["loading.py", "--checkpoint", str(checkpoint), "--device", "cpu",
+                       "--output_dir", str(tmp_path / "out")], nproc=None)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().startswith(f"error: --checkpoint: {checkpoint / 'model.safetensors'} is not a "
+                                          "readable safetensors file (")
+    assert len(proc.stderr.strip().splitlines()) == 1
