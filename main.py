@@ -71,6 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "times the memory of one variant on every GPU (default: 1, one after the other)")
     p.add_argument("--tracker_overhead", action="store_true",
                    help="pause memory polling on every other step, to measure what polling costs")
+    p.add_argument("--init_device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model is built: cpu (the upstream's path: fully_shard moves each rank's shard "
+                        "to the GPU; the build gets this process's share of the host's cores) or cuda (built on "
+                        "the GPU, faster, but the GPU holds the whole model for a moment) (default: cpu)")
     p.add_argument("--simulate_world_size", default=None, metavar="N[,N...]",
                    help="measure one rank of a world of N instead of this launch's: one process plays that rank "
                         "on a fake process group (real allocations, no communication, losses meaningless). "
@@ -116,6 +120,13 @@ def check_positions(block_size: int, config) -> None:
         raise UserError(f"--block_size {block_size} exceeds the model's {max_positions(config)} positions")
 
 
+def build_threads(concurrent: int) -> int:
+    """This process's share of the host's cores: the launcher's processes on this node, and the
+    variants each of them runs at a time, share them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // (int(os.environ.get("LOCAL_WORLD_SIZE", 1)) * concurrent))
+
+
 def versions() -> dict:
     import accelerate
     import transformers
@@ -136,12 +147,16 @@ def run(args: argparse.Namespace) -> int:
     batches = rank_batches(tokens, args.block_size, args.batch_size,
                            args.dataset_fraction, data_rank, data_world, args.max_steps)
     meta = {"run_id": session.run_id, "world_size": session.world_size, "device": session.device.type,
+            "init_device": args.init_device if session.device.type == "cuda" else "cpu",
             "versions": versions(),
             "model": args.model, "model_type": session.config.model_type, "num_parameters": session.num_parameters,
             "steps_per_variant": len(batches),
             "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()}}
+    if args.init_device == "cuda" and session.device.type != "cuda":
+        raise UserError("--init_device cuda needs a GPU (this run is on the CPU)")
     train = TrainConfig(args.seed, args.learning_rate, args.log_interval, args.save_memory_snapshot,
-                        args.tracker_overhead, args.inject_failure)
+                        args.tracker_overhead, args.inject_failure, args.init_device,
+                        build_threads(args.concurrent_variants))
     suite = Suite(session, names, train, batches, meta, args.output_dir, args.concurrent_variants,
                   {"meta": {**meta, "timeline": timeline}})
     if session.rank == 0 and session.device.type == "cpu":

@@ -106,9 +106,9 @@ class MemoryTracker:
             return {"allocated_mib": None, "reserved_mib": None}
         return self._allocator("current")
 
-    def mark(self, name: str) -> dict:
-        """Close the phase that ends here; the event carries that phase's peaks."""
-        self.events.append({"name": name, "t": self.now(), **self._read_peaks(), "rss_mib": rss_mib()})
+    def mark(self, name: str, **details) -> dict:
+        """Close the phase that ends here; the event carries that phase's peaks (and ``details``)."""
+        self.events.append({"name": name, "t": self.now(), **self._read_peaks(), "rss_mib": rss_mib(), **details})
         return self.events[-1]
 
     def record_step(self, step: int, loss: float, step_time_s: float) -> dict:

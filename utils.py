@@ -19,12 +19,29 @@ from fsdp2bench import names
 
 # --------------------------------------------------------------------------- the fix
 
+def release_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[int, str]:
+    """Before ``fully_shard``: swap the optimizer's parameters for meta-device placeholders, so that
+    it does not keep the whole unsharded model alive (on the GPU, once ``fully_shard`` has moved
+    it) while the shards are made. Returns ``id(placeholder) -> parameter name`` for the fix."""
+    names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    placeholders: dict[int, str] = {}
+    for group in optimizer.param_groups:
+        swapped = []
+        for param in group["params"]:
+            stand_in = torch.empty_like(param, device="meta")
+            placeholders[id(stand_in)] = names.get(id(param))
+            swapped.append(stand_in)
+        group["params"] = swapped
+    return placeholders
+
+
 def point_optimizer_at_sharded_params(optimizer: torch.optim.Optimizer, old_names: dict[int, str],
                                       model: nn.Module) -> None:
     """Replace each parameter in ``optimizer`` by the model's parameter of the same name.
 
-    ``old_names`` maps ``id(param)`` of the parameters the optimizer was built on to their names,
-    taken before ``fully_shard`` replaced them. Group options (lr, weight decay...) stay as they are.
+    ``old_names`` maps ``id(param)`` of the parameters the optimizer holds to their names, taken
+    before ``fully_shard`` replaced them (``release_params`` gives it for its placeholders). Group
+    options (lr, weight decay...) stay as they are.
     State already created for an old parameter would describe the unsharded tensor, so it is refused.
     """
     if optimizer.state:
@@ -57,7 +74,6 @@ class Prepared:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     backward: Callable[[torch.Tensor], None]
-    autocast: bool  # torch variants autocast themselves; accelerate wraps the model's forward instead
 
 
 BF16_POLICY = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.bfloat16)
@@ -78,8 +94,17 @@ def fully_shard_blocks(model: nn.Module, mesh, layer_classes: list[str]) -> None
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
+def compute_in_bf16(model: nn.Module, device: torch.device) -> None:
+    """What accelerate does to the model for ``mixed_precision="bf16"``, so that the torch variants
+    match it: the forward runs under bf16 autocast and its floating outputs come back in fp32."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    model.forward = convert_outputs_to_fp32(torch.autocast(device.type, dtype=torch.bfloat16)(model.forward))
+
+
 def shard(model: nn.Module, ctx: Context) -> None:
     fully_shard_blocks(model, ctx.mesh, ctx.layer_classes)
+    compute_in_bf16(model, ctx.device)
     ctx.mark("sharded")
 
 
@@ -89,21 +114,21 @@ def torch_backward(loss: torch.Tensor) -> None:
 
 def optimizer_after_fsdp(model: nn.Module, ctx: Context) -> Prepared:
     shard(model, ctx)
-    return Prepared(model, make_optimizer(model, ctx), torch_backward, autocast=True)
+    return Prepared(model, make_optimizer(model, ctx), torch_backward)
 
 
 def optimizer_before_fsdp_not_fixed(model: nn.Module, ctx: Context) -> Prepared:
     optimizer = make_optimizer(model, ctx)
     shard(model, ctx)
-    return Prepared(model, optimizer, torch_backward, autocast=True)
+    return Prepared(model, optimizer, torch_backward)
 
 
 def optimizer_before_fsdp_fixed(model: nn.Module, ctx: Context) -> Prepared:
     optimizer = make_optimizer(model, ctx)
-    old_names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    old_names = release_params(optimizer, model)
     shard(model, ctx)
     point_optimizer_at_sharded_params(optimizer, old_names, model)
-    return Prepared(model, optimizer, torch_backward, autocast=True)
+    return Prepared(model, optimizer, torch_backward)
 
 
 def make_accelerator(device: torch.device, layer_classes: list[str], cpu_ram_efficient_loading: bool = False):
@@ -126,7 +151,7 @@ def accelerate_fsdp2(model: nn.Module, ctx: Context) -> Prepared:
     if not isinstance(model, FSDPModule):
         raise RuntimeError(f"accelerate did not take its FSDP2 path (distributed type {accelerator.distributed_type})")
     ctx.mark("sharded")
-    return Prepared(model, optimizer, accelerator.backward, autocast=False)
+    return Prepared(model, optimizer, accelerator.backward)
 
 
 def force_accelerate_fsdp_on_cpu(accelerator, plugin) -> None:

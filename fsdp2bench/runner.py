@@ -38,6 +38,8 @@ class TrainConfig:
     save_memory_snapshot: bool
     tracker_overhead: bool
     inject_failure: FailureSpec | None
+    init_device: str  # "cpu" (the upstream's path: fully_shard moves the shards) or "cuda"
+    build_threads: int  # this process's share of the host's cores, for a build on the CPU
 
 
 @dataclass
@@ -62,14 +64,15 @@ class Job:
 
 def train_step(prep: utils.Prepared, input_ids: torch.Tensor,
                before_zero_grad: Callable[[], None] | None = None) -> float:
-    with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=prep.autocast):
-        loss = prep.model(input_ids=input_ids, labels=input_ids).loss
-    prep.backward(loss.float())
+    # The outputs, logits included, stay alive through backward and the optimizer step, as in the
+    # upstream's loop and in most user code: they are part of what a step costs.
+    outputs = prep.model(input_ids=input_ids, labels=input_ids)
+    prep.backward(outputs.loss)
     prep.optimizer.step()
     if before_zero_grad is not None:
         before_zero_grad()
     prep.optimizer.zero_grad()
-    return loss.item()
+    return outputs.loss.item()
 
 
 def injected_failure(job: Job, step: int) -> None:
@@ -80,11 +83,20 @@ def injected_failure(job: Job, step: int) -> None:
         raise RuntimeError(f"injected failure at step {step} on rank {job.rank}")
 
 
+def build(job: Job, tracker: MemoryTracker):
+    """The model with random fp32 weights, on the CPU (then ``fully_shard`` moves each rank's shard
+    to the GPU, as in the upstream and most user code) or directly on the GPU."""
+    device = job.device if job.train.init_device == "cuda" else torch.device("cpu")
+    start = time.perf_counter()
+    model = build_model(job.config, device, job.train.seed, job.train.build_threads)
+    tracker.mark("model_built", build_device=device.type, build_s=time.perf_counter() - start)
+    return model
+
+
 def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
     """Build, prepare and train one variant; return this rank's record beyond the trace."""
     start = time.perf_counter()
-    model = build_model(job.config, job.device, job.train.seed)
-    tracker.mark("model_built")
+    model = build(job, tracker)
     ctx = utils.Context(job.device, mesh, job.train.learning_rate, job.layer_classes, tracker.mark)
     prep = utils.VARIANTS[job.name](model, ctx)
     del model

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from utils import point_optimizer_at_sharded_params
+from utils import point_optimizer_at_sharded_params, release_params
 
 
 def model_and_replacement():
@@ -67,3 +67,17 @@ def test_refuses_an_optimizer_with_state_and_an_unknown_parameter():
     stranger = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
     with pytest.raises(KeyError, match="no counterpart"):
         point_optimizer_at_sharded_params(stranger, old_names, model)
+
+
+def test_released_parameters_leave_the_optimizer_holding_nothing_until_the_fix():
+    model, _ = model_and_replacement()
+    optimizer = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.1},
+                                 {"params": model[1].parameters(), "lr": 0.01}])
+    names = release_params(optimizer, model)
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    assert all(p.device.type == "meta" for p in held)  # no storage: the originals can be freed
+    assert sorted(names.values()) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    replace_parameters(model)
+    point_optimizer_at_sharded_params(optimizer, names, model)
+    assert [id(p) for p in optimizer.param_groups[1]["params"]] == [id(model[1].weight), id(model[1].bias)]
+    assert optimizer.param_groups[1]["lr"] == 0.01

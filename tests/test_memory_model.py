@@ -76,7 +76,7 @@ def test_accounting_equals_expectation_at_two_ranks(suite):
 
 
 def test_accounting_equals_expectation_at_four_ranks(tmp_path):
-    proc = run_script(["main.py", "--model", "tiny", "--device", "cpu", "--max_steps", "2",
+    proc = run_script(["main.py", "--model", "tiny", "--device", "cpu", "--max_steps", "2", "--learning_rate", "1e-3",
                        "--output_dir", str(tmp_path)], nproc=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = load(tmp_path / "summary.json")
