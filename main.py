@@ -20,7 +20,7 @@ import psutil
 import torch
 
 from fsdp2bench import simulation
-from fsdp2bench.cli import OneLineParser, UserError, exit_with, parse_names
+from fsdp2bench.cli import OneLineParser, UserError, exit_with, parse_names, pick_device
 from fsdp2bench.data import load_tokens, rank_batches
 from fsdp2bench.isolation import Interrupted
 from fsdp2bench.model import PRESETS, max_positions
@@ -57,9 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated run names, run in the order given (default: all four)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto: CUDA when a GPU is present, else CPU with gloo (default: auto)")
-    p.add_argument("--model", default="qwen2.5-1.5b",
+    p.add_argument("--model", default=None,
                    help=f"preset ({', '.join(PRESETS)}), a local directory with config.json, "
-                        "or a Hub id (default: qwen2.5-1.5b)")
+                        f"or a Hub id (default: {GPU_DEFAULT_MODEL} on GPUs, {CPU_DEFAULT_MODEL} on a CPU run)")
     p.add_argument("--dataset", default=None, help="local text file (default: built-in text)")
     p.add_argument("--tokenizer", default=None,
                    help="local tokenizer directory or Hub id for --dataset (default: bytes)")
@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "times the memory of one variant on every GPU (default: 1, one after the other)")
     p.add_argument("--tracker_overhead", action="store_true",
                    help="pause memory polling on every other step, to measure what polling costs")
+    p.add_argument("--quiet", action="store_true", help="no progress lines while the variants train")
     p.add_argument("--init_device", choices=["cpu", "cuda"], default="cpu",
                    help="where the model is built: cpu (the upstream's path: fully_shard moves each rank's shard "
                         "to the GPU; the build gets this process's share of the host's cores) or cuda (built on "
@@ -115,6 +116,19 @@ def check_args(args: argparse.Namespace) -> list[str]:
     return names
 
 
+GPU_DEFAULT_MODEL, CPU_DEFAULT_MODEL = "qwen2.5-1.5b", "tiny"
+
+
+def default_model(device_choice: str) -> str:
+    """The upstream's model on GPUs; on a CPU run a model that trains in minutes, said in one line."""
+    if pick_device(device_choice).type == "cuda":
+        return GPU_DEFAULT_MODEL
+    if os.environ.get("RANK", "0") == "0":
+        print(f"No --model given and no GPU: training the {CPU_DEFAULT_MODEL} model, a functional run of a few "
+              f"minutes. The real one on the CPU (hours): add --model {GPU_DEFAULT_MODEL}.", flush=True)
+    return CPU_DEFAULT_MODEL
+
+
 def check_positions(block_size: int, config) -> None:
     if max_positions(config) and block_size > max_positions(config):
         raise UserError(f"--block_size {block_size} exceeds the model's {max_positions(config)} positions")
@@ -139,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     # Seconds since the epoch, so that speed.py can split the launch's wall time.
     timeline = {"process_created": psutil.Process().create_time(), "main_started": time.time()}
     names = check_args(args)
+    args.model = args.model or default_model(args.device)
     session = open_session(args.model, args.device, args.output_dir, args.seed, "summary.json",
                            lambda config: check_positions(args.block_size, config))
     # A simulated rank has no peers to share the data with: every run takes the batches of a world of one.
@@ -156,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--init_device cuda needs a GPU (this run is on the CPU)")
     train = TrainConfig(args.seed, args.learning_rate, args.log_interval, args.save_memory_snapshot,
                         args.tracker_overhead, args.inject_failure, args.init_device,
-                        build_threads(args.concurrent_variants))
+                        build_threads(args.concurrent_variants), args.quiet)
     suite = Suite(session, names, train, batches, meta, args.output_dir, args.concurrent_variants,
                   {"meta": {**meta, "timeline": timeline}})
     if session.rank == 0 and session.device.type == "cpu":

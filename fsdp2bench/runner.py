@@ -16,6 +16,7 @@ from fsdp2bench.isolation import StoreKeys, init_group
 from fsdp2bench.memory_model import account
 from fsdp2bench.model import build_model
 from fsdp2bench.names import rank_file
+from fsdp2bench.progress import Progress
 from fsdp2bench.simulation import init_simulated_group
 from measure import MemoryTracker
 
@@ -40,6 +41,7 @@ class TrainConfig:
     inject_failure: FailureSpec | None
     init_device: str  # "cpu" (the upstream's path: fully_shard moves the shards) or "cuda"
     build_threads: int  # this process's share of the host's cores, for a build on the CPU
+    quiet: bool  # no progress lines
 
 
 @dataclass
@@ -58,6 +60,7 @@ class Job:
     keys: StoreKeys
     output_dir: str
     simulated: bool = False  # rank ``rank`` of ``world_size`` played alone on a fake process group
+    position: int = 0  # among the variants running at the same time: the row of its progress bar
 
 
 # --------------------------------------------------------------------------- training
@@ -103,6 +106,9 @@ def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
     accounting = {"end_of_setup": account(prep.model, prep.optimizer)}
     tracker.mark("training_started")
     last = len(job.batches) - 1
+    # Rank 0 of a real run shows it; a sweep's processes say which run they start instead.
+    progress = Progress(job.name, len(job.batches), job.position,
+                        enabled=job.rank == 0 and not job.simulated and not job.train.quiet)
     for step, batch in enumerate(job.batches):
         injected_failure(job, step)
         tracker.polling = not (job.train.tracker_overhead and step % 2)
@@ -111,7 +117,9 @@ def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
             if step == last else None
         loss = train_step(prep, batch.to(job.device), hook)
         # Under a fake group no collective moves data, so the loss of a simulated rank means nothing.
-        tracker.record_step(step, None if job.simulated else loss, time.perf_counter() - t)
+        record = tracker.record_step(step, None if job.simulated else loss, time.perf_counter() - t)
+        progress.update(step, record["loss"], record["peak_allocated_mib"], record["step_time_s"])
+    progress.close()
     tracker.mark("training_finished")
     accounting["end_of_training"] = account(prep.model, prep.optimizer)
     return {"wall_s": time.perf_counter() - start, "accounting": accounting,

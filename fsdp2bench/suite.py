@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -33,11 +34,11 @@ class Suite:
         return os.path.join(self.output_dir, "summary.json")
 
     def job(self, name: str, keys: StoreKeys, rank: int, world_size: int, output_dir: str,
-            simulated: bool = False) -> Job:
+            simulated: bool = False, position: int = 0) -> Job:
         meta = {**self.meta, "rank": rank, "world_size": world_size, "simulated": simulated}
         s = self.session
         return Job(name, self.train, s.device, s.config, self.batches, s.layer_classes, meta, rank, world_size, keys,
-                   output_dir, simulated)
+                   output_dir, simulated, position)
 
 
 # --------------------------------------------------------------------------- the benchmark
@@ -51,7 +52,8 @@ def run_variants(suite: Suite) -> int:
         group = suite.names[first:first + suite.concurrent]
         if s.rank == 0:
             print(f"[{', '.join(group)}] {len(suite.batches)} steps on {s.world_size} rank(s)...", flush=True)
-        jobs = [suite.job(name, StoreKeys(name), s.rank, s.world_size, suite.output_dir) for name in group]
+        jobs = [suite.job(name, StoreKeys(name), s.rank, s.world_size, suite.output_dir, position=i)
+                for i, name in enumerate(group)]
         started, started_at = time.perf_counter(), time.time()
         try:
             failures = run_isolated([Piece(variant_process, (job,), job.keys) for job in jobs], s.rank,
@@ -183,7 +185,8 @@ def finish(suite: Suite, print_results, any_failed: bool) -> int:
         wait_for_keys(s.store, [done])
         return 1 if any_failed else 0
     print_results(suite.summary)
-    print(f"Wrote per-rank traces and summary.json to {suite.output_dir}/", flush=True)
+    print(f"Wrote per-rank traces and summary.json to {suite.output_dir}/; draw the plots with:\n"
+          f"    python3 visualize.py --dir {shlex.quote(suite.output_dir)}", flush=True)
     s.store.set(done, "yes")
     failed = any_failed or any(v["status"] != "ok" for v in suite.summary.get("variants", {}).values())
     return 1 if failed or not report.checks_passed(suite.summary["checks"]) else 0

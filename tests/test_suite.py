@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from conftest import TINY, VARIANTS, load, run_script
 
 TRACE_KEYS = ["timestamps", "allocated_memory", "reserved_memory", "virtual_memory"]
@@ -138,3 +140,26 @@ def test_dataset_fraction_limits_one_pass(tmp_path):
                        "--variants", "torch_optimizer_after_fsdp", "--output_dir", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr
     assert load(tmp_path / "summary.json")["variants"]["torch_optimizer_after_fsdp"]["steps"] == 6
+
+
+def test_progress_lines_on_a_log_and_none_with_quiet(suite, tmp_path):
+    _, proc = suite  # its stdout is a pipe, as in CI or a cluster log: plain lines, no carriage returns
+    for name in VARIANTS:
+        assert f"[{name}] step 1/12: loss " in proc.stdout and f"[{name}] step 12/12: loss " in proc.stdout
+    assert "\r" not in proc.stdout and "s left" in proc.stdout
+    assert "draw the plots with:\n    python3 visualize.py --dir " in proc.stdout
+    quiet = run_script(["main.py", *TINY, "--max_steps", "3", "--variants", VARIANTS[0], "--quiet",
+                        "--output_dir", str(tmp_path)], nproc=None)
+    assert quiet.returncode == 0, quiet.stderr
+    assert " step 1/3" not in quiet.stdout and "Results over 1 rank(s)" in quiet.stdout
+
+
+def test_without_a_gpu_and_without_model_the_tiny_model_is_chosen_and_said(suite, tmp_path):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = run_script(["main.py", "--max_steps", "2", "--learning_rate", "1e-3", "--variants", VARIANTS[0],
+                       "--output_dir", str(tmp_path)], nproc=None)
+    assert proc.returncode == 0, proc.stderr
+    assert "No --model given and no GPU: training the tiny model" in proc.stdout
+    assert load(tmp_path / "summary.json")["meta"]["model"] == "tiny"
+    assert "No --model given" not in suite[1].stdout  # an explicit --model is kept, without the line
