@@ -19,25 +19,25 @@ import time
 import psutil
 import torch
 
-from fsdp2bench import simulation
+from fsdp2bench import concurrency, simulation
 from fsdp2bench.cli import OneLineParser, UserError, exit_with, parse_names, pick_device
 from fsdp2bench.data import load_tokens, rank_batches
 from fsdp2bench.isolation import Interrupted
 from fsdp2bench.model import PRESETS, max_positions
 from fsdp2bench.names import VARIANTS
 from fsdp2bench.runner import FailureSpec, TrainConfig
-from fsdp2bench.session import open_session, say_interrupted
+from fsdp2bench.session import Session, open_session, say_interrupted
 from fsdp2bench.suite import Suite, run_sweep, run_variants
 
 
 def parse_failure(text: str) -> FailureSpec:
     parts = text.split(":")
     try:
-        if len(parts) not in (3, 4) or parts[0] not in VARIANTS or (len(parts) == 4 and parts[3] != "kill"):
+        if len(parts) not in (3, 4) or parts[0] not in VARIANTS or (len(parts) == 4 and parts[3] not in FailureSpec.HOW):
             raise ValueError
-        return FailureSpec(parts[0], int(parts[1]), int(parts[2]), len(parts) == 4)
+        return FailureSpec(parts[0], int(parts[1]), int(parts[2]), parts[3] if len(parts) == 4 else "raise")
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected VARIANT:STEP:RANK[:kill] with a known variant, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected VARIANT:STEP:RANK[:kill|:oom] with a known variant, got {text!r}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,10 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="local tokenizer directory or Hub id for --dataset (default: bytes)")
     p.add_argument("--log_interval", type=float, default=0.01,
                    help="seconds between memory samples (default: 0.01)")
-    p.add_argument("--concurrent_variants", type=int, default=1, metavar="K",
+    p.add_argument("--concurrent_variants", default="auto", metavar="K",
                    help="run K variants at a time, each in its own processes and process group; their memory "
-                        "figures do not change (each process has its own allocator), step times do. Needs K "
-                        "times the memory of one variant on every GPU (default: 1, one after the other)")
+                        "figures do not change (each process has its own allocator), step times do. auto: as "
+                        "many as GPU memory and host RAM allow by the memory model (1 on a CPU run and in a "
+                        "sweep); a variant that runs out of memory while sharing is run again alone "
+                        "(default: auto)")
     p.add_argument("--tracker_overhead", action="store_true",
                    help="pause memory polling on every other step, to measure what polling costs")
     p.add_argument("--quiet", action="store_true", help="no progress lines while the variants train")
@@ -84,8 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --simulate_world_size: the rank(s) to play, integers in [0, N) or 'last' for N-1; "
                         "'last' is skipped where the sharding rule gives it the bytes of a rank already played "
                         "(default: 0)")
-    p.add_argument("--inject_failure", type=parse_failure, default=None, metavar="VARIANT:STEP:RANK[:kill]",
-                   help="test option: raise (or, with :kill, die by SIGKILL) on that rank before that step")
+    p.add_argument("--inject_failure", type=parse_failure, default=None, metavar="VARIANT:STEP:RANK[:kill|:oom]",
+                   help="test option: raise on that rank before that step (:kill dies by SIGKILL instead, :oom raises "
+                        "torch's out-of-memory error)")
     return p.parse_args(argv)
 
 
@@ -94,8 +97,9 @@ def check_args(args: argparse.Namespace) -> list[str]:
     for flag in ("batch_size", "block_size"):
         if getattr(args, flag) <= 0:
             raise UserError(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
-    if args.concurrent_variants <= 0:
-        raise UserError(f"--concurrent_variants must be a positive integer, got {args.concurrent_variants}")
+    if args.concurrent_variants != "auto" and not (args.concurrent_variants.isdigit()
+                                                    and int(args.concurrent_variants) > 0):
+        raise UserError(f"--concurrent_variants must be a positive integer or auto, got {args.concurrent_variants}")
     if args.max_steps is not None and args.max_steps <= 0:
         raise UserError(f"--max_steps must be a positive integer, got {args.max_steps}")
     if not 0 < args.dataset_fraction <= 1:
@@ -134,6 +138,20 @@ def check_positions(block_size: int, config) -> None:
         raise UserError(f"--block_size {block_size} exceeds the model's {max_positions(config)} positions")
 
 
+def variants_at_once(args: argparse.Namespace, session: Session, names: list[str]) -> int:
+    """``--concurrent_variants``: a number as given; auto decided by rank 0 for every rank."""
+    if args.concurrent_variants != "auto":
+        return int(args.concurrent_variants)
+    if args.simulate_world_size:
+        return 1
+    decision = concurrency.decide(session.shapes, session.world_size, names, args.init_device,
+                                  session.device.type) if session.rank == 0 else None
+    k, reason = concurrency.agree(session.store, session.rank, decision)
+    if session.rank == 0 and session.device.type == "cuda":
+        print(f"Variants at a time: {reason} (--concurrent_variants K chooses)", flush=True)
+    return k
+
+
 def build_threads(concurrent: int) -> int:
     """This process's share of the host's cores: the launcher's processes on this node, and the
     variants each of them runs at a time, share them."""
@@ -169,10 +187,12 @@ def run(args: argparse.Namespace) -> int:
             "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()}}
     if args.init_device == "cuda" and session.device.type != "cuda":
         raise UserError("--init_device cuda needs a GPU (this run is on the CPU)")
+    concurrent = variants_at_once(args, session, names)
+    meta["concurrent_variants"] = concurrent
     train = TrainConfig(args.seed, args.learning_rate, args.log_interval, args.save_memory_snapshot,
-                        args.tracker_overhead, args.inject_failure, args.init_device,
-                        build_threads(args.concurrent_variants), args.quiet)
-    suite = Suite(session, names, train, batches, meta, args.output_dir, args.concurrent_variants,
+                        args.tracker_overhead, args.inject_failure, args.init_device, build_threads(concurrent),
+                        args.quiet)
+    suite = Suite(session, names, train, batches, meta, args.output_dir, concurrent,
                   {"meta": {**meta, "timeline": timeline}})
     if session.rank == 0 and session.device.type == "cpu":
         print(f"Running on CPU{'' if args.simulate_world_size else ' with gloo'}: a functional run. Allocator "

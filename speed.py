@@ -58,16 +58,35 @@ def launch_phases(timeline: dict, launched: float, wall: float) -> dict:
     }
 
 
+def launcher(nproc: int, tree: str, main_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", os.path.join(tree, "main.py"),
+            *main_args]
+
+
+def time_baseline(tree: str, nproc: int, main_args: list[str], output_dir: str) -> dict:
+    """The other version's default run on the same work, timed from launch to exit."""
+    tree, output_dir = os.path.abspath(tree), os.path.abspath(f"{output_dir}_baseline")
+    start = time.perf_counter()
+    code = subprocess.call(launcher(nproc, tree, [*main_args, "--output_dir", output_dir]), cwd=tree)
+    return {"tree": tree, "output_dir": output_dir, "suite_wall_s": time.perf_counter() - start, "exit_code": code}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc_per_node", type=int, default=2)
     p.add_argument("--json", default="speed.json", help="where to write the result (default: speed.json)")
     p.add_argument("--output_dir", default="out_speed", help="main.py's output directory for this run")
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="the tree of another version (a git archive of it): its main.py runs first with the same "
+                        "arguments, in the same call, and speed.json gets both walls and their ratio")
     p.add_argument("main_args", nargs=argparse.REMAINDER, help="arguments for main.py, after --")
     args = p.parse_args()
     extra = [a for a in args.main_args if a != "--"]
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc_per_node}",
-               os.path.join(ROOT, "main.py"), *extra, "--tracker_overhead", "--output_dir", args.output_dir]
+    baseline = time_baseline(args.baseline, args.nproc_per_node, extra, args.output_dir) if args.baseline else None
+    if baseline and baseline["exit_code"] != 0:
+        print(f"error: the baseline run in {args.baseline} failed (exit code {baseline['exit_code']})", file=sys.stderr)
+        return 2
+    command = launcher(args.nproc_per_node, ROOT, [*extra, "--tracker_overhead", "--output_dir", args.output_dir])
     launched, start = time.time(), time.perf_counter()
     code = subprocess.call(command)
     wall = time.perf_counter() - start
@@ -82,9 +101,12 @@ def main() -> int:
               "world_size": summary["meta"]["world_size"], "gpu_name": summary["meta"].get("gpu_name"),
               "upstream_suite_wall_s": UPSTREAM_SUITE_WALL_S,
               "speedup_vs_upstream": UPSTREAM_SUITE_WALL_S / wall if same_work_as_upstream(summary["meta"]) else None,
-              "concurrent_variants": summary["meta"]["args"]["concurrent_variants"],
+              "concurrent_variants": summary["meta"].get("concurrent_variants",
+                                                         summary["meta"]["args"]["concurrent_variants"]),
               "launch_phases": launch_phases(summary["meta"]["timeline"], launched, wall),
               "median_step_time_s": {}, "phases": {}, "peak_allocated_mib": {}, "tracker_overhead_ratio": None}
+    if baseline:
+        result.update(baseline=baseline, wall_ratio_to_baseline=wall / baseline["suite_wall_s"])
     ratios = {}
     for name, v in summary["variants"].items():
         if v["status"] != "ok":
@@ -100,8 +122,9 @@ def main() -> int:
         result["tracker_overhead_ratio"] = statistics.median(ratios.values())
         result["tracker_overhead_ratio_per_variant"] = ratios
     write_json(args.json, result)
-    print(json.dumps({k: result[k] for k in ("suite_wall_s", "speedup_vs_upstream", "tracker_overhead_ratio",
-                                             "median_step_time_s", "launch_phases")}, indent=1))
+    print(json.dumps({k: result.get(k) for k in ("suite_wall_s", "wall_ratio_to_baseline", "speedup_vs_upstream",
+                                                 "tracker_overhead_ratio", "median_step_time_s", "launch_phases")},
+                     indent=1))
     return code
 
 

@@ -23,11 +23,12 @@ from measure import MemoryTracker
 
 @dataclass(frozen=True)
 class FailureSpec:
-    """``--inject_failure VARIANT:STEP:RANK[:kill]``: a test option to prove failures are contained."""
+    """``--inject_failure VARIANT:STEP:RANK[:kill|:oom]``: a test option to prove failures are contained."""
     name: str
     step: int
     rank: int
-    kill: bool
+    how: str  # raise (an exception), kill (SIGKILL) or oom (torch's out-of-memory error)
+    HOW = ("kill", "oom")
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,10 @@ def train_step(prep: utils.Prepared, input_ids: torch.Tensor,
 def injected_failure(job: Job, step: int) -> None:
     spec = job.train.inject_failure
     if spec and spec.name == job.name and spec.step == step and spec.rank == job.rank:
-        if spec.kill:
+        if spec.how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if spec.how == "oom":
+            raise torch.OutOfMemoryError(f"injected: Tried to allocate 1.00 GiB at step {step} on rank {job.rank}")
         raise RuntimeError(f"injected failure at step {step} on rank {job.rank}")
 
 

@@ -44,16 +44,20 @@ class Suite:
 # --------------------------------------------------------------------------- the benchmark
 
 def run_variants(suite: Suite) -> int:
-    """Every variant on every rank, ``concurrent`` at a time."""
+    """Every variant on every rank, ``concurrent`` at a time. A variant that ran out of memory
+    while sharing the GPUs is run again alone, and its summary says so."""
     s = suite.session
     suite.summary.update(variants={}, checks={}, projection=None)
+    groups = [suite.names[i:i + suite.concurrent] for i in range(0, len(suite.names), suite.concurrent)]
+    shared_failure: dict[str, str] = {}  # variant -> why it is run again alone
     any_failed = False
-    for first in range(0, len(suite.names), suite.concurrent):
-        group = suite.names[first:first + suite.concurrent]
+    while groups:
+        group = groups.pop(0)
         if s.rank == 0:
-            print(f"[{', '.join(group)}] {len(suite.batches)} steps on {s.world_size} rank(s)...", flush=True)
-        jobs = [suite.job(name, StoreKeys(name), s.rank, s.world_size, suite.output_dir, position=i)
-                for i, name in enumerate(group)]
+            print(f"[{', '.join(group)}] {len(suite.batches)} steps on {s.world_size} rank(s)"
+                  f"{' (again, alone)' if group[0] in shared_failure else ''}...", flush=True)
+        jobs = [suite.job(name, StoreKeys(f"{name}/alone" if name in shared_failure else name), s.rank, s.world_size,
+                          suite.output_dir, position=i) for i, name in enumerate(group)]
         started, started_at = time.perf_counter(), time.time()
         try:
             failures = run_isolated([Piece(variant_process, (job,), job.keys) for job in jobs], s.rank,
@@ -61,12 +65,16 @@ def run_variants(suite: Suite) -> int:
             wall = time.perf_counter() - started  # the group's, so one figure for every variant in it
         except Interrupted as exc:
             if s.rank == 0:
-                record_interrupted(suite, jobs, suite.names[first:], started_at)
+                record_interrupted(suite, jobs, group + [n for g in groups for n in g], started_at)
             return say_interrupted(s, exc, f" during {', '.join(group)}; finished variants and partial traces "
                                            f"are in {suite.output_dir}/")
-        any_failed = any_failed or any(failures)
+        again = [job.name for job, f in zip(jobs, failures) if f and len(group) > 1 and "out of memory" in f]
+        shared_failure.update({job.name: f for job, f in zip(jobs, failures) if job.name in again})
+        groups[0:0] = [[name] for name in again]
+        any_failed = any_failed or any(f for job, f in zip(jobs, failures) if job.name not in again)
         if s.rank == 0:
-            record_group(suite, jobs, failures, started_at, wall)
+            kept = [(job, f) for job, f in zip(jobs, failures) if job.name not in again]
+            record_group(suite, [j for j, _ in kept], [f for _, f in kept], started_at, wall, group, shared_failure)
     return finish(suite, report.print_table, any_failed)
 
 
@@ -94,18 +102,23 @@ def failure_records(s: Session, keys: StoreKeys) -> list[dict]:
             for r, rec in zip(ranks, gather_records(s.store, keys, ranks))]
 
 
-def record_group(suite: Suite, jobs: list[Job], failures: list[str | None], started_at: float, wall: float) -> None:
-    """Rank 0: summarise the variants that just ended and rewrite summary.json."""
+def record_group(suite: Suite, jobs: list[Job], failures: list[str | None], started_at: float, wall: float,
+                 group: list[str] | None = None, shared_failure: dict[str, str] | None = None) -> None:
+    """Rank 0: summarise the variants that just ended and rewrite summary.json. ``group`` is what
+    ran at the same time (their step times are shared); ``shared_failure`` why one ran again alone."""
     s, variants = suite.session, suite.summary["variants"]
     for job, failure in zip(jobs, failures):
         if failure is None:
             records = gather_records(s.store, job.keys, range(s.world_size))
             suite.summary["meta"]["gpu_name"] = records[0]["gpu_name"]
             variants[job.name] = report.variant_summary(job.name, records, s.shapes)
-            variants[job.name].update(process_started_at=started_at, process_wall_s=wall)
+            variants[job.name].update(process_started_at=started_at, process_wall_s=wall,
+                                      ran_beside=[n for n in group or [] if n != job.name])
         else:
             variants[job.name] = {"status": f"failed: {failure}", "failure": failure_records(s, job.keys)}
             print(f"[{job.name}] FAILED: {failure}", file=sys.stderr, flush=True)
+        if job.name in (shared_failure or {}):
+            variants[job.name]["rerun_alone_after"] = shared_failure[job.name]
     suite.summary["checks"] = report.run_checks(variants, s.device.type)
     suite.summary["projection"] = report.projection_summary(s.shapes, variants, s.world_size)
     save_summary(suite.summary_path, suite.summary)

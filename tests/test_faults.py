@@ -313,3 +313,17 @@ def test_a_second_run_into_the_same_directory_is_refused_while_the_first_lives(t
     proc = run_script(args, nproc=None)
     assert proc.returncode == 0, proc.stderr
     assert not lock.exists()  # and released at the end
+
+
+def test_a_variant_out_of_memory_beside_others_is_run_again_alone(tmp_path):
+    proc = run_script(["main.py", *SHORT, "--variants", f"{VARIANTS[0]},{FIXED}", "--concurrent_variants", "2",
+                       "--inject_failure", f"{FIXED}:2:0:oom", "--output_dir", str(tmp_path)])
+    assert proc.returncode == 1  # the injection strikes again when it runs alone
+    assert f"[{FIXED}] 6 steps on 2 rank(s) (again, alone)..." in proc.stdout
+    summary = load(tmp_path / "summary.json")
+    fixed, after = summary["variants"][FIXED], summary["variants"][VARIANTS[0]]
+    assert fixed["status"].startswith("failed: rank 0: out of memory (injected")
+    assert fixed["failure"][0]["failed_allocation_mib"] == 1024.0
+    assert fixed["rerun_alone_after"].startswith("rank 0: out of memory (injected")
+    assert after["status"] == "ok" and after["ran_beside"] == [FIXED]
+    assert summary["meta"]["concurrent_variants"] == 2

@@ -1,0 +1,73 @@
+"""``--concurrent_variants auto``: as many variants at once as GPU memory and host RAM allow.
+
+A step is bound by the host, not the GPU (its kernels take about a quarter of it on 2x H200), so
+variants side by side nearly divide the time, each in its own processes with its own allocator,
+which leaves every memory figure unchanged. The memory model gives what a variant holds at its
+step peak; activations, gathered parameters and the allocator's cache come on top, hence the
+margin. A variant that still runs out of memory while sharing is run again alone (suite.py).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+
+import psutil
+import torch.distributed as dist
+
+from fsdp2bench.isolation import StoreKeys, wait_for_keys
+from fsdp2bench.memory_model import expected_state
+from fsdp2bench.names import GIB
+
+STATE_MARGIN = 1.5  # measured on 2x H200: reserved peaks are 1.2-1.6 times the state (1.5B, 7B)
+FIXED_MARGIN = 2 * GIB  # CUDA context, cuBLAS workspaces, the step's activations at small sizes
+HOST_RUNTIME = 2 * GIB  # one variant's process without its model (torch, transformers, accelerate)
+
+
+def gpu_need(shapes, world_size: int, names: list[str], init_device: str) -> int:
+    """Bytes one variant may take on one GPU: its state at the step peak (the worst of the variants
+    and of ranks 0 and N-1) with a margin, or the whole model while it is built there."""
+    state = max(sum(expected_state(shapes, world_size, rank, name, "before_zero_grad").values())
+                for name in names for rank in {0, world_size - 1})
+    return max(int(state * STATE_MARGIN) + FIXED_MARGIN, int(model_bytes(shapes) * 1.2) if init_device == "cuda" else 0)
+
+
+def model_bytes(shapes) -> int:
+    return sum(size * math.prod(shape) for shape, size in shapes)
+
+
+def gpu_memory() -> int | None:
+    """The smallest GPU's total memory, from nvidia-smi (the main process never initialises CUDA)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return min(int(line) for line in out.split()) * 1024 * 1024
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def decide(shapes, world_size: int, names: list[str], init_device: str, device_type: str) -> tuple[int, str]:
+    """How many variants to run at once on this node, and why."""
+    if device_type != "cuda":
+        return 1, "a CPU run: variants would only share the same cores"
+    total = gpu_memory()
+    if total is None:
+        return 1, "nvidia-smi did not report the GPUs' memory"
+    need = gpu_need(shapes, world_size, names, init_device)
+    per_process = (model_bytes(shapes) if init_device == "cpu" else 0) + HOST_RUNTIME  # a CPU build holds the whole model
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    by_gpu, by_host = total // need, psutil.virtual_memory().available // (per_process * processes)
+    k = max(1, min(len(names), by_gpu, by_host))
+    return k, (f"{k} at a time: about {need / GIB:.1f} GiB per variant on a {total / GIB:.0f} GiB GPU, "
+               f"{per_process / GIB:.1f} GiB of host RAM per process")
+
+
+def agree(store: dist.TCPStore, rank: int, decision: tuple[int, str] | None) -> tuple[int, str]:
+    """Rank 0's decision for every rank: the groups of variants must be the same on all of them."""
+    key = StoreKeys("concurrency").prefix
+    if rank == 0:
+        store.set(key, f"{decision[0]}|{decision[1]}")
+    wait_for_keys(store, [key])
+    k, reason = store.get(key).decode().split("|", 1)
+    return int(k), reason
