@@ -21,6 +21,29 @@ def statuses(out) -> dict:
     return {name: v["status"] for name, v in load(out / "summary.json")["variants"].items()}
 
 
+def rank_processes(agent) -> dict[int, psutil.Process]:
+    """The main process of every rank of a torchrun agent, by rank."""
+    ranks = {}
+    for child in psutil.Process(agent.pid).children():
+        with contextlib.suppress(psutil.Error, KeyError, ValueError):
+            ranks[int(child.environ()["RANK"])] = child
+    return ranks
+
+
+LONG_STEPS = 150
+
+
+def start_long_run(out):
+    """Two ranks, a finished first variant, then a long second one: returned once the second runs."""
+    proc = start_script(["main.py", "--model", "tiny", "--device", "cpu", "--max_steps", str(LONG_STEPS),
+                         "--variants", "torch_optimizer_after_fsdp,accelerate", "--output_dir", str(out)])
+    for line in proc.stdout:
+        if line.startswith("[accelerate]"):
+            break
+    time.sleep(2)
+    return proc
+
+
 def test_an_exception_on_one_rank_fails_that_variant_only(tmp_path):
     """Two at a time: the failing variant shares its turn with accelerate, which must finish."""
     proc = run_script(["main.py", *SHORT, "--output_dir", str(tmp_path), "--concurrent_variants", "2",
@@ -60,25 +83,18 @@ def test_a_rank_that_dies_does_not_hang_the_others(tmp_path):
 
 
 def test_sigterm_keeps_finished_variants_and_marks_the_interrupted_one(tmp_path):
-    proc = start_script(["main.py", "--model", "tiny", "--device", "cpu", "--max_steps", "400",
-                         "--variants", "torch_optimizer_after_fsdp,accelerate", "--output_dir", str(tmp_path)])
-    # Wait until the first variant is finished and the second has started (a few seconds of
-    # its 400 steps), then stop the launcher as a cluster scheduler would.
-    for line in proc.stdout:
-        if line.startswith("[accelerate]"):
-            break
-    time.sleep(2)
-    proc.send_signal(signal.SIGTERM)
+    proc = start_long_run(tmp_path)
+    proc.send_signal(signal.SIGTERM)  # stop the launcher as a cluster scheduler would
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode != 0
     summary = load(tmp_path / "summary.json")
     assert {n: v["status"] for n, v in summary["variants"].items()} == {
         "torch_optimizer_after_fsdp": "ok", "accelerate": "interrupted"}
-    assert summary["variants"]["torch_optimizer_after_fsdp"]["steps"] == 400
+    assert summary["variants"]["torch_optimizer_after_fsdp"]["steps"] == LONG_STEPS
     assert load(tmp_path / "torch_optimizer_after_fsdp_memory_usage_rank1.json")["status"] == "ok"
     for suffix in ("", "_rank1"):
         partial = load(tmp_path / f"accelerate_memory_usage{suffix}.json")
-        assert partial["status"] == "interrupted" and 0 < len(partial["steps"]) < 400
+        assert partial["status"] == "interrupted" and 0 < len(partial["steps"]) < LONG_STEPS
     assert not list(tmp_path.glob("*.tmp*"))
     assert "Interrupted (SIGTERM) during accelerate" in stderr
 
@@ -240,26 +256,6 @@ def test_a_diverging_run_fails_its_checks_and_names_the_cause(tmp_path):
     assert "check losses_finite: FAIL" in proc.stdout
 
 
-def rank_processes(agent) -> dict[int, psutil.Process]:
-    """The main process of every rank of a torchrun agent, by rank."""
-    ranks = {}
-    for child in psutil.Process(agent.pid).children():
-        with contextlib.suppress(psutil.Error, KeyError, ValueError):
-            ranks[int(child.environ()["RANK"])] = child
-    return ranks
-
-
-def start_long_run(out):
-    """Two ranks, a finished first variant, then a long second one: returned once the second runs."""
-    proc = start_script(["main.py", "--model", "tiny", "--device", "cpu", "--max_steps", "150",
-                         "--variants", "torch_optimizer_after_fsdp,accelerate", "--output_dir", str(out)])
-    for line in proc.stdout:
-        if line.startswith("[accelerate]"):
-            break
-    time.sleep(2)
-    return proc
-
-
 def test_an_interrupt_that_reaches_one_rank_only_ends_every_rank_with_the_summary_written(tmp_path):
     proc = start_long_run(tmp_path)
     rank_processes(proc)[1].send_signal(signal.SIGINT)  # Ctrl-C on one node of a multi-node run
@@ -296,7 +292,7 @@ def test_a_killed_launcher_leaves_no_orphan_and_keeps_the_partial_traces(tmp_pat
     assert statuses(tmp_path) == {"torch_optimizer_after_fsdp": "ok", "accelerate": "interrupted"}
     for suffix in ("", "_rank1"):
         partial = load(tmp_path / f"accelerate_memory_usage{suffix}.json")
-        assert partial["status"] == "interrupted" and 0 < len(partial["steps"]) < 150
+        assert partial["status"] == "interrupted" and 0 < len(partial["steps"]) < LONG_STEPS
 
 
 def test_a_second_run_into_the_same_directory_is_refused_while_the_first_lives(tmp_path):
