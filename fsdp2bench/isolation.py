@@ -253,18 +253,29 @@ class Finisher:
         # Two threads may race to write the result: the work on success, and the failure path (the
         # work's own exception, or the watcher seeing an abort). Whoever takes this first writes.
         self._writer = threading.Lock()
+        self._finished = False
 
     def finish(self, extra: dict):
         """Success: write it, and from now on ignore a late abort."""
         self._writer.acquire()
+        self._finished = True
         return self._write("ok", extra)
+
+    def _claim(self) -> bool:
+        """Whether this thread writes a failure. If another thread is already writing one, wait
+        here: it ends the process when done, and leaving first would cut its write short."""
+        if self._writer.acquire(blocking=False):
+            return True
+        if not self._finished:
+            self._writer.acquire()  # never returns: the writer holds it until os._exit
+        return False
 
     def fail(self, error: str | None, store: dist.TCPStore) -> None:
         """Tell the other ranks (first reason wins), write the partial result, exit at once.
 
         ``error`` is this rank's own failure, or None when leaving because the abort key is set.
         """
-        if not self._writer.acquire(blocking=False):
+        if not self._claim():
             return
         try:
             try:
@@ -293,7 +304,7 @@ class Finisher:
 
     def leave_alone(self, reason: str) -> None:
         """The launch is gone: write the partial result as interrupted, with no store, and exit."""
-        if not self._writer.acquire(blocking=False):
+        if not self._claim():
             return
         try:
             self._write("interrupted", {"error": reason})
