@@ -9,7 +9,6 @@ margin. A variant that still runs out of memory while sharing is run again alone
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 
@@ -17,7 +16,7 @@ import psutil
 import torch.distributed as dist
 
 from fsdp2bench.isolation import StoreKeys, wait_for_keys
-from fsdp2bench.memory_model import expected_state
+from fsdp2bench.memory_model import expected_state, model_bytes
 from fsdp2bench.names import GIB
 
 STATE_MARGIN = 1.5  # measured on 2x H200: reserved peaks are 1.2-1.6 times the state (1.5B, 7B)
@@ -31,10 +30,6 @@ def gpu_need(shapes, world_size: int, names: list[str], init_device: str) -> int
     state = max(sum(expected_state(shapes, world_size, rank, name, "before_zero_grad").values())
                 for name in names for rank in {0, world_size - 1})
     return max(int(state * STATE_MARGIN) + FIXED_MARGIN, int(model_bytes(shapes) * 1.2) if init_device == "cuda" else 0)
-
-
-def model_bytes(shapes) -> int:
-    return sum(size * math.prod(shape) for shape, size in shapes)
 
 
 def gpu_memory() -> int | None:

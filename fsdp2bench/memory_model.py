@@ -85,6 +85,11 @@ def param_shapes(model: nn.Module) -> list[tuple[tuple[int, ...], int]]:
     return [(tuple(p.shape), p.element_size()) for p in _unique_params(model)]
 
 
+def model_bytes(shapes) -> int:
+    """P: the bytes of the unsharded model's parameters, from ``param_shapes``."""
+    return sum(math.prod(shape) * item for shape, item in shapes)
+
+
 def shard_rows(d0: int, world_size: int, rank: int) -> tuple[int, int]:
     """[start, stop) of the dim-0 rows ``rank`` holds under FSDP2's Shard(0): chunks of ceil(d0 / N)."""
     chunk = math.ceil(d0 / world_size)

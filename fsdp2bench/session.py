@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from fsdp2bench.cli import check_replaceable, lock_output_dir, pick_device, prepare_output_dir
 from fsdp2bench.isolation import StoreKeys, catch_interrupts, launcher_env, start_child_server, wait_for_keys
-from fsdp2bench.memory_model import param_shapes
+from fsdp2bench.memory_model import model_bytes, param_shapes
 from fsdp2bench.model import build_meta_model, layer_class_names, load_config
 
 
@@ -35,7 +35,7 @@ class Session:
 
     @property
     def model_bytes(self) -> int:
-        return sum(torch.Size(shape).numel() * size for shape, size in self.shapes)
+        return model_bytes(self.shapes)
 
 
 def open_session(model: str, device_choice: str, output_dir: str, seed: int, summary_file: str,

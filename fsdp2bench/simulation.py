@@ -10,7 +10,6 @@ each in a fresh process as usual; they need no peers, so the launch's processes 
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -168,7 +167,3 @@ def statuses(runs: list[SimulatedRun], store: dist.TCPStore) -> dict[SimulatedRu
 def wait_for_sweep(runs: list[SimulatedRun], store: dist.TCPStore) -> None:
     """Until every process has posted the outcome of every run of its share."""
     wait_for_keys(store, [_outcome_key(r) for r in runs])
-
-
-def record_of(run: SimulatedRun, store: dist.TCPStore) -> dict:
-    return json.loads(store.get(run.keys.record(run.rank)))

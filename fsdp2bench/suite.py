@@ -167,7 +167,7 @@ def record_sweep(suite: Suite, runs: list, sizes: list[int]) -> None:
     simulated: dict = {}
     for run, status in simulation.statuses(runs, s.store).items():
         if status == "ok":
-            record = simulation.record_of(run, s.store)
+            record, = gather_records(s.store, run.keys, [run.rank])
             suite.summary["meta"]["gpu_name"] = record["gpu_name"]
             entry = report.memory_summary(run.variant, [record], s.shapes, run.world_size, [run.rank])
         else:
