@@ -8,6 +8,13 @@ themselves are in ``fsdp2bench/loading.py``.
 
 from __future__ import annotations
 
+import sys
+
+from fsdp2bench.starting import start_before_imports
+
+if __name__ == "__main__":
+    start_before_imports(sys.argv[1:])
+
 import argparse
 import json
 import os

@@ -10,10 +10,16 @@ fresh processes in ``fsdp2bench/isolation.py``; the summary and checks in ``fsdp
 
 from __future__ import annotations
 
+import sys
+
+from fsdp2bench.starting import start_before_imports
+
+if __name__ == "__main__":
+    start_before_imports(sys.argv[1:])
+
 import argparse
 import math
 import os
-import sys
 import time
 
 import psutil

@@ -92,11 +92,16 @@ class MemoryTracker:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def _read_peaks(self) -> dict:
-        """Peak allocated/reserved since the last reset, then reset: one closed segment."""
+    def _read_peaks(self, wait_for_device: bool = True) -> dict:
+        """Peak allocated/reserved since the last reset, then reset: one closed segment.
+
+        The allocator counts on the host, in the order work is queued, so the counters need no
+        wait for the GPU; a phase mark waits all the same, so that its time is when the phase ended.
+        """
         if not self.cuda:
             return {"peak_allocated_mib": None, "peak_reserved_mib": None}
-        torch.cuda.synchronize(self.device)
+        if wait_for_device:
+            torch.cuda.synchronize(self.device)
         peaks = {f"peak_{key}": value for key, value in self._allocator("peak").items()}
         self._reset_peaks()
         return peaks
@@ -111,10 +116,11 @@ class MemoryTracker:
         self.events.append({"name": name, "t": self.now(), **self._read_peaks(), "rss_mib": rss_mib(), **details})
         return self.events[-1]
 
-    def record_step(self, step: int, loss: float, step_time_s: float) -> dict:
-        """One optimizer step: its loss, its time, its peaks, and what stays allocated after it."""
-        record = {"step": step, "loss": loss, "step_time_s": step_time_s, "polling": self.polling, "t": self.now(),
-                  **self._read_peaks(), **self._current(), "rss_mib": rss_mib()}
+    def record_step(self, step: int) -> dict:
+        """One optimizer step, as soon as it is queued: its peaks and what stays allocated after it.
+        Its loss and time are filled in once the device has run it (``runner.StepReadback``)."""
+        record = {"step": step, "loss": None, "step_time_s": None, "polling": self.polling, "t": self.now(),
+                  **self._read_peaks(wait_for_device=False), **self._current(), "rss_mib": rss_mib()}
         self.steps.append(record)
         return record
 

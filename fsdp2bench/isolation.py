@@ -1,6 +1,6 @@
 """Run one piece of work (a training variant, a loading mode) in a fresh process on every rank.
 
-The main process of each rank starts a child per piece of work (see ``child_context``), so
+The main process of each rank starts a child per piece of work (see ``starting.child_context``), so
 no allocator cache, host memory or broken communicator carries over from one piece to the
 next, and a failure stays inside its piece. Several pieces may run at once, each with its own
 children and keys. The children form their own process group on the launcher's store. An
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
 import multiprocessing.connection
 import os
 import signal
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2bench.names import TRACE_KEYS
+from fsdp2bench.starting import child_context
 
 STORE_TIMEOUT = timedelta(minutes=30)
 POLL_S = 0.25
@@ -128,34 +128,6 @@ def has_keys(store: dist.TCPStore, keys: list[str]) -> bool:
         raise StoreLost(f"the launcher's store is gone: {str(exc).splitlines()[0][:120]}") from None
 
 
-def child_context(device: torch.device) -> multiprocessing.context.BaseContext:
-    """How children start. On CPU, fork: at once, with everything imported. With CUDA, fork is
-    unusable once the main process has merely counted the GPUs, and spawn re-imports torch and
-    transformers for every child (10-15 s each on the 2x H200 machine); a fork server is a
-    clean process, started once, that imports them once and forks every child from there.
-    FSDP2_BENCH_START_METHOD (fork, spawn or forkserver) overrides it, for a platform where the
-    default does not work, and so that the tests can run the CUDA path's fork server on CPU."""
-    method = os.environ.get("FSDP2_BENCH_START_METHOD") or ("forkserver" if device.type == "cuda" else "fork")
-    context = multiprocessing.get_context(method)
-    if method == "forkserver":
-        # The server must not initialise CUDA itself: it inherits PYTORCH_NVML_BASED_CUDA_CHECK
-        # from cli.pick_device, so any "is CUDA available?" asked while importing is answered by NVML.
-        # The children's targets live in this package; transformers and accelerate are imported
-        # lazily by the children, so importing them once here is what saves the time.
-        context.set_forkserver_preload(["fsdp2bench.runner", "fsdp2bench.loading",
-                                        "transformers.models.qwen2.modeling_qwen2",
-                                        "transformers.models.auto.modeling_auto", "accelerate"])
-    return context
-
-
-def start_child_server(device: torch.device) -> None:
-    """Start the fork server now, so that its imports overlap the main process's own set-up."""
-    if child_context(device).get_start_method() == "forkserver":
-        from multiprocessing import forkserver
-
-        forkserver.ensure_running()
-
-
 _PIECES_RUN: set[str] = set()  # key prefixes of the pieces this process has started
 
 
@@ -178,7 +150,7 @@ def run_isolated(pieces: list[Piece], rank: int, participants: Sequence[int], st
         if piece.keys.prefix in _PIECES_RUN:
             raise ValueError(f"{piece.keys.prefix}: ran already in this launch; every piece needs keys of its own")
         _PIECES_RUN.add(piece.keys.prefix)
-    context = child_context(device)
+    context = child_context(device.type)
     children = [context.Process(target=piece.target, args=piece.args) for piece in pieces]
     for child in children:
         child.start()

@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 
 from fsdp2bench.cli import check_replaceable, lock_output_dir, pick_device, prepare_output_dir
-from fsdp2bench.isolation import StoreKeys, catch_interrupts, launcher_env, start_child_server, wait_for_keys
+from fsdp2bench.isolation import StoreKeys, catch_interrupts, launcher_env, wait_for_keys
 from fsdp2bench.memory_model import model_bytes, param_shapes
 from fsdp2bench.model import build_meta_model, layer_class_names, load_config
+from fsdp2bench.starting import start_child_server
 
 
 @dataclass
@@ -47,7 +48,7 @@ def open_session(model: str, device_choice: str, output_dir: str, seed: int, sum
     """
     device = pick_device(device_choice)
     rank, world_size = launcher_env()
-    start_child_server(device)  # its imports overlap the set-up below
+    start_child_server(device.type)  # if the entry script has not: its imports overlap the set-up below
     config = load_config(model)
     check_config(config)
     prepare_output_dir(output_dir)

@@ -213,7 +213,7 @@ def test_two_nodes_give_the_losses_of_one_node_with_two_processes(tmp_path, suit
 
 
 def test_variants_run_together_from_the_fork_server_give_the_numbers_of_the_sequential_run(tmp_path, suite):
-    """With CUDA the children come from a fork server (isolation.child_context), not from the main
+    """With CUDA the children come from a fork server (starting.child_context), not from the main
     process; --concurrent_variants runs several at once. Neither may change what a variant measures."""
     proc = run_script(["main.py", *TINY, "--variants", "torch_optimizer_after_fsdp,accelerate",
                        "--concurrent_variants", "2", "--output_dir", str(tmp_path)],

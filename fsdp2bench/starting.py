@@ -1,0 +1,67 @@
+"""How each rank's children start, decided without torch.
+
+So that an entry script can start the fork server before its own imports: on the 2x H200 machine
+those take about 6 s and the server's (torch, transformers, accelerate) about 10 s, which the
+first variants used to wait for.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.context
+import os
+
+# The children's targets live in this package; transformers and accelerate are imported lazily by
+# the children, so importing them once in the server is what saves the time.
+SERVER_PRELOAD = ["fsdp2bench.runner", "fsdp2bench.loading", "transformers.models.qwen2.modeling_qwen2",
+                  "transformers.models.auto.modeling_auto", "accelerate"]
+
+
+def start_method(device_type: str) -> str:
+    """On CPU, fork: at once, with everything imported. With CUDA, fork is unusable once the main
+    process has merely counted the GPUs, and spawn re-imports torch and transformers for every
+    child (10-15 s each on the 2x H200 machine); a fork server is a clean process, started once,
+    that imports them once and forks every child from there. FSDP2_BENCH_START_METHOD (fork, spawn
+    or forkserver) overrides it, for a platform where the default does not work, and so that the
+    tests can run the CUDA path's fork server on CPU."""
+    return os.environ.get("FSDP2_BENCH_START_METHOD") or ("forkserver" if device_type == "cuda" else "fork")
+
+
+def child_context(device_type: str) -> multiprocessing.context.BaseContext:
+    method = start_method(device_type)
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":
+        # The server must not initialise CUDA itself: it inherits this variable, so any "is CUDA
+        # available?" asked while importing is answered by NVML (cli.pick_device sets it too).
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        context.set_forkserver_preload(SERVER_PRELOAD)
+    return context
+
+
+def start_child_server(device_type: str) -> None:
+    """Start the fork server now, so that its imports overlap what this process does meanwhile."""
+    if start_method(device_type) == "forkserver":
+        child_context(device_type)
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
+def start_before_imports(argv: list[str]) -> None:
+    """An entry script's first step, so that the fork server's imports overlap the script's own."""
+    start_child_server(likely_device_type(argv))
+
+
+def likely_device_type(argv: list[str]) -> str:
+    """The device type ``--device`` in ``argv`` will give, told before torch is imported: "auto" is
+    a GPU where the NVIDIA driver's control device exists. A wrong guess costs a server that stays
+    idle, or a server started later, at the usual place (session.open_session)."""
+    choice = "auto"
+    for i, arg in enumerate(argv):
+        if arg == "--device" and i + 1 < len(argv):
+            choice = argv[i + 1]
+        elif arg.startswith("--device="):
+            choice = arg.split("=", 1)[1]
+    if choice in ("cpu", "cuda"):
+        return choice
+    return "cuda" if os.path.exists("/dev/nvidiactl") and os.environ.get("CUDA_VISIBLE_DEVICES") != "" else "cpu"
