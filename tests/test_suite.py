@@ -163,3 +163,21 @@ def test_without_a_gpu_and_without_model_the_tiny_model_is_chosen_and_said(suite
     assert "No --model given and no GPU: training the tiny model" in proc.stdout
     assert load(tmp_path / "summary.json")["meta"]["model"] == "tiny"
     assert "No --model given" not in suite[1].stdout  # an explicit --model is kept, without the line
+
+
+@pytest.mark.parametrize("argv, driver, expected", [
+    (["--device", "cpu"], True, "cpu"),
+    (["--model", "tiny", "--device=cuda"], False, "cuda"),
+    (["--model", "tiny"], True, "cuda"),
+    (["--model", "tiny"], False, "cpu"),
+])
+def test_the_device_is_told_before_torch_is_imported(monkeypatch, argv, driver, expected):
+    """The entry scripts start the fork server before their imports (fsdp2bench/starting.py): from
+    --device, or for "auto" from the NVIDIA driver's device file."""
+    import os
+
+    from fsdp2bench.starting import likely_device_type
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(os.path, "exists", lambda path: driver and path == "/dev/nvidiactl")
+    assert likely_device_type(argv) == expected
