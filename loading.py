@@ -12,7 +12,7 @@ import sys
 
 from fsdp2bench.starting import start_before_imports
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # ahead of the imports below, on purpose: the fork server's overlap them
     start_before_imports(sys.argv[1:])
 
 import argparse
