@@ -6,6 +6,7 @@ import argparse
 import atexit
 import contextlib
 import json
+import math
 import os
 import socket
 import sys
@@ -156,7 +157,19 @@ def write_bytes(path: str, content: bytes) -> None:
 
 
 def write_json(path: str, data: dict) -> None:
-    write_bytes(path, json.dumps(data, indent=1).encode())
+    """Strict JSON: a loss that diverged to NaN or infinity is written as null (the summary's
+    ``losses_finite`` check names where), which any JSON reader accepts, unlike a bare NaN."""
+    write_bytes(path, json.dumps(_finite_or_null(data), indent=1, allow_nan=False).encode())
+
+
+def _finite_or_null(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 def save_summary(path: str, data: dict) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import math
 import os
 import signal
 import socket
@@ -254,6 +256,15 @@ def test_a_diverging_run_fails_its_checks_and_names_the_cause(tmp_path):
     assert checks["intended_losses_match"]["ok"] is False
     assert checks["intended_variants_trained"]["ok"] is False
     assert "check losses_finite: FAIL" in proc.stdout
+    # strict JSON, which any reader takes: the diverged losses are null, not a bare NaN
+    def refuse(constant):
+        raise ValueError(f"{constant} in a JSON file")
+    for path in [tmp_path / "summary.json", tmp_path / "torch_optimizer_after_fsdp_memory_usage.json"]:
+        data = json.loads(path.read_text(), parse_constant=refuse)
+        losses = data["variants"]["torch_optimizer_after_fsdp"]["losses"] if "variants" in data else \
+            [s["loss"] for s in data["steps"]]
+        assert math.isfinite(losses[0]) and losses[1] is None
+    assert run_script(["visualize.py", "--dir", str(tmp_path)], nproc=None).returncode == 0
 
 
 def test_an_interrupt_that_reaches_one_rank_only_ends_every_rank_with_the_summary_written(tmp_path):
