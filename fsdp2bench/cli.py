@@ -157,8 +157,8 @@ def write_bytes(path: str, content: bytes) -> None:
 
 
 def write_json(path: str, data: dict) -> None:
-    """Strict JSON: a loss that diverged to NaN or infinity is written as null (the summary's
-    ``losses_finite`` check names where), which any JSON reader accepts, unlike a bare NaN."""
+    """Strict JSON, which any reader accepts: a value that is NaN or infinite (a diverged loss,
+    whose step the summary's ``losses_finite`` check names) is written as null."""
     write_bytes(path, json.dumps(_finite_or_null(data), indent=1, allow_nan=False).encode())
 
 
