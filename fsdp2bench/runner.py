@@ -176,6 +176,7 @@ def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
     prep = utils.VARIANTS[job.name](model, ctx)
     del model
     accounting = {"end_of_setup": account(prep.model, prep.optimizer)}
+    batches = host_batches(job)  # before the clock of the first step starts
     tracker.mark("training_started")
     last = len(job.batches) - 1
     # Rank 0 of a real run shows it; a sweep's processes say which run they start instead.
@@ -191,7 +192,7 @@ def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
         progress.update(step, record["loss"], record["peak_allocated_mib"], seconds)
 
     with collector_paused():
-        for step, batch in enumerate(host_batches(job)):
+        for step, batch in enumerate(batches):
             injected_failure(job, step)
             tracker.polling = not (job.train.tracker_overhead and step % 2)
             hook = (lambda: accounting.update(before_zero_grad=account(prep.model, prep.optimizer))) \

@@ -40,8 +40,7 @@ def child_context(device_type: str) -> multiprocessing.context.BaseContext:
 
 def start_child_server(device_type: str) -> None:
     """Start the fork server now, so that its imports overlap what this process does meanwhile."""
-    if start_method(device_type) == "forkserver":
-        child_context(device_type)
+    if child_context(device_type).get_start_method() == "forkserver":
         from multiprocessing import forkserver
 
         forkserver.ensure_running()
