@@ -25,7 +25,7 @@ import time
 import psutil
 import torch
 
-from fsdp2bench import concurrency, simulation
+from fsdp2bench import concurrency, simulation, weights
 from fsdp2bench.cli import OneLineParser, UserError, exit_with, parse_names, pick_device
 from fsdp2bench.data import load_tokens, rank_batches
 from fsdp2bench.isolation import Interrupted
@@ -158,11 +158,11 @@ def variants_at_once(args: argparse.Namespace, session: Session, names: list[str
     return k
 
 
-def build_threads(concurrent: int) -> int:
-    """This process's share of the host's cores: the launcher's processes on this node, and the
-    variants each of them runs at a time, share them."""
+def build_threads() -> int:
+    """This rank's share of the host's cores: the launcher's processes on this node share them, and
+    one variant of each rank at a time draws the weights (weights.py)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // (int(os.environ.get("LOCAL_WORLD_SIZE", 1)) * concurrent))
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 def versions() -> dict:
@@ -196,8 +196,8 @@ def run(args: argparse.Namespace) -> int:
     concurrent = variants_at_once(args, session, names)
     meta["concurrent_variants"] = concurrent
     train = TrainConfig(args.seed, args.learning_rate, args.log_interval, args.save_memory_snapshot,
-                        args.tracker_overhead, args.inject_failure, args.init_device, build_threads(concurrent),
-                        args.quiet)
+                        args.tracker_overhead, args.inject_failure, args.init_device, build_threads(),
+                        weights.create() if args.init_device == "cpu" else None, args.quiet)
     suite = Suite(session, names, train, batches, meta, args.output_dir, concurrent,
                   {"meta": {**meta, "timeline": timeline}})
     if session.rank == 0 and session.device.type == "cpu":

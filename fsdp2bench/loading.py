@@ -249,7 +249,7 @@ def write_checkpoint_process(job: LoadJob, path: str) -> None:
     def work(store) -> None:
         if job.rank == 0:
             start = time.perf_counter()
-            model = build_model(job.config, job.device, job.options.seed)
+            model, _ = build_model(job.config, job.device, job.options.seed)
             model.to(CHECKPOINT_DTYPES[job.options.checkpoint_dtype])
             model.save_pretrained(path, max_shard_size=job.options.checkpoint_shard_size)
             store.set(job.keys.record(0), json.dumps({"write_s": time.perf_counter() - start}))

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fsdp2bench.cli import UserError, one_line
+from fsdp2bench.weights import SharedWeights, place
 
 # Built-in model shapes, so that no run needs the Hub. All are Qwen2 decoders;
 # the Qwen2.5 entries copy the published configs' shapes.
@@ -81,40 +82,50 @@ def check_causal_lm(model: str, config) -> None:
                         "(transformers has no AutoModelForCausalLM for it)")
 
 
-def build_model(config, device: torch.device, seed: int, threads: int = 1) -> nn.Module:
+def build_model(config, device: torch.device, seed: int, threads: int = 1,
+                weights: SharedWeights | None = None) -> tuple[nn.Module, str]:
     """Random fp32 weights, built directly on ``device``: same seed, same weights on every rank.
-    On the CPU the weights are drawn on ``threads`` threads (``random_init``)."""
+    On the CPU the weights are drawn on ``threads`` threads (``random_init``), once per rank where
+    ``weights`` is given (weights.py). Also returns where the weights came from: "drew", "mapped"
+    (drawn by an earlier variant of this rank) or "own"."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     if device.type != "cpu":
         with device:
-            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32), "own"
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):  # parameters without memory; buffers (rotary) computed
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     buffers = {name: b.clone() for name, b in model.named_buffers()}
-    model.to_empty(device=device)
+    model.to_empty(device=device)  # untouched pages: no RSS until written
     model.tie_weights()  # to_empty gives tied parameters separate storage
     with torch.no_grad():
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
-    random_init(model, getattr(config, "initializer_range", 0.02), seed, threads)
-    return model
+
+    def draw(named: list) -> None:
+        random_init(named, getattr(config, "initializer_range", 0.02), seed, threads)
+
+    source = place(model, weights, draw) if weights is not None else None
+    if source is None:
+        draw(list(model.named_parameters()))
+    return model, source or "own"
 
 
 INIT_CHUNK = 1 << 24  # elements drawn by one task: one generator per chunk keeps the result thread-independent
 
 
-def random_init(model: nn.Module, std: float, seed: int, threads: int) -> None:
-    """transformers' initialisation of these decoders (weights ~ N(0, std), norm scales 1, biases 0),
-    drawn in parallel: one thread draws about 140 M numbers a second, so 1.5 B parameters took
+def random_init(named: list, std: float, seed: int, threads: int) -> None:
+    """transformers' initialisation of these decoders (weights ~ N(0, std), norm scales 1, biases 0)
+    into ``named``, a model's (name, parameter) pairs in ``named_parameters`` order, or views in that
+    order. Drawn in parallel: one thread draws about 140 M numbers a second, so 1.5 B parameters took
     20-26 s with the one thread torchrun gives a process. Each chunk has its own generator, seeded
     from the parameter's and the chunk's index, so the weights do not depend on ``threads``."""
     tasks = []
     with torch.no_grad():
-        for index, (name, param) in enumerate(model.named_parameters()):
+        for index, (name, param) in enumerate(named):
             if name.endswith("bias"):
                 param.zero_()
             elif param.dim() == 1:
@@ -145,7 +156,7 @@ def layer_class_names(model: nn.Module) -> list[str]:
 def build_meta_model(name: str, config, seed: int) -> nn.Module:
     """The model's shapes without its memory; a config transformers cannot build is the user's to fix."""
     try:
-        return build_model(config, torch.device("meta"), seed)
+        return build_model(config, torch.device("meta"), seed)[0]
     except Exception as exc:
         raise UserError(f"--model {name}: transformers cannot build it ({one_line(exc)})") from None
 

@@ -20,6 +20,7 @@ from fsdp2bench.model import build_model
 from fsdp2bench.names import rank_file
 from fsdp2bench.progress import Progress
 from fsdp2bench.simulation import init_simulated_group
+from fsdp2bench.weights import SharedWeights
 from measure import MemoryTracker
 
 
@@ -43,7 +44,8 @@ class TrainConfig:
     tracker_overhead: bool
     inject_failure: FailureSpec | None
     init_device: str  # "cpu" (the upstream's path: fully_shard moves the shards) or "cuda"
-    build_threads: int  # this process's share of the host's cores, for a build on the CPU
+    build_threads: int  # this rank's share of the host's cores, for drawing the weights of a build on the CPU
+    weights: SharedWeights | None  # where this rank's variants share the weights of a CPU build (weights.py)
     quiet: bool  # no progress lines
 
 
@@ -163,8 +165,8 @@ def build(job: Job, tracker: MemoryTracker):
     to the GPU, as in the upstream and most user code) or directly on the GPU."""
     device = job.device if job.train.init_device == "cuda" else torch.device("cpu")
     start = time.perf_counter()
-    model = build_model(job.config, device, job.train.seed, job.train.build_threads)
-    tracker.mark("model_built", build_device=device.type, build_s=time.perf_counter() - start)
+    model, weights = build_model(job.config, device, job.train.seed, job.train.build_threads, job.train.weights)
+    tracker.mark("model_built", build_device=device.type, build_s=time.perf_counter() - start, weights=weights)
     return model
 
 

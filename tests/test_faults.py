@@ -232,6 +232,11 @@ def test_variants_run_together_from_the_fork_server_give_the_numbers_of_the_sequ
     traces = [load(tmp_path / f"{name}_memory_usage.json") for name in together]
     ends = [t["started_at"] + t["events"][-1]["t"] for t in traces]
     assert traces[0]["started_at"] < ends[1] and traces[1]["started_at"] < ends[0]
+    # one of the two drew the rank's weights while the other waited for them, whichever came first
+    for rank_file in ("memory_usage.json", "memory_usage_rank1.json"):
+        sources = sorted(next(e["weights"] for e in load(tmp_path / f"{name}_{rank_file}")["events"]
+                              if e["name"] == "model_built") for name in together)
+        assert sources == ["drew", "mapped"]
 
 
 def test_a_binary_dataset_is_read_as_its_bytes(tmp_path):

@@ -65,6 +65,14 @@ def test_optimizer_is_created_where_each_variant_says(suite):
         assert order[name].index("optimizer_created") < order[name].index("sharded")
 
 
+def test_each_rank_draws_the_weights_once_and_its_other_variants_map_them(suite):
+    out, _ = suite
+    for rank in (0, 1):
+        built = [next(e for e in traces(out, name)[rank]["events"] if e["name"] == "model_built") for name in VARIANTS]
+        assert [e["weights"] for e in built] == ["drew", "mapped", "mapped", "mapped"]
+        assert all(e["build_device"] == "cpu" for e in built)
+
+
 def test_intended_variants_have_bit_equal_losses_on_every_rank(suite):
     out, _ = suite
     for rank in (0, 1):

@@ -63,7 +63,7 @@ def main() -> None:
     for name in order:
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        model = build_model(config, torch.device("cpu"), 421, max(1, len(os.sched_getaffinity(0)) // world))
+        model, _ = build_model(config, torch.device("cpu"), 421, max(1, len(os.sched_getaffinity(0)) // world))
         layers = layer_class_names(model)
         prep = utils.VARIANTS[name](model, utils.Context(device, mesh, 3e-5, layers, lambda *a, **k: None))
         del model
