@@ -302,8 +302,22 @@ def _watch_for_abort(finisher: Finisher, parent: int) -> None:
         time.sleep(POLL_S)
 
 
+_launcher_threads: int | None = None  # the launcher process's thread count before it kept to one
+
+
+def launcher_keeps_to_one_thread() -> None:
+    """The launcher process computes nothing heavy, and a parallel region there would hang every
+    child forked from it in its own first one (GNU OpenMP does not survive a fork): so it keeps to
+    one thread, and a child forked from it gets back the count the launcher had (``run_child``)."""
+    global _launcher_threads
+    _launcher_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+
 def run_child(finisher: Finisher, work: Callable[[dist.TCPStore], None]) -> None:
     """Body of every forked child: watch for aborts, do the work, report any failure."""
+    if _launcher_threads is not None:  # forked from the launcher, not from the fork server
+        torch.set_num_threads(_launcher_threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides what an interrupt means
     store = connect_store()
     threading.Thread(target=_watch_for_abort, args=(finisher, os.getppid()), daemon=True).start()

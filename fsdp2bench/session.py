@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2bench.cli import check_replaceable, lock_output_dir, pick_device, prepare_output_dir
-from fsdp2bench.isolation import StoreKeys, catch_interrupts, launcher_env, wait_for_keys
+from fsdp2bench.isolation import StoreKeys, catch_interrupts, launcher_env, launcher_keeps_to_one_thread, wait_for_keys
 from fsdp2bench.memory_model import model_bytes, param_shapes
 from fsdp2bench.model import build_meta_model, layer_class_names, load_config
 from fsdp2bench.starting import start_child_server
@@ -46,6 +46,7 @@ def open_session(model: str, device_choice: str, output_dir: str, seed: int, sum
 
     From here on SIGINT and SIGTERM raise ``isolation.Interrupted`` in the main process.
     """
+    launcher_keeps_to_one_thread()
     device = pick_device(device_choice)
     rank, world_size = launcher_env()
     start_child_server(device.type)  # if the entry script has not: its imports overlap the set-up below

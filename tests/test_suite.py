@@ -122,9 +122,11 @@ def test_summary_records_every_variant_and_passes_its_checks(suite):
 
 
 def test_single_process_run_without_launcher(tmp_path):
+    # Without torchrun nothing sets OMP_NUM_THREADS=1: the children forked on CPU must not inherit
+    # an OpenMP pool of the launcher process (they used to hang in their first matrix multiply).
     proc = run_script(["main.py", *TINY, "--max_steps", "3", "--variants",
                        "torch_optimizer_before_fsdp_fixed,torch_optimizer_after_fsdp",
-                       "--output_dir", str(tmp_path)], nproc=None)
+                       "--output_dir", str(tmp_path)], nproc=None, timeout=240, OMP_NUM_THREADS="2")
     assert proc.returncode == 0, proc.stderr
     summary = load(tmp_path / "summary.json")
     assert summary["meta"]["world_size"] == 1
