@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 FLOAT32 = 4  # bytes
-PAGE_FLOATS = 1024  # float32 numbers in a 4 KiB page
+PAGE = mmap.PAGESIZE  # bytes; where a mapping may start
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,10 @@ def place(model: nn.Module, weights: SharedWeights, draw) -> str | None:
     """Point the model's parameters at the rank's weights, drawn first by ``draw(named_tensors)``
     if no variant has: "drew" or "mapped"; None where the file cannot be used."""
     named = list(model.named_parameters())
-    if not named or any(p.dtype != torch.float32 for _, p in named):
+    if not named or any(p.dtype != torch.float32 or p.numel() == 0 for _, p in named):
         return None
-    size = sum(p.numel() for _, p in named) * FLOAT32
+    spans = layout(named)
+    size = spans[-1][0] + spans[-1][1]
     try:
         fd = os.open(weights.path, os.O_RDWR)
     except OSError:  # the launcher is gone, or /proc is not readable here
@@ -58,17 +59,36 @@ def place(model: nn.Module, weights: SharedWeights, draw) -> str | None:
         with locked(fd):
             drew = os.fstat(fd).st_size != size  # a drawer that died left size + 1 (draw_into)
             if drew:
-                draw_into(fd, size, named, draw)
-        flat = torch.frombuffer(mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE), dtype=torch.float32)
+                draw_into(fd, size, named, spans, draw)
+        mapped = [mapped_private(fd, span, param.shape) for (_, param), span in zip(named, spans)]
     except OSError:  # no memory to map it (ENOMEM)
         return None
     finally:
         os.close(fd)
-    flat[::PAGE_FLOATS].sum()  # map every page now, as a build that wrote them would have
     with torch.no_grad():
-        for (_, param), view in zip(named, views(flat, named)):
-            param.data = view
+        for (_, param), tensor in zip(named, mapped):
+            param.data = tensor
     return "drew" if drew else "mapped"
+
+
+def layout(named: list) -> list[tuple[int, int]]:
+    """(offset, bytes) of each parameter in the file. Each starts on a page, so that each is mapped
+    on its own and unmapped when it is freed, as its own allocation would be (``fully_shard`` frees
+    them one by one)."""
+    spans, offset = [], 0
+    for _, param in named:
+        nbytes = param.numel() * FLOAT32
+        spans.append((offset, nbytes))
+        offset += -(-nbytes // PAGE) * PAGE
+    return spans
+
+
+def mapped_private(fd: int, span: tuple[int, int], shape: torch.Size) -> torch.Tensor:
+    """One parameter's pages, copy-on-write, each page mapped now, as a build that wrote them would have."""
+    offset, nbytes = span
+    tensor = torch.frombuffer(mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, offset=offset), dtype=torch.float32)
+    tensor[::PAGE // FLOAT32].sum()
+    return tensor.view(shape)
 
 
 @contextlib.contextmanager
@@ -81,23 +101,15 @@ def locked(fd: int):
         fcntl.flock(fd, fcntl.LOCK_UN)
 
 
-def draw_into(fd: int, size: int, named: list, draw) -> None:
+def draw_into(fd: int, size: int, named: list, spans: list[tuple[int, int]], draw) -> None:
     """The weights into the file. Its size says they are complete only once they are."""
     os.ftruncate(fd, size + 1)
     # A memfd has no size limit of its own (unlike /dev/shm), so its pages are simply taken as the
     # drawing threads first write them, in parallel.
     region = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     flat = torch.frombuffer(region, dtype=torch.float32)
-    draw([(name, view) for (name, _), view in zip(named, views(flat, named))])
+    draw([(name, flat[offset // FLOAT32:(offset + nbytes) // FLOAT32].view(param.shape))
+          for (name, param), (offset, nbytes) in zip(named, spans)])
     del flat  # the tensors that view the region, before it can close
     region.close()
     os.ftruncate(fd, size)
-
-
-def views(flat: torch.Tensor, named: list) -> list[torch.Tensor]:
-    """Each parameter's slice of the file, in ``named_parameters`` order."""
-    out, offset = [], 0
-    for _, param in named:
-        out.append(flat[offset:offset + param.numel()].view(param.shape))
-        offset += param.numel()
-    return out
