@@ -96,22 +96,28 @@ def build_model(config, device: torch.device, seed: int, threads: int = 1,
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32), "own"
     from accelerate import init_empty_weights
 
-    with init_empty_weights(include_buffers=False):  # parameters without memory; buffers (rotary) computed
+    with init_empty_weights(include_buffers=False):  # parameters on the meta device; buffers (rotary) computed
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    buffers = {name: b.clone() for name, b in model.named_buffers()}
-    model.to_empty(device=device)  # untouched pages: no RSS until written
-    model.tie_weights()  # to_empty gives tied parameters separate storage
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            b.copy_(buffers[name])
+    model.tie_weights()  # one parameter for tied weights, as named_parameters() lists them after a build
 
     def draw(named: list) -> None:
         random_init(named, getattr(config, "initializer_range", 0.02), seed, threads)
 
-    source = place(model, weights, draw) if weights is not None else None
+    source = place(model, weights, draw, threads) if weights is not None else None
     if source is None:
+        materialize(model, device)
         draw(list(model.named_parameters()))
     return model, source or "own"
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Memory for the meta parameters (untouched pages: no RSS until written), buffers kept."""
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives tied parameters separate storage
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
 
 
 INIT_CHUNK = 1 << 24  # elements drawn by one task: one generator per chunk keeps the result thread-independent

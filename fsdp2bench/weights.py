@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -43,9 +44,10 @@ def create() -> SharedWeights | None:
     return SharedWeights(os.getpid(), os.memfd_create("fsdp2bench-weights"))
 
 
-def place(model: nn.Module, weights: SharedWeights, draw) -> str | None:
-    """Point the model's parameters at the rank's weights, drawn first by ``draw(named_tensors)``
-    if no variant has: "drew" or "mapped"; None where the file cannot be used."""
+def place(model: nn.Module, weights: SharedWeights, draw, threads: int) -> str | None:
+    """Give the model's parameters (on the meta device) the rank's weights, drawn first by
+    ``draw(named_tensors)`` if no variant has: "drew" or "mapped"; None where the file cannot be
+    used (the parameters are then untouched)."""
     named = list(model.named_parameters())
     if not named or any(p.dtype != torch.float32 or p.numel() == 0 for _, p in named):
         return None
@@ -65,9 +67,9 @@ def place(model: nn.Module, weights: SharedWeights, draw) -> str | None:
         return None
     finally:
         os.close(fd)
-    with torch.no_grad():
-        for (_, param), tensor in zip(named, mapped):
-            param.data = tensor
+    map_every_page(mapped, threads)
+    for (_, param), tensor in zip(named, mapped):  # the same objects: tied parameters stay tied
+        torch.utils.swap_tensors(param, nn.Parameter(tensor, requires_grad=param.requires_grad))
     return "drew" if drew else "mapped"
 
 
@@ -84,11 +86,22 @@ def layout(named: list) -> list[tuple[int, int]]:
 
 
 def mapped_private(fd: int, span: tuple[int, int], shape: torch.Size) -> torch.Tensor:
-    """One parameter's pages, copy-on-write, each page mapped now, as a build that wrote them would have."""
+    """One parameter's pages, copy-on-write."""
     offset, nbytes = span
-    tensor = torch.frombuffer(mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, offset=offset), dtype=torch.float32)
-    tensor[::PAGE // FLOAT32].sum()
-    return tensor.view(shape)
+    return torch.frombuffer(mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, offset=offset),
+                            dtype=torch.float32).view(shape)
+
+
+TOUCH_PIECE = 16_384  # pages read by one task: below torch's grain size, so no OpenMP pool starts (its threads would stay, in RSS)
+
+
+def map_every_page(tensors: list[torch.Tensor], threads: int) -> None:
+    """Read one number a page, on ``threads`` threads, so that every page is mapped now, as in a
+    build that wrote them (0.1 s a GiB on one thread)."""
+    strided = [t.view(-1)[::PAGE // FLOAT32] for t in tensors]
+    pieces = [s[i:i + TOUCH_PIECE] for s in strided for i in range(0, s.numel(), TOUCH_PIECE)]
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        list(pool.map(torch.sum, pieces))
 
 
 @contextlib.contextmanager
