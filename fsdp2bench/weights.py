@@ -24,6 +24,7 @@ from torch import nn
 
 FLOAT32 = 4  # bytes
 PAGE = mmap.PAGESIZE  # bytes; where a mapping may start
+SMALL = 128 * 1024  # bytes; below this, glibc's malloc serves an allocation from its heap
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ def place(model: nn.Module, weights: SharedWeights, draw, threads: int) -> str |
     finally:
         os.close(fd)
     map_every_page(mapped, threads)
+    # A small tensor would have come from the heap, packed with others, not from pages of its own.
+    mapped = [t.clone() if t.numel() * FLOAT32 < SMALL else t for t in mapped]
     for (_, param), tensor in zip(named, mapped):  # the same objects: tied parameters stay tied
         torch.utils.swap_tensors(param, nn.Parameter(tensor, requires_grad=param.requires_grad))
     return "drew" if drew else "mapped"
