@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true", help="no progress lines while the variants train")
     p.add_argument("--init_device", choices=["cpu", "cuda"], default="cpu",
                    help="where the model is built: cpu (the upstream's path: fully_shard moves each rank's shard "
-                        "to the GPU; the build gets this process's share of the host's cores) or cuda (built on "
+                        "to the GPU; the weights are drawn once per rank on its share of the host's cores) or cuda (built on "
                         "the GPU, faster, but the GPU holds the whole model for a moment) (default: cpu)")
     p.add_argument("--simulate_world_size", default=None, metavar="N[,N...]",
                    help="measure one rank of a world of N instead of this launch's: one process plays that rank "
