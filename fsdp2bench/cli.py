@@ -28,14 +28,16 @@ class OneLineParser(argparse.ArgumentParser):
 def exit_with(run: Callable[[], int]) -> None:
     """Run a command; a UserError becomes one line on stderr and exit code 2.
 
-    The process then ends without the interpreter's teardown, which frees one by one the objects
+    A command that ran ends without the interpreter's teardown, which frees one by one the objects
     torch and transformers made: 2.3 s after the last line of a run on a 2-core machine. The exit
-    handlers still run (the output directory's lock), and every file was closed before."""
+    handlers still run (the output directory's lock), and every file was closed before. A refused
+    start keeps the ordinary exit: under torchrun the first rank to exit makes it stop the others,
+    and the teardown's seconds let them print their own line first."""
     try:
         code = run()
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        code = 2
+        sys.exit(2)
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -95,7 +95,7 @@ def mapped_private(fd: int, span: tuple[int, int], shape: torch.Size) -> torch.T
                             dtype=torch.float32).view(shape)
 
 
-TOUCH_PIECE = 16_384  # pages read by one task: below torch's grain size, so no OpenMP pool starts (its threads would stay, in RSS)
+TOUCH_PIECE = 16_384  # pages read by one task: below torch's grain size, so each runs on its own thread only
 
 
 def map_every_page(tensors: list[torch.Tensor], threads: int) -> None:
