@@ -18,6 +18,7 @@ if __name__ == "__main__":  # ahead of the imports below, on purpose: the fork s
     start_before_imports(sys.argv[1:])
 
 import argparse
+import dataclasses
 import math
 import os
 import time
@@ -25,7 +26,7 @@ import time
 import psutil
 import torch
 
-from fsdp2bench import concurrency, simulation, weights
+from fsdp2bench import concurrency, options, simulation, weights
 from fsdp2bench.cli import OneLineParser, UserError, exit_with, parse_names, pick_device
 from fsdp2bench.data import load_tokens, rank_batches
 from fsdp2bench.isolation import Interrupted
@@ -74,9 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrent_variants", default="auto", metavar="K",
                    help="run K variants at a time, each in its own processes and process group; their memory "
                         "figures do not change (each process has its own allocator), step times do. auto: as "
-                        "many as GPU memory and host RAM allow by the memory model (1 on a CPU run and in a "
-                        "sweep); a variant that runs out of memory while sharing is run again alone "
-                        "(default: auto)")
+                        "many as GPU memory and host RAM allow by the memory model (1 on a CPU run; a sweep's "
+                        "runs by its smallest N); a variant that runs out of memory while sharing is run again "
+                        "alone (default: auto)")
     p.add_argument("--tracker_overhead", action="store_true",
                    help="pause memory polling on every other step, to measure what polling costs")
     p.add_argument("--quiet", action="store_true", help="no progress lines while the variants train")
@@ -92,14 +93,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --simulate_world_size: the rank(s) to play, integers in [0, N) or 'last' for N-1; "
                         "'last' is skipped where the sharding rule gives it the bytes of a rank already played "
                         "(default: 0)")
+    add_fsdp_options(p)
     p.add_argument("--inject_failure", type=parse_failure, default=None, metavar="VARIANT:STEP:RANK[:kill|:oom]",
                    help="test option: raise on that rank before that step (:kill dies by SIGKILL instead, :oom raises "
                         "torch's out-of-memory error)")
     return p.parse_args(argv)
 
 
-def check_args(args: argparse.Namespace) -> list[str]:
-    """Refuse what cannot work before any process or model exists; return the variant list."""
+def add_fsdp_options(p: argparse.ArgumentParser) -> None:
+    """accelerate's FullyShardedDataParallelPlugin options, under its names; every variant applies them."""
+    g = p.add_argument_group("FSDP2 options (accelerate's plugin names; the torch variants apply the same)")
+    g.add_argument("--reshard_after_forward", type=options.parse_bool, default=True, metavar="{true,false}",
+                   help="free each block's gathered parameters after its forward (default: true)")
+    g.add_argument("--mixed_precision_policy", choices=options.MIXED_PRECISION, default=options.AUTOCAST,
+                   help=f"{options.AUTOCAST}: accelerate's mixed_precision='bf16' (autocast; FSDP2 gathers and "
+                        f"reduces in bf16), the upstream's; {options.POLICY}: an FSDP2 MixedPrecisionPolicy, bf16 "
+                        f"parameters and fp32 gradient reduction, no autocast (default: {options.AUTOCAST})")
+    g.add_argument("--activation_checkpointing", action="store_true",
+                   help="recompute each block's activations in backward instead of keeping them")
+    g.add_argument("--activation_checkpointing_offload", action="store_true",
+                   help="with --activation_checkpointing: keep the checkpoints' saved inputs in host memory")
+    g.add_argument("--cpu_offload", action="store_true",
+                   help="CPUOffloadPolicy: parameters, gradients and AdamW state on the host; the optimizer step "
+                        "runs on the CPU")
+
+
+def check_args(args: argparse.Namespace) -> tuple[list[str], options.FsdpOptions]:
+    """Refuse what cannot work before any process or model exists; return the variants and options."""
     for flag in ("batch_size", "block_size"):
         if getattr(args, flag) <= 0:
             raise UserError(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
@@ -115,6 +135,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
     if not args.log_interval > 0:
         raise UserError(f"--log_interval must be positive, got {args.log_interval}")
     names = parse_names(args.variants, "--variants", VARIANTS)
+    fsdp_options = options.from_args(args)
     if args.dataset is not None and not os.path.isfile(args.dataset):
         raise UserError(f"--dataset {args.dataset}: no such file")
     if args.simulate_world_size is not None:
@@ -123,7 +144,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
         simulation.check_fake_group_available()
         if args.max_steps is None:
             args.max_steps = simulation.DEFAULT_STEPS
-    return names
+    return names, fsdp_options
 
 
 GPU_DEFAULT_MODEL, CPU_DEFAULT_MODEL = "qwen2.5-1.5b", "tiny"
@@ -144,17 +165,19 @@ def check_positions(block_size: int, config) -> None:
         raise UserError(f"--block_size {block_size} exceeds the model's {max_positions(config)} positions")
 
 
-def variants_at_once(args: argparse.Namespace, session: Session, names: list[str]) -> int:
-    """``--concurrent_variants``: a number as given; auto decided by rank 0 for every rank."""
+def variants_at_once(args: argparse.Namespace, session: Session, names: list[str],
+                     fsdp_options: options.FsdpOptions) -> int:
+    """``--concurrent_variants``: a number as given; auto decided by rank 0 for every rank. A sweep's
+    runs are sized by its smallest N, whose runs hold the most."""
     if args.concurrent_variants != "auto":
         return int(args.concurrent_variants)
-    if args.simulate_world_size:
-        return 1
-    decision = concurrency.decide(session.shapes, session.world_size, names, args.init_device,
-                                  session.device.type) if session.rank == 0 else None
+    sizes = simulation.parse_world_sizes(args.simulate_world_size) if args.simulate_world_size else None
+    world, pieces = (min(sizes), len(names) * len(sizes)) if sizes else (session.world_size, len(names))
+    decision = concurrency.decide(session.shapes, world, names, args.init_device, session.device.type,
+                                  fsdp_options, pieces) if session.rank == 0 else None
     k, reason = concurrency.agree(session.store, session.rank, decision)
     if session.rank == 0 and session.device.type == "cuda":
-        print(f"Variants at a time: {reason} (--concurrent_variants K chooses)", flush=True)
+        print(f"{'Runs' if sizes else 'Variants'} at a time: {reason} (--concurrent_variants K chooses)", flush=True)
     return k
 
 
@@ -176,7 +199,7 @@ def versions() -> dict:
 def run(args: argparse.Namespace) -> int:
     # Seconds since the epoch, so that speed.py can split the launch's wall time.
     timeline = {"process_created": psutil.Process().create_time(), "main_started": time.time()}
-    names = check_args(args)
+    names, fsdp_options = check_args(args)
     args.model = args.model or default_model(args.device)
     session = open_session(args.model, args.device, args.output_dir, args.seed, "summary.json",
                            lambda config: check_positions(args.block_size, config))
@@ -189,15 +212,16 @@ def run(args: argparse.Namespace) -> int:
             "init_device": args.init_device if session.device.type == "cuda" else "cpu",
             "versions": versions(),
             "model": args.model, "model_type": session.config.model_type, "num_parameters": session.num_parameters,
-            "steps_per_variant": len(batches),
+            "steps_per_variant": len(batches), "fsdp_options": dataclasses.asdict(fsdp_options),
             "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()}}
     if args.init_device == "cuda" and session.device.type != "cuda":
         raise UserError("--init_device cuda needs a GPU (this run is on the CPU)")
-    concurrent = variants_at_once(args, session, names)
+    concurrent = variants_at_once(args, session, names, fsdp_options)
     meta["concurrent_variants"] = concurrent
     train = TrainConfig(args.seed, args.learning_rate, args.log_interval, args.save_memory_snapshot,
                         args.tracker_overhead, args.inject_failure, args.init_device, build_threads(),
-                        weights.create() if args.init_device == "cpu" else None, args.quiet)
+                        weights.create() if args.init_device == "cpu" else None, args.quiet,
+                        fsdp_options)
     suite = Suite(session, names, train, batches, meta, args.output_dir, concurrent,
                   {"meta": {**meta, "timeline": timeline}})
     if session.rank == 0 and session.device.type == "cpu":

@@ -12,9 +12,10 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from fsdp2bench import names
+from fsdp2bench.options import AUTOCAST, FsdpOptions
 
 
 # --------------------------------------------------------------------------- the fix
@@ -35,6 +36,12 @@ def release_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[i
     return placeholders
 
 
+def canonical_name(name: str) -> str:
+    """A parameter's name without the activation-checkpointing wrappers' segments, which wrapping
+    inserts between the optimizer's creation and the fix."""
+    return name.replace("._checkpoint_wrapped_module", "")
+
+
 def point_optimizer_at_sharded_params(optimizer: torch.optim.Optimizer, old_names: dict[int, str],
                                       model: nn.Module) -> None:
     """Replace each parameter in ``optimizer`` by the model's parameter of the same name.
@@ -46,7 +53,7 @@ def point_optimizer_at_sharded_params(optimizer: torch.optim.Optimizer, old_name
     """
     if optimizer.state:
         raise ValueError("optimizer already has state; create it, shard, then fix, before any step")
-    current = dict(model.named_parameters(remove_duplicate=False))
+    current = {canonical_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
     for group in optimizer.param_groups:
         swapped = []
         for param in group["params"]:
@@ -61,12 +68,13 @@ def point_optimizer_at_sharded_params(optimizer: torch.optim.Optimizer, old_name
 
 @dataclass
 class Context:
-    """What every variant needs: where to shard, hyper-parameters, and a hook to mark phases."""
+    """What every variant needs: where to shard, hyper-parameters, the FSDP2 options, and a hook to mark phases."""
     device: torch.device
     mesh: object
     learning_rate: float
     layer_classes: list[str]
     mark: Callable[[str], None]
+    options: FsdpOptions = FsdpOptions()
 
 
 @dataclass
@@ -79,19 +87,47 @@ class Prepared:
 BF16_POLICY = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.bfloat16)
 
 
+def mixed_precision_policy(options: FsdpOptions) -> MixedPrecisionPolicy:
+    """What accelerate gives ``fully_shard``: its bf16 policy for ``mixed_precision="bf16"`` (beside
+    autocast), or the policy the option names (bf16 parameters, gradients reduced in fp32)."""
+    if options.mixed_precision_policy == AUTOCAST:
+        return MixedPrecisionPolicy(**BF16_POLICY)
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def offload_policy(options: FsdpOptions, device: torch.device) -> OffloadPolicy:
+    """FSDP2's CPU offload, with pinned host memory on a GPU (torch cannot pin without one)."""
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda") if options.cpu_offload else OffloadPolicy()
+
+
 def make_optimizer(model: nn.Module, ctx: Context) -> torch.optim.Optimizer:
     optimizer = torch.optim.AdamW(model.parameters(), lr=ctx.learning_rate)
     ctx.mark("optimizer_created")
     return optimizer
 
 
-def fully_shard_blocks(model: nn.Module, mesh, layer_classes: list[str]) -> None:
-    """``fully_shard`` each transformer block, then the root, with bf16 compute."""
-    policy = MixedPrecisionPolicy(**BF16_POLICY)
+def checkpoint_blocks(model: nn.Module, layer_classes: list[str], options: FsdpOptions) -> None:
+    """Activation checkpointing as accelerate applies it before sharding: each transformer block in a
+    ``checkpoint_wrapper`` without RNG state, inside an ``offload_wrapper`` when its saved inputs go to
+    the host."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper, offload_wrapper
+
+    blocks = [(name, m) for name, m in model.named_modules() if type(m).__name__ in layer_classes]
+    for name, block in blocks:
+        wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        model.set_submodule(name, offload_wrapper(wrapped) if options.activation_checkpointing_offload else wrapped)
+
+
+def fully_shard_blocks(model: nn.Module, mesh, layer_classes: list[str], options: FsdpOptions = FsdpOptions(),
+                       device: torch.device | None = None) -> None:
+    """``fully_shard`` each transformer block with accelerate's arguments for ``options``, then the
+    root, which keeps FSDP2's own choice of resharding (as accelerate leaves it)."""
+    kwargs = dict(mesh=mesh, mp_policy=mixed_precision_policy(options),
+                  offload_policy=offload_policy(options, device or torch.device("cpu")))
     for module in model.modules():
         if type(module).__name__ in layer_classes:
-            fully_shard(module, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+            fully_shard(module, reshard_after_forward=options.reshard_after_forward, **kwargs)
+    fully_shard(model, **kwargs)
 
 
 def compute_in_bf16(model: nn.Module, device: torch.device) -> None:
@@ -103,8 +139,11 @@ def compute_in_bf16(model: nn.Module, device: torch.device) -> None:
 
 
 def shard(model: nn.Module, ctx: Context) -> None:
-    fully_shard_blocks(model, ctx.mesh, ctx.layer_classes)
-    compute_in_bf16(model, ctx.device)
+    if ctx.options.activation_checkpointing:
+        checkpoint_blocks(model, ctx.layer_classes, ctx.options)
+    fully_shard_blocks(model, ctx.mesh, ctx.layer_classes, ctx.options, ctx.device)
+    if ctx.options.mixed_precision_policy == AUTOCAST:
+        compute_in_bf16(model, ctx.device)
     ctx.mark("sharded")
 
 
@@ -131,22 +170,29 @@ def optimizer_before_fsdp_fixed(model: nn.Module, ctx: Context) -> Prepared:
     return Prepared(model, optimizer, torch_backward)
 
 
-def make_accelerator(device: torch.device, layer_classes: list[str], cpu_ram_efficient_loading: bool = False):
-    """accelerate's FSDP2 set-up as the upstream uses it: transformer-block auto-wrap, bf16."""
+def make_accelerator(device: torch.device, layer_classes: list[str], cpu_ram_efficient_loading: bool = False,
+                     options: FsdpOptions = FsdpOptions()):
+    """accelerate's FSDP2 set-up as the upstream uses it (transformer-block auto-wrap), with ``options``
+    given to its plugin: bf16 through ``mixed_precision="bf16"``, or the policy through the plugin."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
 
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=layer_classes,
-                                            cpu_ram_efficient_loading=cpu_ram_efficient_loading)
-    accelerator = Accelerator(fsdp_plugin=plugin, mixed_precision="bf16")
+    autocast = options.mixed_precision_policy == AUTOCAST
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=layer_classes,
+        cpu_ram_efficient_loading=cpu_ram_efficient_loading, reshard_after_forward=options.reshard_after_forward,
+        mixed_precision_policy=None if autocast else mixed_precision_policy(options),
+        activation_checkpointing=options.activation_checkpointing,
+        activation_checkpointing_offload=options.activation_checkpointing_offload,
+        cpu_offload=offload_policy(options, device))
+    accelerator = Accelerator(fsdp_plugin=plugin, mixed_precision="bf16" if autocast else "no")
     if device.type == "cpu":
-        force_accelerate_fsdp_on_cpu(accelerator, plugin)
+        force_accelerate_fsdp_on_cpu(accelerator, plugin, autocast)
     return accelerator
 
 
 def accelerate_fsdp2(model: nn.Module, ctx: Context) -> Prepared:
     optimizer = make_optimizer(model, ctx)
-    accelerator = make_accelerator(ctx.device, ctx.layer_classes)
+    accelerator = make_accelerator(ctx.device, ctx.layer_classes, options=ctx.options)
     model, optimizer = accelerator.prepare(model, optimizer)
     if not isinstance(model, FSDPModule):
         raise RuntimeError(f"accelerate did not take its FSDP2 path (distributed type {accelerator.distributed_type})")
@@ -154,17 +200,19 @@ def accelerate_fsdp2(model: nn.Module, ctx: Context) -> Prepared:
     return Prepared(model, optimizer, accelerator.backward)
 
 
-def force_accelerate_fsdp_on_cpu(accelerator, plugin) -> None:
+def force_accelerate_fsdp_on_cpu(accelerator, plugin, autocast: bool = True) -> None:
     """Development/CI mode only: on CPU accelerate would silently pick DDP; make it take its FSDP2 path.
 
     This repeats what accelerate does itself when it selects FSDP on an accelerator: record the
-    plugin and give it the bf16 policy (without that the variant would train in fp32).
+    plugin and, for ``mixed_precision="bf16"``, give it the bf16 policy (without that the variant
+    would train in fp32).
     """
     from accelerate.utils import DistributedType
 
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
-    plugin.set_mixed_precision("bf16")
+    if autocast:
+        plugin.set_mixed_precision("bf16")
 
 
 # Run order and names are those of the upstream benchmark (fsdp2bench.names.VARIANTS).

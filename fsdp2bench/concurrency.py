@@ -16,18 +16,19 @@ import psutil
 import torch.distributed as dist
 
 from fsdp2bench.isolation import StoreKeys, wait_for_keys
-from fsdp2bench.memory_model import expected_state, model_bytes
+from fsdp2bench.memory_model import expected_device_bytes, model_bytes
 from fsdp2bench.names import GIB
+from fsdp2bench.options import FsdpOptions
 
 STATE_MARGIN = 1.5  # measured on 2x H200: reserved peaks are 1.2-1.6 times the state (1.5B, 7B)
 FIXED_MARGIN = 2 * GIB  # CUDA context, cuBLAS workspaces, the step's activations at small sizes
 HOST_RUNTIME = 2 * GIB  # one variant's process without its model (torch, transformers, accelerate)
 
 
-def gpu_need(shapes, world_size: int, names: list[str], init_device: str) -> int:
-    """Bytes one variant may take on one GPU: its state at the step peak (the worst of the variants
-    and of ranks 0 and N-1) with a margin, or the whole model while it is built there."""
-    state = max(sum(expected_state(shapes, world_size, rank, name, "before_zero_grad").values())
+def gpu_need(shapes, world_size: int, names: list[str], init_device: str, options: FsdpOptions) -> int:
+    """Bytes one variant may take on one GPU: its state there at the step peak (the worst of the
+    variants and of ranks 0 and N-1) with a margin, or the whole model while it is built there."""
+    state = max(expected_device_bytes(shapes, world_size, rank, name, "before_zero_grad", options, "cuda")
                 for name in names for rank in {0, world_size - 1})
     return max(int(state * STATE_MARGIN) + FIXED_MARGIN, int(model_bytes(shapes) * 1.2) if init_device == "cuda" else 0)
 
@@ -42,18 +43,22 @@ def gpu_memory() -> int | None:
         return None
 
 
-def decide(shapes, world_size: int, names: list[str], init_device: str, device_type: str) -> tuple[int, str]:
-    """How many variants to run at once on this node, and why."""
+def decide(shapes, world_size: int, names: list[str], init_device: str, device_type: str,
+           options: FsdpOptions, pieces: int) -> tuple[int, str]:
+    """How many of ``pieces`` (variants, or a sweep's runs at world size ``world_size`` or more) to
+    run at once on this node, and why."""
     if device_type != "cuda":
         return 1, "a CPU run: variants would only share the same cores"
     total = gpu_memory()
     if total is None:
         return 1, "nvidia-smi did not report the GPUs' memory"
-    need = gpu_need(shapes, world_size, names, init_device)
-    per_process = (model_bytes(shapes) if init_device == "cpu" else 0) + HOST_RUNTIME  # a CPU build holds the whole model
+    need = gpu_need(shapes, world_size, names, init_device, options)
+    # A CPU build holds the whole model; CPU offload keeps the state (about 4P/N) on the host.
+    per_process = (model_bytes(shapes) if init_device == "cpu" else 0) + HOST_RUNTIME + \
+        (4 * model_bytes(shapes) // world_size if options.cpu_offload else 0)
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     by_gpu, by_host = total // need, psutil.virtual_memory().available // (per_process * processes)
-    k = max(1, min(len(names), by_gpu, by_host))
+    k = max(1, min(pieces, by_gpu, by_host))
     return k, (f"{k} at a time: about {need / GIB:.1f} GiB per variant on a {total / GIB:.0f} GiB GPU, "
                f"{per_process / GIB:.1f} GiB of host RAM per process")
 

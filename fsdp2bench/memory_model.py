@@ -15,6 +15,15 @@ P = the model's parameter bytes:
 * during a step every variant also holds its sharded gradients (P/N) until ``zero_grad``.
 
 So at the peak the unfixed variant holds P + 2P/N against 4P/N: equal at N = 2, worse beyond.
+
+Where it lives (``expected_device_bytes``): on a GPU run everything above is on the GPU except
+AdamW's step counters (host tensors). Under ``cpu_offload`` the parameters, gradients and AdamW
+state live on the host, but the unfixed variant's stale parameters do not: ``fully_shard`` moves
+each managed parameter to the GPU in place before it shards and offloads, and the optimizer holds
+those same parameter objects, so P stays on the GPU. The other options change no state byte:
+``reshard_after_forward``, the mixed-precision policy (the sharded parameters stay fp32) and
+activation checkpointing change what a step holds for a moment (gathered parameters,
+activations), which the measured peaks show beyond the state.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2bench.names import UNFIXED
+from fsdp2bench.options import FsdpOptions
 
 ADAMW_MOMENTS = 2
 STEP_BYTES = 4  # AdamW's per-parameter fp32 step counter
@@ -127,6 +137,18 @@ def expected_state(shapes, world_size: int, rank: int, variant: str, phase: str)
         if trained and not unfixed else 0,
         "stale_param_bytes": full if unfixed else 0,
     }
+
+
+def expected_device_bytes(shapes, world_size: int, rank: int, variant: str, phase: str,
+                          options: FsdpOptions, device_type: str) -> int:
+    """The part of ``expected_state`` that ``account`` should find on the accelerator (see the module text)."""
+    if device_type == "cpu":
+        return 0
+    state = expected_state(shapes, world_size, rank, variant, phase)
+    if options.cpu_offload:
+        return state["stale_param_bytes"]
+    steps = STEP_BYTES * len(shapes) if state["optimizer_state_bytes"] else 0
+    return sum(state.values()) - steps
 
 
 def projection(shapes, variants: list[str], sizes: list[int] = PROJECTION_WORLD_SIZES) -> dict:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 import statistics
 
-from fsdp2bench.memory_model import (PROJECTION_WORLD_SIZES, expected_state, first_world_size_where_unfixed_costs_more,
-                                     projection)
+from fsdp2bench.memory_model import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_state,
+                                     first_world_size_where_unfixed_costs_more, projection)
 from fsdp2bench.names import GIB, INTENDED, MIB, PHASES, STATE_KEYS, UNFIXED
+from fsdp2bench.options import FsdpOptions
 # Losses are compared step by step. On CPU the intended variants are bit-identical; on GPUs
 # accelerate groups its parameters differently, which may change bf16 rounding a little.
 LOSS_TOLERANCE = {"cpu": 0.0, "cuda": 1e-2}  # relative
@@ -58,11 +59,15 @@ def _beyond_state(record: dict) -> float | None:
     return None if peak is None else peak - record["accounting"]["before_zero_grad"]["device_bytes"] / MIB
 
 
-def memory_summary(name: str, per_rank: list[dict], shapes, world_size: int, ranks: list[int]) -> dict:
+def memory_summary(name: str, per_rank: list[dict], shapes, world_size: int, ranks: list[int],
+                   options: FsdpOptions, device_type: str) -> dict:
     """Memory figures of one variant from the records of ``ranks`` (of a world of ``world_size``)."""
     accounting = [_by_phase(r["accounting"]) for r in per_rank]
     expected = [_by_phase({ph: expected_state(shapes, world_size, rank, name, ph) for ph in PHASES})
                 for rank in ranks]
+    on_device = [{ph: r["accounting"][ph]["device_bytes"] for ph in PHASES} for r in per_rank]
+    expected_on_device = [{ph: expected_device_bytes(shapes, world_size, rank, name, ph, options, device_type)
+                           for ph in PHASES} for rank in ranks]
     residual = [None if r["steps"][-1]["allocated_mib"] is None else
                 r["steps"][-1]["allocated_mib"] - r["accounting"]["end_of_training"]["device_bytes"] / MIB
                 for r in per_rank]
@@ -81,17 +86,19 @@ def memory_summary(name: str, per_rank: list[dict], shapes, world_size: int, ran
         "allocator": [r["allocator"] for r in per_rank],
         "accounting": accounting,
         "expected": expected,
-        "accounting_matches_expected": accounting == expected,
+        "device_bytes": on_device,
+        "expected_device_bytes": expected_on_device,
+        "accounting_matches_expected": accounting == expected and on_device == expected_on_device,
         "steady_allocated_minus_state_mib": _across(residual),
         "wall_s": max(r["wall_s"] for r in per_rank),
         "median_step_time_s": statistics.median(s["step_time_s"] for s in per_rank[0]["steps"]),
     }
 
 
-def variant_summary(name: str, per_rank: list[dict], shapes) -> dict:
+def variant_summary(name: str, per_rank: list[dict], shapes, options: FsdpOptions, device_type: str) -> dict:
     """Combine every rank's record of one variant of a real run into its summary entry."""
     losses = [s["loss"] for s in per_rank[0]["steps"]]
-    entry = memory_summary(name, per_rank, shapes, len(per_rank), list(range(len(per_rank))))
+    entry = memory_summary(name, per_rank, shapes, len(per_rank), list(range(len(per_rank))), options, device_type)
     return {**entry, "losses": losses, "final_loss": losses[-1], "loss_drop": loss_drop(losses),
             "tracker_overhead_ratio": tracker_overhead(per_rank[0]["steps"])}
 

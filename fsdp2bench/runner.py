@@ -18,6 +18,7 @@ from fsdp2bench.isolation import StoreKeys, init_group
 from fsdp2bench.memory_model import account
 from fsdp2bench.model import build_model
 from fsdp2bench.names import rank_file
+from fsdp2bench.options import FsdpOptions
 from fsdp2bench.progress import Progress
 from fsdp2bench.simulation import init_simulated_group
 from fsdp2bench.weights import SharedWeights
@@ -47,6 +48,7 @@ class TrainConfig:
     build_threads: int  # this rank's share of the host's cores, for drawing the weights of a build on the CPU
     weights: SharedWeights | None  # where this rank's variants share the weights of a CPU build (weights.py)
     quiet: bool  # no progress lines
+    options: FsdpOptions = FsdpOptions()  # the FSDP2 options every variant applies
 
 
 @dataclass
@@ -174,7 +176,7 @@ def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
     """Build, prepare and train one variant; return this rank's record beyond the trace."""
     start = time.perf_counter()
     model = build(job, tracker)
-    ctx = utils.Context(job.device, mesh, job.train.learning_rate, job.layer_classes, tracker.mark)
+    ctx = utils.Context(job.device, mesh, job.train.learning_rate, job.layer_classes, tracker.mark, job.train.options)
     prep = utils.VARIANTS[job.name](model, ctx)
     del model
     accounting = {"end_of_setup": account(prep.model, prep.optimizer)}

@@ -111,7 +111,7 @@ def record_group(suite: Suite, jobs: list[Job], failures: list[str | None], star
         if failure is None:
             records = gather_records(s.store, job.keys, range(s.world_size))
             suite.summary["meta"]["gpu_name"] = records[0]["gpu_name"]
-            variants[job.name] = report.variant_summary(job.name, records, s.shapes)
+            variants[job.name] = report.variant_summary(job.name, records, s.shapes, suite.train.options, s.device.type)
             variants[job.name].update(process_started_at=started_at, process_wall_s=wall,
                                       ran_beside=[n for n in group or [] if n != job.name])
         else:
@@ -169,7 +169,8 @@ def record_sweep(suite: Suite, runs: list, sizes: list[int]) -> None:
         if status == "ok":
             record, = gather_records(s.store, run.keys, [run.rank])
             suite.summary["meta"]["gpu_name"] = record["gpu_name"]
-            entry = report.memory_summary(run.variant, [record], s.shapes, run.world_size, [run.rank])
+            entry = report.memory_summary(run.variant, [record], s.shapes, run.world_size, [run.rank],
+                                          suite.train.options, s.device.type)
         else:
             entry = {"status": status}
         simulated.setdefault(str(run.world_size), {}).setdefault(str(run.rank), {})[run.variant] = \

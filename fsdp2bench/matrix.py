@@ -1,0 +1,188 @@
+"""A matrix of FSDP2 option sets: each set a full suite of the four variants, real and simulated N.
+
+Each option set is two launches of main.py, so that each keeps its own processes, store and files:
+one at the launch's own world size (losses and every check), then, with ``--simulate_world_size``,
+a sweep of simulated ranks. Each writes its usual summary.json; ``matrix.json`` gathers one row per
+(option set, variant, N) and the findings per option set. No torch here: this process only launches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+from fsdp2bench.names import INTENDED, MIB, STATE_KEYS, UNFIXED
+from fsdp2bench.options import OPTION_SETS
+
+ACCELERATE, REFERENCE = "accelerate", INTENDED[0]  # accelerate against torch's intended way
+SWEEP_DIR = "sweep"
+
+
+def set_dir(output_dir: str, name: str) -> str:
+    return os.path.join(output_dir, name)
+
+
+def launch_command(nproc: int, args: list[str]) -> list[str]:
+    """main.py as a user runs it: plain python for one process, torchrun for several."""
+    if nproc == 1:
+        return [sys.executable, "main.py", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "main.py", *args]
+
+
+def launches(output_dir: str, sets: list[str], sizes: str | None, forwarded: list[str]) -> list[tuple[str, str, list]]:
+    """(option set, its directory, main.py arguments) of every launch, in order."""
+    out = []
+    for name in sets:
+        flags = OPTION_SETS[name].flags()
+        out.append((name, set_dir(output_dir, name), [*forwarded, *flags, "--output_dir", set_dir(output_dir, name)]))
+        if sizes:
+            sweep = os.path.join(set_dir(output_dir, name), SWEEP_DIR)
+            out.append((name, sweep, [*forwarded, *flags, "--simulate_world_size", sizes, "--output_dir", sweep]))
+    return out
+
+
+def run_launch(command: list[str], cwd: str) -> int:
+    """One launch, in the foreground. On Ctrl-C the launch got the signal too: wait for it to write
+    what it has (it ends in bounded time), then pass the interrupt on."""
+    proc = subprocess.Popen(command, cwd=cwd)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+
+
+# --------------------------------------------------------------------------- rows
+
+def _max(figure: dict | None):
+    return figure.get("max") if isinstance(figure, dict) else None
+
+
+def _state_at_peak(entry: dict) -> dict:
+    """State bytes at the step peak on the rank that held the most (the real run's ranks, or one simulated rank)."""
+    worst = max(entry["accounting"], key=lambda r: sum(r["before_zero_grad"][k] for k in STATE_KEYS))
+    return {k: worst["before_zero_grad"][k] for k in STATE_KEYS}
+
+
+def row(option_set: str, variant: str, world_size: int, simulated: bool, rank: int | None, entry: dict) -> dict:
+    """One (option set, variant, N) of matrix.json: the peaks, the state and, for a real run, the losses."""
+    base = {"option_set": option_set, "variant": variant, "world_size": world_size, "simulated": simulated,
+            "rank": rank, "status": entry.get("status", "not run")}
+    if base["status"] != "ok":
+        return base
+    return {**base,
+            "peak_allocated_mib": _max(entry["peak_allocated_mib"]),
+            "peak_reserved_mib": _max(entry["peak_reserved_mib"]),
+            "training_peak_allocated_mib": _max(entry["training_peak_allocated_mib"]),
+            "training_peak_reserved_mib": _max(entry["training_peak_reserved_mib"]),
+            "peak_rss_mib": _max(entry["peak_rss_mib"]),
+            "state_at_step_peak_bytes": _state_at_peak(entry),
+            "device_bytes_at_step_peak": max(r["before_zero_grad"] for r in entry["device_bytes"]),
+            "accounting_matches_expected": entry["accounting_matches_expected"],
+            "final_loss": entry.get("final_loss"), "loss_drop": entry.get("loss_drop")}
+
+
+def rows_of(option_set: str, summary: dict) -> list[dict]:
+    """The rows of one launch's summary.json: a real run's variants, or a sweep's runs."""
+    if summary.get("simulated"):
+        return [row(option_set, variant, int(n), True, int(rank), entry)
+                for n, by_rank in summary["simulated"].items() for rank, by_variant in by_rank.items()
+                for variant, entry in by_variant.items()]
+    world = summary["meta"]["world_size"]
+    return [row(option_set, variant, world, False, None, entry) for variant, entry in summary["variants"].items()]
+
+
+def read_summary(directory: str) -> dict | None:
+    try:
+        with open(os.path.join(directory, "summary.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------- findings
+
+def compared_figure(r: dict) -> tuple[str, float | None]:
+    """The figure the findings compare: the allocator's training peak on a GPU, else (on a CPU run,
+    no allocator) the state held at the step peak."""
+    if r.get("training_peak_allocated_mib") is not None:
+        return "training_peak_allocated_mib", r["training_peak_allocated_mib"]
+    return "state_at_step_peak_mib", sum(r["state_at_step_peak_bytes"].values()) / MIB if "state_at_step_peak_bytes" \
+        in r else None
+
+
+def findings(rows: list[dict]) -> list[dict]:
+    """Per (option set, N): accelerate against torch, the stale optimizer's cost, and each variant's
+    saving against the default option set at the same N (in MiB, on the rank that held the most)."""
+    cells: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        key, value = compared_figure(r)
+        if value is not None:
+            cell = cells.setdefault((r["option_set"], r["world_size"], r["simulated"]), {})
+            cell[r["variant"]] = max(value, cell.get(r["variant"], value))
+            cell["_figure"] = key
+    out = []
+    for (option_set, n, simulated), cell in cells.items():
+        default = cells.get(("default", n, simulated), {})
+        out.append({"option_set": option_set, "world_size": n, "simulated": simulated, "figure": cell["_figure"],
+                    "accelerate_minus_torch_mib": _minus(cell, ACCELERATE, REFERENCE),
+                    "stale_optimizer_extra_mib": _minus(cell, UNFIXED, REFERENCE),
+                    "saved_against_default_mib": {v: default[v] - cell[v] for v in cell
+                                                  if not v.startswith("_") and v in default}})
+    return out
+
+
+def _minus(cell: dict, a: str, b: str) -> float | None:
+    return cell[a] - cell[b] if a in cell and b in cell else None
+
+
+def checks_of(summaries: dict[str, dict]) -> dict:
+    """Each launch's own checks, by launch directory name (they are the matrix's checks per option set)."""
+    return {name: summary.get("checks", {}) for name, summary in summaries.items()}
+
+
+def write_matrix(output_dir: str, meta: dict, summaries: dict[str, tuple[str, dict]]) -> dict:
+    """matrix.json from the summaries read so far ({launch dir: (option set, summary)})."""
+    rows = [r for option_set, summary in summaries.values() for r in rows_of(option_set, summary)]
+    matrix = {"meta": meta, "option_sets": {n: dataclasses.asdict(OPTION_SETS[n]) for n in meta["option_sets"]},
+              "rows": rows, "findings": findings(rows),
+              "checks": checks_of({os.path.relpath(d, output_dir): s for d, (_, s) in summaries.items()})}
+    path = os.path.join(output_dir, "matrix.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(matrix, f, indent=1, allow_nan=False)
+    os.replace(path + ".tmp", path)
+    return matrix
+
+
+def print_findings(matrix: dict) -> None:
+    """One line per (option set, N), MiB on the rank that held the most."""
+    print(f"\n{'option set':12} {'N':>5} {'accel - torch':>13} {'stale extra':>11} "
+          f"{'saved vs default (after / accelerate)':>38}  figure")
+    for f in matrix["findings"]:
+        saved = f["saved_against_default_mib"]
+        n = f"{f['world_size']}{'s' if f['simulated'] else ''}"
+        print(f"{f['option_set']:12} {n:>5} {_fmt(f['accelerate_minus_torch_mib']):>13} "
+              f"{_fmt(f['stale_optimizer_extra_mib']):>11} "
+              f"{_fmt(saved.get(REFERENCE)) + ' / ' + _fmt(saved.get(ACCELERATE)):>38}  {f['figure']}")
+    print("MiB; N with s = simulated. accel - torch: accelerate's peak minus torch_optimizer_after_fsdp's; stale "
+          "extra: the unfixed variant's minus the same; saved vs default: the default option set's peak minus this "
+          "set's, at the same N.")
+    failed = [f"{launch}: {key}" for launch, checks in matrix["checks"].items()
+              for key, c in checks.items() if c.get("ok") is False]
+    print("checks: " + ("every launch's checks passed" if not failed else "FAILED " + "; ".join(failed)))
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:+.1f}"
+
+
+def meta_of(sets: list[str], sizes: str | None, nproc: int, forwarded: list[str]) -> dict:
+    return {"option_sets": sets, "simulate_world_size": sizes, "nproc_per_node": nproc, "main_args": forwarded,
+            "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -1,0 +1,91 @@
+"""Is accelerate on par with torch under each FSDP2 option, and what does a stale optimizer cost there?
+
+Runs the benchmark once per option set (each a full suite of the four variants) at this launch's
+world size and, with ``--simulate_world_size``, at simulated N; writes ``<output_dir>/matrix.json``
+with a row per (option set, variant, N). Every other option goes to main.py unchanged, e.g.
+``python3 matrix.py --model qwen2.5-1.5b --max_steps 20 --simulate_world_size 2,8,32,128``.
+``python3 visualize.py --dir <output_dir>`` draws it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import main as benchmark
+from fsdp2bench import matrix, options
+from fsdp2bench.cli import OneLineParser, UserError, exit_with, prepare_output_dir
+
+# main.py options the matrix sets itself, per launch.
+OWNED = ("output_dir", "simulate_world_size", "reshard_after_forward", "mixed_precision_policy",
+         "activation_checkpointing", "activation_checkpointing_offload", "cpu_offload")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    p = OneLineParser(description=__doc__.splitlines()[0])
+    p.add_argument("--option_sets", default=options.EACH,
+                   help=f"comma-separated option sets ({', '.join(options.OPTION_SETS)}), or {options.EACH} for all "
+                        f"of them (default: {options.EACH})")
+    p.add_argument("--nproc_per_node", type=int, default=1,
+                   help="ranks of the real runs: 1 runs main.py with python, more with torchrun (default: 1)")
+    p.add_argument("--simulate_world_size", default=None, metavar="N[,N...]",
+                   help="also measure one rank of each of these world sizes, per option set (default: none)")
+    p.add_argument("--output_dir", default="out_matrix",
+                   help="matrix.json here, each option set's launches in <output_dir>/<set>/ (default: out_matrix)")
+    return p.parse_known_args(argv)
+
+
+def check(args: argparse.Namespace, forwarded: list[str]) -> list[str]:
+    """Refuse in one line, before any launch, what main.py would refuse or what the matrix owns."""
+    sets = options.parse_sets(args.option_sets)
+    if args.nproc_per_node < 1:
+        raise UserError(f"--nproc_per_node must be a positive integer, got {args.nproc_per_node}")
+    given = benchmark.parse_args(forwarded)
+    defaults = benchmark.parse_args([])
+    owned = [name for name in OWNED if getattr(given, name) != getattr(defaults, name)]
+    if owned:
+        raise UserError(f"--{owned[0]} is set by matrix.py for each launch; give the matrix's own "
+                        f"{'--output_dir' if owned[0] == 'output_dir' else '--option_sets or --simulate_world_size'}")
+    for name in sets:  # every launch's command line, as main.py will check it
+        launch = benchmark.parse_args([*forwarded, *options.OPTION_SETS[name].flags()])
+        launch.simulate_world_size = args.simulate_world_size
+        benchmark.check_args(launch)
+    return sets
+
+
+def run(args: argparse.Namespace, forwarded: list[str]) -> int:
+    sets = check(args, forwarded)
+    prepare_output_dir(args.output_dir)
+    meta = matrix.meta_of(sets, args.simulate_world_size, args.nproc_per_node, forwarded)
+    summaries: dict[str, tuple[str, dict]] = {}
+    failed = False
+    root = os.path.dirname(os.path.abspath(__file__))
+    try:
+        for option_set, directory, main_args in matrix.launches(args.output_dir, sets, args.simulate_world_size,
+                                                                forwarded):
+            print(f"=== option set {option_set}: main.py {' '.join(main_args)}", flush=True)
+            code = matrix.run_launch(matrix.launch_command(args.nproc_per_node, main_args), root)
+            if code == 2:  # main.py refused the launch and said why
+                return 2
+            failed = failed or code != 0
+            summary = matrix.read_summary(directory)
+            if summary is not None:
+                summaries[directory] = (option_set, summary)
+                matrix.write_matrix(args.output_dir, meta, summaries)
+    except KeyboardInterrupt:
+        matrix.write_matrix(args.output_dir, meta, summaries)
+        print(f"Interrupted; the option sets that ran are in {args.output_dir}/matrix.json", file=sys.stderr)
+        return 130
+    result = matrix.write_matrix(args.output_dir, meta, summaries)
+    matrix.print_findings(result)
+    print(f"Wrote {args.output_dir}/matrix.json; draw it with:\n    python3 visualize.py --dir {args.output_dir}")
+    return 1 if failed else 0
+
+
+def main() -> None:
+    exit_with(lambda: run(*parse_args()))
+
+
+if __name__ == "__main__":
+    main()
