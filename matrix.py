@@ -16,6 +16,7 @@ import sys
 import main as benchmark
 from fsdp2bench import matrix, options
 from fsdp2bench.cli import OneLineParser, UserError, exit_with, prepare_output_dir
+from fsdp2bench.simulation import DEFAULT_STEPS
 
 # main.py options the matrix sets itself, per launch.
 OWNED = ("output_dir", "simulate_world_size", "reshard_after_forward", "mixed_precision_policy",
@@ -28,9 +29,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                    help=f"comma-separated option sets ({', '.join(options.OPTION_SETS)}), or {options.EACH} for all "
                         f"of them (default: {options.EACH})")
     p.add_argument("--nproc_per_node", type=int, default=1,
-                   help="ranks of the real runs: 1 runs main.py with python, more with torchrun (default: 1)")
+                   help="ranks of the real runs: 1 runs main.py with python, more with torchrun; 0: no real runs, "
+                        "only the sweeps (default: 1)")
     p.add_argument("--simulate_world_size", default=None, metavar="N[,N...]",
                    help="also measure one rank of each of these world sizes, per option set (default: none)")
+    p.add_argument("--sweep_steps", type=int, default=DEFAULT_STEPS,
+                   help=f"steps of each simulated run (default: {DEFAULT_STEPS})")
     p.add_argument("--output_dir", default="out_matrix",
                    help="matrix.json here, each option set's launches in <output_dir>/<set>/ (default: out_matrix)")
     return p.parse_known_args(argv)
@@ -39,8 +43,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 def check(args: argparse.Namespace, forwarded: list[str]) -> list[str]:
     """Refuse in one line, before any launch, what main.py would refuse or what the matrix owns."""
     sets = options.parse_sets(args.option_sets)
-    if args.nproc_per_node < 1:
-        raise UserError(f"--nproc_per_node must be a positive integer, got {args.nproc_per_node}")
+    if args.nproc_per_node < 0:
+        raise UserError(f"--nproc_per_node must be 0 (sweeps only) or a positive integer, got {args.nproc_per_node}")
+    if args.nproc_per_node == 0 and not args.simulate_world_size:
+        raise UserError("--nproc_per_node 0 runs only the sweeps: give --simulate_world_size")
+    if args.sweep_steps < 1:
+        raise UserError(f"--sweep_steps must be a positive integer, got {args.sweep_steps}")
     given = benchmark.parse_args(forwarded)
     defaults = benchmark.parse_args([])
     owned = [name for name in OWNED if getattr(given, name) != getattr(defaults, name)]
@@ -57,15 +65,16 @@ def check(args: argparse.Namespace, forwarded: list[str]) -> list[str]:
 def run(args: argparse.Namespace, forwarded: list[str]) -> int:
     sets = check(args, forwarded)
     prepare_output_dir(args.output_dir)
-    meta = matrix.meta_of(sets, args.simulate_world_size, args.nproc_per_node, forwarded)
+    meta = matrix.meta_of(sets, args.simulate_world_size, args.sweep_steps, args.nproc_per_node, forwarded)
     summaries: dict[str, tuple[str, dict]] = {}
     failed = False
     root = os.path.dirname(os.path.abspath(__file__))
     try:
         for option_set, directory, main_args in matrix.launches(args.output_dir, sets, args.simulate_world_size,
+                                                                args.sweep_steps, args.nproc_per_node > 0,
                                                                 forwarded):
             print(f"=== option set {option_set}: main.py {' '.join(main_args)}", flush=True)
-            code = matrix.run_launch(matrix.launch_command(args.nproc_per_node, main_args), root)
+            code = matrix.run_launch(matrix.launch_command(max(1, args.nproc_per_node), main_args), root)
             if code == 2:  # main.py refused the launch and said why
                 return 2
             failed = failed or code != 0

@@ -16,7 +16,6 @@ import json
 import multiprocessing.connection
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2bench.names import TRACE_KEYS
-from fsdp2bench.starting import child_context
+from fsdp2bench.starting import child_context, one_rank_env
 
 STORE_TIMEOUT = timedelta(minutes=30)
 POLL_S = 0.25
@@ -55,12 +54,7 @@ class StoreKeys:
 
 def launcher_env() -> tuple[int, int]:
     """Rank and world size from torchrun / accelerate launch; plain ``python`` is one rank."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    one_rank_env()
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 

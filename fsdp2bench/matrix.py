@@ -33,15 +33,19 @@ def launch_command(nproc: int, args: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "main.py", *args]
 
 
-def launches(output_dir: str, sets: list[str], sizes: str | None, forwarded: list[str]) -> list[tuple[str, str, list]]:
-    """(option set, its directory, main.py arguments) of every launch, in order."""
+def launches(output_dir: str, sets: list[str], sizes: str | None, sweep_steps: int, real: bool,
+             forwarded: list[str]) -> list[tuple[str, str, list]]:
+    """(option set, its directory, main.py arguments) of every launch, in order. A sweep takes
+    ``sweep_steps`` steps whatever the real runs take: its memory settles after the first step."""
     out = []
     for name in sets:
         flags = OPTION_SETS[name].flags()
-        out.append((name, set_dir(output_dir, name), [*forwarded, *flags, "--output_dir", set_dir(output_dir, name)]))
+        if real:
+            out.append((name, set_dir(output_dir, name), [*forwarded, *flags, "--output_dir", set_dir(output_dir, name)]))
         if sizes:
             sweep = os.path.join(set_dir(output_dir, name), SWEEP_DIR)
-            out.append((name, sweep, [*forwarded, *flags, "--simulate_world_size", sizes, "--output_dir", sweep]))
+            out.append((name, sweep, [*forwarded, *flags, "--simulate_world_size", sizes, "--max_steps",
+                                      str(sweep_steps), "--output_dir", sweep]))
     return out
 
 
@@ -176,13 +180,16 @@ def print_findings(matrix: dict) -> None:
           "set's, at the same N.")
     failed = [f"{launch}: {key}" for launch, checks in matrix["checks"].items()
               for key, c in checks.items() if c.get("ok") is False]
-    print("checks: " + ("every launch's checks passed" if not failed else "FAILED " + "; ".join(failed)))
+    not_ok = [r for r in matrix["rows"] if r["status"] != "ok"]
+    print(f"checks: {'every launch passed its checks' if not failed else 'FAILED ' + '; '.join(failed)}; "
+          f"{len(matrix['rows']) - len(not_ok)} of {len(matrix['rows'])} rows ok"
+          + "".join(f"\n  {r['option_set']} N={r['world_size']} {r['variant']}: {r['status']}" for r in not_ok))
 
 
 def _fmt(value) -> str:
     return "n/a" if value is None else f"{value:+.1f}"
 
 
-def meta_of(sets: list[str], sizes: str | None, nproc: int, forwarded: list[str]) -> dict:
-    return {"option_sets": sets, "simulate_world_size": sizes, "nproc_per_node": nproc, "main_args": forwarded,
-            "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+def meta_of(sets: list[str], sizes: str | None, sweep_steps: int, nproc: int | None, forwarded: list[str]) -> dict:
+    return {"option_sets": sets, "simulate_world_size": sizes, "sweep_steps": sweep_steps, "nproc_per_node": nproc,
+            "main_args": forwarded, "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.context
 import os
+import socket
 
 # The children's targets live in this package; transformers and accelerate are imported lazily by
 # the children, so importing them once in the server is what saves the time.
@@ -48,7 +49,20 @@ def start_child_server(device_type: str) -> None:
 
 def start_before_imports(argv: list[str]) -> None:
     """An entry script's first step, so that the fork server's imports overlap the script's own."""
+    one_rank_env()  # the server's children inherit its environment, not the one set later
     start_child_server(likely_device_type(argv))
+
+
+def one_rank_env() -> None:
+    """Without torchrun or accelerate launch (plain ``python``) this process is the only rank: the
+    launcher's variables, with a free port for the store."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def likely_device_type(argv: list[str]) -> str:

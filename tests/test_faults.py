@@ -339,3 +339,12 @@ def test_a_variant_out_of_memory_beside_others_is_run_again_alone(tmp_path):
     assert fixed["rerun_alone_after"].startswith("rank 0: out of memory (injected")
     assert after["status"] == "ok" and after["ran_beside"] == [FIXED]
     assert summary["meta"]["concurrent_variants"] == 2
+
+
+def test_plain_python_children_from_the_fork_server_reach_the_store(tmp_path):
+    """Plain ``python main.py`` is one rank; the fork server starts before that rank's launcher
+    variables are set, and its children must still find the store (the GPU path)."""
+    proc = run_script(["main.py", *TINY, "--max_steps", "2", "--variants", "torch_optimizer_after_fsdp",
+                       "--output_dir", str(tmp_path)], nproc=None, FSDP2_BENCH_START_METHOD="forkserver")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert load(tmp_path / "summary.json")["variants"]["torch_optimizer_after_fsdp"]["status"] == "ok"
