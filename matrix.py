@@ -18,9 +18,9 @@ from fsdp2bench import matrix, options
 from fsdp2bench.cli import OneLineParser, UserError, exit_with, prepare_output_dir
 from fsdp2bench.simulation import DEFAULT_STEPS
 
-# main.py options the matrix sets itself, per launch.
-OWNED = ("output_dir", "simulate_world_size", "reshard_after_forward", "mixed_precision_policy",
-         "activation_checkpointing", "activation_checkpointing_offload", "cpu_offload")
+# main.py's FSDP2 options: each launch gets those of its option set.
+OWNED = ("reshard_after_forward", "mixed_precision_policy", "activation_checkpointing",
+         "activation_checkpointing_offload", "cpu_offload")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -53,8 +53,8 @@ def check(args: argparse.Namespace, forwarded: list[str]) -> list[str]:
     defaults = benchmark.parse_args([])
     owned = [name for name in OWNED if getattr(given, name) != getattr(defaults, name)]
     if owned:
-        raise UserError(f"--{owned[0]} is set by matrix.py for each launch; give the matrix's own "
-                        f"{'--output_dir' if owned[0] == 'output_dir' else '--option_sets or --simulate_world_size'}")
+        raise UserError(f"--{owned[0]} is set by matrix.py for each launch from its option set; choose the sets "
+                        f"with --option_sets")
     for name in sets:  # every launch's command line, as main.py will check it
         launch = benchmark.parse_args([*forwarded, *options.OPTION_SETS[name].flags()])
         launch.simulate_world_size = args.simulate_world_size

@@ -1,4 +1,4 @@
-"""Plot a benchmark run: memory over time per variant, loss per step, memory against world size.
+"""Plot a benchmark run: memory over time per variant, loss per step, memory against world size, a matrix.
 
 Reads only the JSON files main.py (or loading.py) wrote: ``python3 visualize.py --dir out``.
 The figures themselves are drawn in ``fsdp2bench/plots.py``.
@@ -11,8 +11,8 @@ import os
 import sys
 
 from fsdp2bench.names import VARIANTS
-from fsdp2bench.plots import (InputError, latest_run, load_traces, loading_stems, plot_loading, plot_sweep,
-                              plot_training, read_json, reading)
+from fsdp2bench.plots import (InputError, latest_run, load_traces, loading_stems, plot_loading, plot_matrix,
+                              plot_sweep, plot_training, read_json, reading)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,6 +30,13 @@ def plot(args: argparse.Namespace) -> list[str]:
     had to leave out, each with its reason."""
     if not os.path.isdir(args.dir):
         raise InputError(f"--dir {args.dir}: no such directory")
+    matrix_path = os.path.join(args.dir, "matrix.json")
+    if os.path.exists(matrix_path):
+        with reading(matrix_path):
+            plot_matrix(read_json(matrix_path), os.path.join(args.dir, "matrix.png"))
+        print(f"wrote {os.path.join(args.dir, 'matrix.png')}; each option set's own plots: python3 visualize.py "
+              f"--dir {os.path.join(args.dir, '<set>')}")
+        return []
     summary_path = os.path.join(args.dir, "summary.json")
     summary = read_json(summary_path) if os.path.exists(summary_path) else {}
     if summary.get("simulated"):

@@ -57,7 +57,7 @@ def parse_names(text: str, flag: str, known, noun: str = "name") -> list[str]:
         raise UserError(f"{flag}: unknown {noun}(s) {', '.join(unknown) or '(none given)'}; "
                         f"choose from {', '.join(known)}")
     if len(set(names)) != len(names):
-        raise UserError(f"{flag}: a {noun} is given twice")
+        raise UserError(f"{flag}: {'an' if noun[0] in 'aeiou' else 'a'} {noun} is given twice")
     return names
 
 

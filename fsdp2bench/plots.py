@@ -374,3 +374,54 @@ def plot_simulated(summary: dict, path: str) -> None:
             ax.legend(fontsize=7)
     bottom.set_xlabel("world size N (ranks)")
     save(fig, path)
+
+
+# --------------------------------------------------------------------------- a matrix of option sets
+
+def matrix_cells(matrix: dict) -> tuple[list[str], list[tuple[int, bool]], dict, str]:
+    """Option sets, (N, simulated) columns, {(set, N, simulated, variant): MiB} of the compared figure
+    (the allocator's training peak, or on a CPU run the state at the step peak), and its name."""
+    from fsdp2bench.matrix import compared_figure
+
+    values: dict = {}
+    figure = "training_peak_allocated_mib"
+    for r in matrix["rows"]:
+        if r["status"] == "ok":
+            figure, value = compared_figure(r)
+            key = (r["option_set"], r["world_size"], r["simulated"], r["variant"])
+            values[key] = max(value, values.get(key, value))
+    sets = [s for s in matrix["meta"]["option_sets"] if any(k[0] == s for k in values)]
+    columns = sorted({(k[1], k[2]) for k in values}, key=lambda c: (c[1], c[0]))
+    return sets, columns, values, figure
+
+
+def plot_matrix(matrix: dict, path: str) -> None:
+    """matrix.png: per world size a panel, per option set a group of bars (one per variant); the part
+    of the unfixed variant's bar above the intended torch variant's is hatched: the stale optimizer's
+    extra. Bars that coincide are drawn side by side, so none hides another."""
+    sets, columns, values, figure = matrix_cells(matrix)
+    if not columns:
+        raise InputError("matrix.json has no finished row to draw")
+    fig, axes = plt.subplots(1, len(columns), figsize=(4.2 * len(columns), 5.5), squeeze=False)
+    width = 0.8 / len(VARIANTS)
+    for ax, (n, simulated) in zip(axes[0], columns):
+        for i, name in enumerate(VARIANTS):
+            xs = [j + (i - 1.5) * width for j in range(len(sets))]
+            ys = [values.get((s, n, simulated, name), float("nan")) / 1024 for s in sets]
+            ax.bar(xs, ys, width, color=f"C{i}", label=name if ax is axes[0][0] else None)
+            if name == VARIANTS[1]:  # the unfixed variant
+                base = [values.get((s, n, simulated, VARIANTS[0]), float("nan")) / 1024 for s in sets]
+                extra = [max(0.0, y - b) for y, b in zip(ys, base)]
+                ax.bar(xs, extra, width, bottom=[min(y, b) for y, b in zip(ys, base)], fill=False, hatch="///",
+                       edgecolor="black", lw=0, label="stale optimizer's extra" if ax is axes[0][0] else None)
+        ax.set_title(f"N = {n}{' (simulated)' if simulated else ''}")
+        ax.set_xticks(range(len(sets)), sets, rotation=45, ha="right")
+        ax.set_ylim(bottom=0)
+        ax.grid(axis="y", alpha=0.3)
+    what = "measured peak allocated in training" if figure == "training_peak_allocated_mib" else \
+        "state held at the step peak (counted; no allocator on CPU)"
+    axes[0][0].set_ylabel(f"GiB per rank: {what}")
+    fig.suptitle(f"{' '.join(matrix['meta']['main_args'])}: per option set and variant", y=0.995, fontsize=9)
+    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.94), ncol=5, fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.86))
+    save(fig, path)

@@ -1,0 +1,125 @@
+"""FSDP2 options: every option set at N=2 real (gloo, tiny), and the matrix that runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conftest import TINY, VARIANTS, load, run_script
+
+from fsdp2bench import options
+from fsdp2bench.cli import UserError
+from fsdp2bench.memory_model import STEP_BYTES, expected_device_bytes, expected_state
+
+INTENDED = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_fixed", "accelerate"]
+UNFIXED = "torch_optimizer_before_fsdp_not_fixed"
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    """Every option set, each a full suite at 2 real ranks, through matrix.py."""
+    out = tmp_path_factory.mktemp("matrix")
+    proc = run_script(["matrix.py", "--nproc_per_node", "2", "--output_dir", str(out), *TINY, "--quiet"],
+                      nproc=None, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc
+
+
+def test_every_option_set_trains_the_intended_variants_alike_and_counts_every_byte(matrix):
+    out, proc = matrix
+    result = load(out / "matrix.json")
+    assert result["meta"]["option_sets"] == list(options.OPTION_SETS)
+    assert len(result["rows"]) == len(options.OPTION_SETS) * len(VARIANTS)
+    for name, chosen in options.OPTION_SETS.items():
+        summary = load(out / name / "summary.json")
+        assert summary["meta"]["fsdp_options"] == dataclasses.asdict(chosen)
+        checks = summary["checks"]
+        assert all(c["ok"] for c in checks.values()), (name, checks)
+        assert set(checks["intended_losses_match"]["max_relative_diff"].values()) == {0.0}, name  # bit-equal
+        for variant in VARIANTS:
+            entry = summary["variants"][variant]
+            assert entry["accounting_matches_expected"], (name, variant)
+            assert entry["device_bytes"] == entry["expected_device_bytes"] == [{p: 0 for p in entry["device_bytes"][0]}] * 2
+        assert summary["variants"][UNFIXED]["loss_drop"] <= 0.01
+    assert "every launch passed its checks; 28 of 28 rows ok" in proc.stdout
+
+
+def test_the_default_set_is_todays_run_and_the_options_reach_the_model(matrix, suite):
+    out, _ = matrix
+    today = load(suite[0] / "summary.json")["variants"]
+    runs = {name: load(out / name / "summary.json")["variants"] for name in options.OPTION_SETS}
+    for variant in VARIANTS:
+        assert runs["default"][variant]["losses"] == today[variant]["losses"]
+        assert runs["default"][variant]["accounting"] == today[variant]["accounting"]
+    losses = {name: run[INTENDED[0]]["losses"] for name, run in runs.items()}
+    # Checkpointing recomputes the same forward and resharding changes no value: same losses.
+    assert losses["ac"] == losses["ac_offload"] == losses["no_reshard"] == losses["default"]
+    # fp32 gradient reduction without autocast computes differently: the policy was applied.
+    assert losses["mp_policy"] != losses["default"] and losses["all"] == losses["mp_policy"]
+
+
+def test_the_matrix_is_drawn(matrix):
+    out, _ = matrix
+    proc = run_script(["visualize.py", "--dir", str(out)], nproc=None)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "matrix.png").stat().st_size > 10_000
+
+
+def test_a_matrix_with_a_sweep_has_a_row_per_simulated_world_size(tmp_path):
+    proc = run_script(["matrix.py", "--option_sets", "cpu_offload", "--nproc_per_node", "0",
+                       "--simulate_world_size", "2,4", "--sweep_steps", "2", "--output_dir", str(tmp_path),
+                       "--model", "tiny", "--device", "cpu", "--quiet"], nproc=None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = load(tmp_path / "matrix.json")
+    assert {(r["world_size"], r["simulated"]) for r in result["rows"]} == {(2, True), (4, True)}
+    assert all(r["status"] == "ok" and r["accounting_matches_expected"] for r in result["rows"])
+    at4 = next(f for f in result["findings"] if f["world_size"] == 4)
+    assert at4["stale_optimizer_extra_mib"] > 0  # P + 2P/N against 4P/N (state, on CPU) from N = 4
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cpu_offload"], "--cpu_offload is set by matrix.py for each launch"),
+    (["--activation_checkpointing"], "--activation_checkpointing is set by matrix.py for each launch"),
+    (["--option_sets", "default,fast"], "--option_sets: unknown option set(s) fast"),
+    (["--option_sets", "ac,ac"], "an option set is given twice"),
+    (["--nproc_per_node", "-1"], "--nproc_per_node must be 0 (sweeps only) or a positive integer"),
+    (["--nproc_per_node", "0"], "--nproc_per_node 0 runs only the sweeps: give --simulate_world_size"),
+    (["--sweep_steps", "0", "--simulate_world_size", "2"], "--sweep_steps must be a positive integer"),
+    (["--simulate_world_size", "2,x"], "expected comma-separated integers, got 'x'"),
+    (["--batch_size", "0"], "--batch_size must be a positive integer"),
+])
+def test_a_bad_matrix_command_gets_one_line_before_any_launch(tmp_path, flags, message):
+    out = tmp_path / "out"
+    proc = run_script(["matrix.py", "--model", "tiny", "--device", "cpu", *flags, "--output_dir", str(out)],
+                      nproc=None, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert not out.exists()
+
+
+def test_an_option_the_installed_accelerate_lacks_is_refused(monkeypatch):
+    import accelerate
+
+    @dataclasses.dataclass
+    class OlderPlugin:  # an accelerate before activation_checkpointing_offload
+        activation_checkpointing: bool = False
+
+    monkeypatch.setattr(accelerate, "FullyShardedDataParallelPlugin", OlderPlugin)
+    with pytest.raises(UserError, match="--activation_checkpointing_offload: accelerate .* has no such FSDP plugin"):
+        options.check(options.OPTION_SETS["ac_offload"])
+    options.check(options.OPTION_SETS["default"])  # nothing changed, nothing to refuse
+
+
+def test_on_a_gpu_cpu_offload_leaves_only_the_stale_parameters_there():
+    shapes = [((6, 4), 4), ((4,), 4)]
+    offload = options.FsdpOptions(cpu_offload=True)
+    for variant in (*INTENDED, UNFIXED):
+        for phase in ("end_of_setup", "before_zero_grad", "end_of_training"):
+            state = expected_state(shapes, 2, 0, variant, phase)
+            on_gpu = expected_device_bytes(shapes, 2, 0, variant, phase, options.FsdpOptions(), "cuda")
+            steps = STEP_BYTES * len(shapes) if state["optimizer_state_bytes"] else 0
+            assert on_gpu == sum(state.values()) - steps  # AdamW's step counters stay on the host
+            assert expected_device_bytes(shapes, 2, 0, variant, phase, offload, "cuda") == state["stale_param_bytes"]
+            assert expected_device_bytes(shapes, 2, 0, variant, phase, offload, "cpu") == 0
+    assert expected_device_bytes(shapes, 2, 0, UNFIXED, "end_of_training", offload, "cuda") == (24 + 4) * 4
