@@ -235,9 +235,43 @@ def how_far(failure: list[dict]) -> str:
             + (f", then asked for {asked:.0f} MiB more" if asked else ""))
 
 
+ACCELERATE, TORCH = "accelerate", INTENDED[0]
+COMPARED_PEAKS = ("peak_allocated_mib", "peak_reserved_mib", "training_peak_allocated_mib",
+                  "training_peak_reserved_mib", "peak_rss_mib")
+
+
+def accelerate_vs_torch(entries: dict) -> dict | None:
+    """accelerate against the intended torch variant, on the rank that held the most: each peak's
+    difference in MiB, and which side holds what (the state counted at the step peak, its bytes on
+    the device, and the measured memory beyond it)."""
+    acc, ref = entries.get(ACCELERATE, {}), entries.get(TORCH, {})
+    if acc.get("status") != "ok" or ref.get("status") != "ok":
+        return None
+    diffs = {k: None if acc[k]["max"] is None or ref[k]["max"] is None else acc[k]["max"] - ref[k]["max"]
+             for k in COMPARED_PEAKS}
+    holds = {name: {"state_bytes": _held_state(e, "before_zero_grad"),
+                    "device_bytes": max(r["before_zero_grad"] for r in e["device_bytes"]),
+                    "beyond_state_mib": e["training_peak_beyond_state_mib"]["max"]}
+             for name, e in ((ACCELERATE, acc), (TORCH, ref))}
+    return {"reference": TORCH, "difference_mib": diffs, "holds_at_step_peak": holds}
+
+
+def compared_sentence(found: dict | None) -> str | None:
+    """accelerate against torch in one sentence, from ``accelerate_vs_torch``."""
+    if not found:
+        return None
+    diff = found["difference_mib"]["training_peak_allocated_mib"]
+    acc, ref = found["holds_at_step_peak"][ACCELERATE], found["holds_at_step_peak"][TORCH]
+    state = "the same state" if acc["state_bytes"] == ref["state_bytes"] else \
+        f"{(acc['state_bytes'] - ref['state_bytes']) / MIB:+.1f} MiB of state"
+    peak = "no allocator counters on CPU" if diff is None else f"{diff:+.1f} MiB of training peak allocated"
+    return (f"accelerate against {TORCH}: {peak}; {state} at the step peak (params, grads, AdamW, stale), "
+            f"so a difference is in what a step holds beyond it (gathered parameters, activations, buffers).")
+
+
 def explanations(summary: dict) -> list[str]:
     """Plain sentences for the numbers that matter most."""
-    out = []
+    out = [s for s in [compared_sentence(summary.get("accelerate_vs_torch"))] if s]
     unfixed = summary["variants"].get(UNFIXED)
     if unfixed and unfixed["status"] == "ok":
         rank0 = unfixed["accounting"][0]

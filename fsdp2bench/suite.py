@@ -120,6 +120,7 @@ def record_group(suite: Suite, jobs: list[Job], failures: list[str | None], star
         if job.name in (shared_failure or {}):
             variants[job.name]["rerun_alone_after"] = shared_failure[job.name]
     suite.summary["checks"] = report.run_checks(variants, s.device.type)
+    suite.summary["accelerate_vs_torch"] = report.accelerate_vs_torch(variants)
     suite.summary["projection"] = report.projection_summary(s.shapes, variants, s.world_size)
     save_summary(suite.summary_path, suite.summary)
 
@@ -177,6 +178,9 @@ def record_sweep(suite: Suite, runs: list, sizes: list[int]) -> None:
             {"label": run.label, **entry}
     suite.summary["simulated"] = simulated
     suite.summary["checks"] = report.sweep_checks(simulated)
+    suite.summary["accelerate_vs_torch"] = {n: {r: report.accelerate_vs_torch(by_variant)
+                                                for r, by_variant in by_rank.items()}
+                                            for n, by_rank in simulated.items()}
     suite.summary["simulation_findings"] = {
         "unfixed_exceeds_intended_from_world_size": report.measured_crossover(simulated)}
     suite.summary["projection"] = report.state_projection(s.shapes, suite.names,

@@ -41,6 +41,8 @@ def test_every_option_set_trains_the_intended_variants_alike_and_counts_every_by
             assert entry["accounting_matches_expected"], (name, variant)
             assert entry["device_bytes"] == entry["expected_device_bytes"] == [{p: 0 for p in entry["device_bytes"][0]}] * 2
         assert summary["variants"][UNFIXED]["loss_drop"] <= 0.01
+        holds = summary["accelerate_vs_torch"]["holds_at_step_peak"]
+        assert holds["accelerate"]["state_bytes"] == holds[INTENDED[0]]["state_bytes"] > 0, name
     assert "every launch passed its checks; 28 of 28 rows ok" in proc.stdout
 
 
