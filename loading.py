@@ -19,7 +19,7 @@ import argparse
 import json
 import os
 
-from fsdp2bench.cli import OneLineParser, UserError, exit_with, parse_names, save_summary
+from fsdp2bench.cli import OneLineParser, UserError, check_ranges, exit_with, parse_names, save_summary
 from fsdp2bench.isolation import Interrupted, Piece, StoreKeys, gather_records, leave_together, run_isolated
 from fsdp2bench.loading import (CHECKPOINT_DTYPES, MODES, Checkpoint, LoadConfig, LoadJob, load_process, print_table,
                                 summarise, write_checkpoint_process)
@@ -59,10 +59,33 @@ def write_checkpoint(session: Session, options: LoadConfig, model_name: str) -> 
     return path, json.loads(session.store.get(writer.keys.record(0)))["write_s"]
 
 
-def run(args: argparse.Namespace) -> int:
+NUMBER_RANGES = {"seed": (0, 2**32 - 1), "log_interval": (0.001, 60.0)}  # as main.py's
+
+
+def check_args(args: argparse.Namespace) -> list[str]:
+    """Refuse what cannot work before any process exists; return the modes."""
     modes = parse_names(args.modes, "--modes", MODES, noun="mode")
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         raise UserError(f"--checkpoint {args.checkpoint}: no such directory")
+    check_ranges(args, NUMBER_RANGES)
+    check_shard_size(args.checkpoint_shard_size)
+    return modes
+
+
+def check_shard_size(text: str) -> None:
+    """As transformers will read it when it writes the checkpoint: an integer and a unit."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    try:
+        size = convert_file_size_to_int(text)
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise UserError(f"--checkpoint_shard_size: expected a positive integer and a unit (2GB, 500MiB), got {text!r}")
+
+
+def run(args: argparse.Namespace) -> int:
+    modes = check_args(args)
     model_name = args.model or args.checkpoint or "qwen2.5-1.5b"
     s = open_session(model_name, args.device, args.output_dir, args.seed, "loading_summary.json")
     options = LoadConfig(args.output_dir, args.seed, args.log_interval, args.checkpoint_dtype,

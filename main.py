@@ -27,7 +27,7 @@ import psutil
 import torch
 
 from fsdp2bench import concurrency, options, simulation, weights
-from fsdp2bench.cli import OneLineParser, UserError, exit_with, parse_names, pick_device
+from fsdp2bench.cli import OneLineParser, UserError, check_ranges, exit_with, parse_names, pick_device
 from fsdp2bench.data import load_tokens, rank_batches
 from fsdp2bench.isolation import Interrupted
 from fsdp2bench.model import PRESETS, max_positions
@@ -44,7 +44,8 @@ def parse_failure(text: str) -> FailureSpec:
             raise ValueError
         return FailureSpec(parts[0], int(parts[1]), int(parts[2]), parts[3] if len(parts) == 4 else "raise")
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected VARIANT:STEP:RANK[:kill|:oom] with a known variant, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected VARIANT:STEP:RANK[:kill|:oom|:thread] with a known variant, "
+                                         f"got {text!r}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,9 +95,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "'last' is skipped where the sharding rule gives it the bytes of a rank already played "
                         "(default: 0)")
     add_fsdp_options(p)
-    p.add_argument("--inject_failure", type=parse_failure, default=None, metavar="VARIANT:STEP:RANK[:kill|:oom]",
+    p.add_argument("--inject_failure", type=parse_failure, default=None,
+                   metavar="VARIANT:STEP:RANK[:kill|:oom|:thread]",
                    help="test option: raise on that rank before that step (:kill dies by SIGKILL instead, :oom raises "
-                        "torch's out-of-memory error)")
+                        "torch's out-of-memory error, :thread raises in the memory tracker's thread)")
     return p.parse_args(argv)
 
 
@@ -118,6 +120,13 @@ def add_fsdp_options(p: argparse.ArgumentParser) -> None:
                         "runs on the CPU")
 
 
+# What one run can do with each number (closed ranges): larger batches or blocks than any GPU holds for
+# one step, a learning rate that diverges on the first step, a seed beyond the generators' 32 bits, a
+# memory sample rarer than once a minute (a trace of one sample) or more often than once a millisecond.
+NUMBER_RANGES = {"batch_size": (1, 1 << 16), "block_size": (1, 1 << 20), "max_steps": (1, 10_000_000),
+                 "learning_rate": (1e-12, 10.0), "seed": (0, 2**32 - 1), "log_interval": (0.001, 60.0)}
+
+
 def check_args(args: argparse.Namespace) -> tuple[list[str], options.FsdpOptions]:
     """Refuse what cannot work before any process or model exists; return the variants and options."""
     for flag in ("batch_size", "block_size"):
@@ -134,6 +143,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], options.FsdpOptions
         raise UserError(f"--learning_rate must be a positive number, got {args.learning_rate}")
     if not args.log_interval > 0:
         raise UserError(f"--log_interval must be positive, got {args.log_interval}")
+    check_ranges(args, NUMBER_RANGES)
     names = parse_names(args.variants, "--variants", VARIANTS)
     fsdp_options = options.from_args(args)
     if args.dataset is not None and not os.path.isfile(args.dataset):
@@ -145,6 +155,18 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], options.FsdpOptions
         if args.max_steps is None:
             args.max_steps = simulation.DEFAULT_STEPS
     return names, fsdp_options
+
+
+def check_failure_reachable(spec: FailureSpec, names: list[str], steps: int, world_size: int | None) -> None:
+    """A test option that would never fire is refused: a variant not run, a step past the last, a rank
+    the launch does not have (a sweep's ranks are the simulated ones, checked by the sweep's plan)."""
+    where = f"--inject_failure {spec.name}:{spec.step}:{spec.rank}"
+    if spec.name not in names:
+        raise UserError(f"{where}: {spec.name} is not among --variants")
+    if not 0 <= spec.step < steps:
+        raise UserError(f"{where}: step {spec.step} is not among this run's steps 0..{steps - 1}")
+    if world_size is not None and not 0 <= spec.rank < world_size:
+        raise UserError(f"{where}: rank {spec.rank} is not among this launch's ranks 0..{world_size - 1}")
 
 
 GPU_DEFAULT_MODEL, CPU_DEFAULT_MODEL = "qwen2.5-1.5b", "tiny"
@@ -216,6 +238,9 @@ def run(args: argparse.Namespace) -> int:
             "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()}}
     if args.init_device == "cuda" and session.device.type != "cuda":
         raise UserError("--init_device cuda needs a GPU (this run is on the CPU)")
+    if args.inject_failure:
+        check_failure_reachable(args.inject_failure, names, len(batches),
+                                None if args.simulate_world_size else session.world_size)
     concurrent = variants_at_once(args, session, names, fsdp_options)
     meta["concurrent_variants"] = concurrent
     train = TrainConfig(args.seed, args.learning_rate, args.log_interval, args.save_memory_snapshot,

@@ -41,8 +41,9 @@ class MemoryTracker:
         self.events: list[dict] = []
         self.steps: list[dict] = []
         self.polling = True  # cleared to measure what the polling costs (see --tracker_overhead)
+        self.fail_with: Exception | None = None  # raised by the polling thread (--inject_failure ...:thread)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread = threading.Thread(target=self._poll, name="memory tracker", daemon=True)
         self.started_at = time.time()
         self._t0 = time.perf_counter()
 
@@ -63,6 +64,8 @@ class MemoryTracker:
 
     def _poll(self) -> None:
         while not self._stop.is_set():
+            if self.fail_with is not None:
+                raise self.fail_with
             if self.polling:
                 self._sample()
             self._stop.wait(self.interval_s)

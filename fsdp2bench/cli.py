@@ -44,6 +44,19 @@ def exit_with(run: Callable[[], int]) -> None:
     os._exit(code)
 
 
+def check_ranges(args, ranges: dict[str, tuple[float, float]]) -> None:
+    """Every number of a command line finite and in its closed range, ``{option: (low, high)}``; an
+    option left at None (not given, no default) is not checked."""
+    for name, (low, high) in ranges.items():
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and low <= value <= high):
+            raise UserError(f"--{name} must be in [{_number(low)}, {_number(high)}], got {value}")
+
+
+def _number(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
 def one_line(exc: BaseException) -> str:
     """The first line of an exception's message, for an error line that names its cause."""
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

@@ -314,7 +314,12 @@ def run_child(finisher: Finisher, work: Callable[[dist.TCPStore], None]) -> None
         torch.set_num_threads(_launcher_threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides what an interrupt means
     store = connect_store()
-    threading.Thread(target=_watch_for_abort, args=(finisher, os.getppid()), daemon=True).start()
+    # A thread beside the work (the memory tracker) that fails ends the piece with its reason, as the
+    # work's own exception would: never a traceback while the run goes on without it.
+    threading.excepthook = lambda hook: finisher.fail(
+        f"the {getattr(hook.thread, 'name', 'background')} thread failed: {describe(hook.exc_value)}", store)
+    threading.Thread(target=_watch_for_abort, args=(finisher, os.getppid()), name="abort watcher",
+                     daemon=True).start()
     try:
         work(store)
         sys.stdout.flush()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+from fsdp2bench.cli import write_json
 from fsdp2bench.names import INTENDED, MIB, STATE_KEYS, UNFIXED
 from fsdp2bench.options import OPTION_SETS
 
@@ -158,10 +159,7 @@ def write_matrix(output_dir: str, meta: dict, summaries: dict[str, tuple[str, di
     matrix = {"meta": meta, "option_sets": {n: dataclasses.asdict(OPTION_SETS[n]) for n in meta["option_sets"]},
               "rows": rows, "findings": findings(rows),
               "checks": checks_of({os.path.relpath(d, output_dir): s for d, (_, s) in summaries.items()})}
-    path = os.path.join(output_dir, "matrix.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(matrix, f, indent=1, allow_nan=False)
-    os.replace(path + ".tmp", path)
+    write_json(os.path.join(output_dir, "matrix.json"), matrix)
     return matrix
 
 

@@ -152,16 +152,11 @@ def expected_device_bytes(shapes, world_size: int, rank: int, variant: str, phas
 
 
 def projection(shapes, variants: list[str], sizes: list[int] = PROJECTION_WORLD_SIZES) -> dict:
-    """Per-rank state (worst rank) of each variant for larger clusters, between steps and at the step peak."""
-    table = {}
-    for n in sizes:
-        table[str(n)] = {}
-        for name in variants:
-            row = {}
-            for phase in ("end_of_training", "before_zero_grad"):
-                row[phase] = max(sum(expected_state(shapes, n, r, name, phase).values()) for r in range(n))
-            table[str(n)][name] = row
-    return table
+    """Per-rank state of each variant for larger clusters, between steps and at the step peak, on the
+    worst rank: rank 0, whose chunk of every parameter is the largest (``shard_rows``)."""
+    return {str(n): {name: {phase: sum(expected_state(shapes, n, 0, name, phase).values())
+                            for phase in ("end_of_training", "before_zero_grad")} for name in variants}
+            for n in sizes}
 
 
 def first_world_size_where_unfixed_costs_more(table: dict, reference: str) -> int | None:

@@ -31,8 +31,8 @@ class FailureSpec:
     name: str
     step: int
     rank: int
-    how: str  # raise (an exception), kill (SIGKILL) or oom (torch's out-of-memory error)
-    HOW = ("kill", "oom")
+    how: str  # raise (an exception), kill (SIGKILL), oom (torch's out-of-memory error) or thread (in the tracker's)
+    HOW = ("kill", "oom", "thread")
 
 
 @dataclass(frozen=True)
@@ -125,9 +125,12 @@ class StepReadback:
         return self.pinned[step].item(), self.events[step].elapsed_time(self.events[step + 1]) / 1000
 
 
-def injected_failure(job: Job, step: int) -> None:
+def injected_failure(job: Job, step: int, tracker: MemoryTracker) -> None:
     spec = job.train.inject_failure
     if spec and spec.name == job.name and spec.step == step and spec.rank == job.rank:
+        if spec.how == "thread":
+            tracker.fail_with = RuntimeError(f"injected failure at step {step} on rank {job.rank}")
+            return
         if spec.how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if spec.how == "oom":
@@ -197,7 +200,7 @@ def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
 
     with collector_paused():
         for step, batch in enumerate(batches):
-            injected_failure(job, step)
+            injected_failure(job, step, tracker)
             tracker.polling = not (job.train.tracker_overhead and step % 2)
             hook = (lambda: accounting.update(before_zero_grad=account(prep.model, prep.optimizer))) \
                 if step == last else None

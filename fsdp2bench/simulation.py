@@ -66,11 +66,17 @@ def _integers(text: str, flag: str, allow_last: bool = False) -> list:
     return values
 
 
+MAX_WORLD_SIZE = 1 << 16  # the device mesh of a simulated rank lists every rank
+
+
 def parse_world_sizes(text: str) -> list[int]:
     """The world sizes of a sweep, smallest first."""
     sizes = _integers(text, "--simulate_world_size")
     if any(n < 1 for n in sizes):
         raise UserError(f"--simulate_world_size: every N must be at least 1, got {text}")
+    if max(sizes) > MAX_WORLD_SIZE:
+        raise UserError(f"--simulate_world_size: N = {max(sizes)} is more than the {MAX_WORLD_SIZE} ranks a "
+                        "simulated run can play")
     return sorted(sizes)
 
 

@@ -179,6 +179,31 @@ def test_bad_input_gets_one_line_and_loses_nothing(case, tmp_path, suite):
     assert digest(out) == before
 
 
+def test_a_failed_background_thread_fails_its_variant_in_one_line(tmp_path):
+    """The memory tracker's thread raising mid-run: the variant fails with that reason, the others run,
+    and no traceback is printed while the run goes on without it."""
+    proc = run_script(["main.py", *SHORT, "--max_steps", "6", "--variants", f"{FIXED},accelerate",
+                       "--inject_failure", f"{FIXED}:2:0:thread", "--output_dir", str(tmp_path)], nproc=None)
+    assert proc.returncode == 1
+    reason = "rank 0: the memory tracker thread failed: RuntimeError: injected failure at step 2 on rank 0"
+    assert statuses(tmp_path) == {FIXED: f"failed: {reason}", "accelerate": "ok"}
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("accelerate:0:2", "rank 2 is not among this launch's ranks 0..1"),
+    ("accelerate:12:0", "step 12 is not among this run's steps 0..11"),
+    ("accelerate:0:0:kill", "accelerate is not among --variants"),
+])
+def test_a_failure_that_would_never_fire_is_refused(tmp_path, spec, message):
+    variants = "accelerate" if "among --variants" not in message else "torch_optimizer_after_fsdp"
+    proc = run_script(["main.py", *TINY, "--variants", variants, "--inject_failure", spec,
+                       "--output_dir", str(tmp_path / "out")])
+    assert proc.returncode != 0
+    assert proc.stderr.count(f"error: --inject_failure {spec.rsplit(':kill', 1)[0]}: {message}") == 2, proc.stderr
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
 def test_bad_input_under_torchrun_stops_every_rank_with_the_same_line(tmp_path):
     proc = run_script(["main.py", "--model", "tiny", "--device", "cpu", "--variants", "nope",
                        "--output_dir", str(tmp_path)])
