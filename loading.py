@@ -19,12 +19,14 @@ import argparse
 import json
 import os
 
-from fsdp2bench.cli import OneLineParser, UserError, check_ranges, exit_with, parse_names, save_summary
-from fsdp2bench.isolation import Interrupted, Piece, StoreKeys, gather_records, leave_together, run_isolated
+from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with, parse_names,
+                            pick_device, save_summary)
+from fsdp2bench.isolation import (Interrupted, Piece, StoreKeys, gather_records, launcher_keeps_to_one_thread,
+                                  leave_together, run_isolated)
 from fsdp2bench.loading import (CHECKPOINT_DTYPES, MODES, Checkpoint, LoadConfig, LoadJob, load_process, print_table,
                                 summarise, write_checkpoint_process)
 from fsdp2bench.model import PRESETS
-from fsdp2bench.session import Session, open_session, say_interrupted
+from fsdp2bench.session import ModelFacts, Session, model_facts, open_session, say_interrupted
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,10 +86,20 @@ def check_shard_size(text: str) -> None:
         raise UserError(f"--checkpoint_shard_size: expected a positive integer and a unit (2GB, 500MiB), got {text!r}")
 
 
-def run(args: argparse.Namespace) -> int:
+def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str], ModelFacts]:
+    """Everything loading.py refuses, in one line, before any process or file exists."""
+    launcher_keeps_to_one_thread()  # before this process computes anything: it forks the children
+    args = parse_args(argv)
     modes = check_args(args)
-    model_name = args.model or args.checkpoint or "qwen2.5-1.5b"
-    s = open_session(model_name, args.device, args.output_dir, args.seed, "loading_summary.json")
+    pick_device(args.device)
+    check_output_dir(args.output_dir, "loading_summary.json")
+    return args, modes, model_facts(args.model or args.checkpoint or "qwen2.5-1.5b", args.seed)
+
+
+def run(argv: list[str] | None = None) -> int:
+    args, modes, facts = validate(argv)
+    model_name = facts.name
+    s = open_session(facts, args.device, args.output_dir, "loading_summary.json")
     options = LoadConfig(args.output_dir, args.seed, args.log_interval, args.checkpoint_dtype,
                          args.checkpoint_shard_size, s.run_id)
     summary_path = os.path.join(args.output_dir, "loading_summary.json")
@@ -122,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main() -> None:
-    exit_with(lambda: run(parse_args()))
+    exit_with(run)
 
 
 if __name__ == "__main__":

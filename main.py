@@ -22,18 +22,20 @@ import dataclasses
 import math
 import os
 import time
+from dataclasses import dataclass
 
 import psutil
 import torch
 
 from fsdp2bench import concurrency, options, simulation, weights
-from fsdp2bench.cli import OneLineParser, UserError, check_ranges, exit_with, parse_names, pick_device
+from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with, parse_names,
+                            pick_device)
 from fsdp2bench.data import load_tokens, rank_batches
-from fsdp2bench.isolation import Interrupted
+from fsdp2bench.isolation import Interrupted, launcher_keeps_to_one_thread
 from fsdp2bench.model import PRESETS, max_positions
 from fsdp2bench.names import VARIANTS
 from fsdp2bench.runner import FailureSpec, TrainConfig
-from fsdp2bench.session import Session, open_session, say_interrupted
+from fsdp2bench.session import ModelFacts, Session, model_facts, open_session, say_interrupted
 from fsdp2bench.suite import Suite, run_sweep, run_variants
 
 
@@ -44,7 +46,7 @@ def parse_failure(text: str) -> FailureSpec:
             raise ValueError
         return FailureSpec(parts[0], int(parts[1]), int(parts[2]), parts[3] if len(parts) == 4 else "raise")
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected VARIANT:STEP:RANK[:kill|:oom|:thread] with a known variant, "
+        raise argparse.ArgumentTypeError(f"expected VARIANT:STEP:RANK[:kill|:oom|:thread|:nan] with a known variant, "
                                          f"got {text!r}")
 
 
@@ -96,9 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: 0)")
     add_fsdp_options(p)
     p.add_argument("--inject_failure", type=parse_failure, default=None,
-                   metavar="VARIANT:STEP:RANK[:kill|:oom|:thread]",
+                   metavar="VARIANT:STEP:RANK[:kill|:oom|:thread|:nan]",
                    help="test option: raise on that rank before that step (:kill dies by SIGKILL instead, :oom raises "
-                        "torch's out-of-memory error, :thread raises in the memory tracker's thread)")
+                        "torch's out-of-memory error, :thread raises in the memory tracker's thread, :nan makes a "
+                        "parameter NaN so that the run diverges)")
     return p.parse_args(argv)
 
 
@@ -218,29 +221,50 @@ def versions() -> dict:
             "transformers": transformers.__version__, "python": sys.version.split()[0]}
 
 
-def run(args: argparse.Namespace) -> int:
-    # Seconds since the epoch, so that speed.py can split the launch's wall time.
-    timeline = {"process_created": psutil.Process().create_time(), "main_started": time.time()}
+@dataclass
+class Checked:
+    """A command line that main.py accepts, and what checking it produced."""
+    args: argparse.Namespace
+    names: list[str]
+    fsdp_options: options.FsdpOptions
+    facts: ModelFacts
+    batches: list  # this rank's
+
+
+def validate(argv: list[str] | None = None) -> Checked:
+    """Everything main.py refuses, in one line, before any process or file exists (tests call it
+    in-process with hostile command lines)."""
+    launcher_keeps_to_one_thread()  # before this process computes anything: it forks the children
+    args = parse_args(argv)
     names, fsdp_options = check_args(args)
     args.model = args.model or default_model(args.device)
-    session = open_session(args.model, args.device, args.output_dir, args.seed, "summary.json",
-                           lambda config: check_positions(args.block_size, config))
+    if args.init_device == "cuda" and pick_device(args.device).type != "cuda":
+        raise UserError("--init_device cuda needs a GPU (this run is on the CPU)")
+    check_output_dir(args.output_dir, "summary.json")
+    facts = model_facts(args.model, args.seed, lambda config: check_positions(args.block_size, config))
     # A simulated rank has no peers to share the data with: every run takes the batches of a world of one.
-    data_rank, data_world = (0, 1) if args.simulate_world_size else (session.rank, session.world_size)
-    tokens = load_tokens(args.dataset, args.tokenizer, session.config.vocab_size)
-    batches = rank_batches(tokens, args.block_size, args.batch_size,
-                           args.dataset_fraction, data_rank, data_world, args.max_steps)
+    rank, world = (0, 1) if args.simulate_world_size else \
+        (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
+    tokens = load_tokens(args.dataset, args.tokenizer, facts.config.vocab_size)
+    batches = rank_batches(tokens, args.block_size, args.batch_size, args.dataset_fraction, rank, world,
+                           args.max_steps)
+    if args.inject_failure:
+        check_failure_reachable(args.inject_failure, names, len(batches), None if args.simulate_world_size else world)
+    return Checked(args, names, fsdp_options, facts, batches)
+
+
+def run(argv: list[str] | None = None) -> int:
+    # Seconds since the epoch, so that speed.py can split the launch's wall time.
+    timeline = {"process_created": psutil.Process().create_time(), "main_started": time.time()}
+    checked = validate(argv)
+    args, names, fsdp_options, batches = checked.args, checked.names, checked.fsdp_options, checked.batches
+    session = open_session(checked.facts, args.device, args.output_dir, "summary.json")
     meta = {"run_id": session.run_id, "world_size": session.world_size, "device": session.device.type,
             "init_device": args.init_device if session.device.type == "cuda" else "cpu",
             "versions": versions(),
             "model": args.model, "model_type": session.config.model_type, "num_parameters": session.num_parameters,
             "steps_per_variant": len(batches), "fsdp_options": dataclasses.asdict(fsdp_options),
             "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()}}
-    if args.init_device == "cuda" and session.device.type != "cuda":
-        raise UserError("--init_device cuda needs a GPU (this run is on the CPU)")
-    if args.inject_failure:
-        check_failure_reachable(args.inject_failure, names, len(batches),
-                                None if args.simulate_world_size else session.world_size)
     concurrent = variants_at_once(args, session, names, fsdp_options)
     meta["concurrent_variants"] = concurrent
     train = TrainConfig(args.seed, args.learning_rate, args.log_interval, args.save_memory_snapshot,
@@ -266,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main() -> None:
-    exit_with(lambda: run(parse_args()))
+    exit_with(run)
 
 
 if __name__ == "__main__":

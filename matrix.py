@@ -15,9 +15,10 @@ import sys
 
 import main as benchmark
 from fsdp2bench import matrix, options
-from fsdp2bench.cli import OneLineParser, UserError, exit_with, prepare_output_dir
+from fsdp2bench.cli import OneLineParser, UserError, check_output_dir, check_ranges, exit_with, prepare_output_dir
 from fsdp2bench.simulation import DEFAULT_STEPS
 
+NUMBER_RANGES = {"nproc_per_node": (0, 4096), "sweep_steps": (1, 10_000_000)}  # 0 processes: sweeps only
 # main.py's FSDP2 options: each launch gets those of its option set.
 OWNED = ("reshard_after_forward", "mixed_precision_policy", "activation_checkpointing",
          "activation_checkpointing_offload", "cpu_offload")
@@ -43,15 +44,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 def check(args: argparse.Namespace, forwarded: list[str]) -> list[str]:
     """Refuse in one line, before any launch, what main.py would refuse or what the matrix owns."""
     sets = options.parse_sets(args.option_sets)
-    if args.nproc_per_node < 0:
-        raise UserError(f"--nproc_per_node must be 0 (sweeps only) or a positive integer, got {args.nproc_per_node}")
+    check_ranges(args, NUMBER_RANGES)
     if args.nproc_per_node == 0 and not args.simulate_world_size:
         raise UserError("--nproc_per_node 0 runs only the sweeps: give --simulate_world_size")
-    if args.sweep_steps < 1:
-        raise UserError(f"--sweep_steps must be a positive integer, got {args.sweep_steps}")
-    given = benchmark.parse_args(forwarded)
+    check_output_dir(args.output_dir, "matrix.json")
+    given = benchmark.validate([*forwarded, "--output_dir", args.output_dir]).args
     defaults = benchmark.parse_args([])
-    owned = [name for name in OWNED if getattr(given, name) != getattr(defaults, name)]
+    owned = [name for name in OWNED if getattr(given, name) != getattr(defaults, name)]  # main.py's own flags
     if owned:
         raise UserError(f"--{owned[0]} is set by matrix.py for each launch from its option set; choose the sets "
                         f"with --option_sets")

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from fsdp2bench.cli import write_json
+from fsdp2bench.cli import OneLineParser, UserError, check_ranges, check_writable_file, exit_with, write_json
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # The upstream scripts timed on 2x H200 on the same work: 282 s and 302 s for two launches.
@@ -71,8 +71,8 @@ def time_baseline(tree: str, nproc: int, main_args: list[str], output_dir: str) 
     return {"tree": tree, "output_dir": output_dir, "suite_wall_s": time.perf_counter() - start, "exit_code": code}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc_per_node", type=int, default=2)
     p.add_argument("--json", default="speed.json", help="where to write the result (default: speed.json)")
     p.add_argument("--output_dir", default="out_speed", help="main.py's output directory for this run")
@@ -80,8 +80,26 @@ def main() -> int:
                    help="the tree of another version (a git archive of it): its main.py runs first with the same "
                         "arguments, in the same call, and speed.json gets both walls and their ratio")
     p.add_argument("main_args", nargs=argparse.REMAINDER, help="arguments for main.py, after --")
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """Everything speed.py refuses in one line before it launches: its own options, then main.py's
+    arguments as main.py will check them."""
+    import main as benchmark
+
+    args = parse_args(argv)
+    check_ranges(args, {"nproc_per_node": (1, 4096)})
+    check_writable_file(args.json, "--json")
+    if args.baseline is not None and not os.path.isfile(os.path.join(args.baseline, "main.py")):
+        raise UserError(f"--baseline {args.baseline}: not a tree of this project (no main.py in it)")
     extra = [a for a in args.main_args if a != "--"]
+    benchmark.validate([*extra, "--output_dir", args.output_dir])
+    return args, extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = validate(argv)
     baseline = time_baseline(args.baseline, args.nproc_per_node, extra, args.output_dir) if args.baseline else None
     if baseline and baseline["exit_code"] != 0:
         print(f"error: the baseline run in {args.baseline} failed (exit code {baseline['exit_code']})", file=sys.stderr)
@@ -129,4 +147,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

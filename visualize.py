@@ -10,13 +10,14 @@ import argparse
 import os
 import sys
 
+from fsdp2bench.cli import OneLineParser, UserError, check_ranges
 from fsdp2bench.names import VARIANTS
 from fsdp2bench.plots import (InputError, latest_run, load_traces, loading_stems, plot_loading, plot_matrix,
                               plot_sweep, plot_training, read_json, reading)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default="out", help="output directory of main.py (default: out)")
     p.add_argument("--memory_threshold", type=float, default=0.0,
                    help="drop samples below this many MiB in the first part of each trace (default: 0)")
@@ -25,11 +26,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# A threshold beyond any GPU's MiB, or a partition finer than one sample in a million, is a typo.
+NUMBER_RANGES = {"memory_threshold": (0.0, 1e7), "filter_partition": (1e-3, 1e6)}
+
+
+def validate(argv: list[str] | None = None) -> argparse.Namespace:
+    """Everything visualize.py refuses in one line before it reads a file."""
+    args = parse_args(argv)
+    check_ranges(args, NUMBER_RANGES)
+    if not os.path.isdir(args.dir):
+        raise UserError(f"--dir {args.dir}: {'not a directory' if os.path.exists(args.dir) else 'no such directory'}")
+    return args
+
+
 def plot(args: argparse.Namespace) -> list[str]:
     """Whatever the directory holds: a sweep, a benchmark run, loading runs. Returns the files it
     had to leave out, each with its reason."""
-    if not os.path.isdir(args.dir):
-        raise InputError(f"--dir {args.dir}: no such directory")
     matrix_path = os.path.join(args.dir, "matrix.json")
     if os.path.exists(matrix_path):
         with reading(matrix_path):
@@ -64,13 +76,9 @@ def plot(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.filter_partition <= 0:
-        print("error: --filter_partition must be positive", file=sys.stderr)
-        return 2
     try:
-        problems = plot(args)
-    except InputError as exc:
+        problems = plot(validate(argv))
+    except (UserError, InputError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for problem in problems:

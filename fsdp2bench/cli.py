@@ -149,11 +149,37 @@ def _unlock(lock: str, me: str) -> None:
                 os.remove(lock)
 
 
+def check_output_dir(path: str, summary_file: str, flag: str = "--output_dir") -> None:
+    """Whether a run can write into ``path``, told without writing anything: a file in the way, no
+    writable directory above it, a summary file that is a directory."""
+    if not path.strip():
+        raise UserError(f"{flag}: an empty path")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{flag} {path}: not a directory")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing.rstrip(os.sep)) or "."
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: cannot write there ({existing} is not a writable directory)")
+    refuse_directory(os.path.join(path, summary_file))
+
+
+def check_writable_file(path: str, flag: str) -> None:
+    """A file the command will write: not a directory, in a directory it can write."""
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path}: a directory; a file goes there")
+    check_output_dir(os.path.dirname(path) or ".", os.path.basename(path), flag)
+
+
+def refuse_directory(path: str) -> None:
+    if os.path.isdir(path):
+        raise UserError(f"{path} is a directory; the run writes a file of that name")
+
+
 def check_replaceable(path: str) -> None:
     """A file the run will rewrite must be replaceable now, not only when the first results arrive.
     An existing one is replaced by a copy of itself: its content does not change."""
-    if os.path.isdir(path):
-        raise UserError(f"{path} is a directory; the run writes a file of that name")
+    refuse_directory(path)
     if os.path.exists(path):
         try:
             with open(path, "rb") as f:

@@ -159,6 +159,20 @@ def layer_class_names(model: nn.Module) -> list[str]:
     return names
 
 
+def check_units_own_their_parameters(name: str, model: nn.Module, layer_classes: list[str]) -> None:
+    """Each parameter in one FSDP2 unit (a block, or the root for everything outside the blocks): a
+    tensor tied across two units cannot be sharded by both (tied embeddings both sit in the root)."""
+    blocks = [prefix for prefix, m in model.named_modules() if type(m).__name__ in layer_classes]
+    units: dict[int, set[str]] = {}
+    for param_name, param in model.named_parameters(remove_duplicate=False):
+        unit = max((b for b in blocks if param_name.startswith(b + ".")), key=len, default="the root")
+        units.setdefault(id(param), set()).add(unit)
+    shared = next((sorted(u) for u in units.values() if len(u) > 1), None)
+    if shared:
+        raise UserError(f"--model {name}: a parameter is tied across the units {', '.join(shared)}; FSDP2 shards "
+                        "each unit's parameters separately and cannot shard one tensor in two units")
+
+
 def build_meta_model(name: str, config, seed: int) -> nn.Module:
     """The model's shapes without its memory; a config transformers cannot build is the user's to fix."""
     try:

@@ -15,7 +15,7 @@ import torch
 import utils
 from fsdp2bench.child import TracedChild, run_traced_child
 from fsdp2bench.isolation import StoreKeys, init_group
-from fsdp2bench.memory_model import account
+from fsdp2bench.memory_model import account, local_tensor
 from fsdp2bench.model import build_model
 from fsdp2bench.names import rank_file
 from fsdp2bench.options import FsdpOptions
@@ -31,8 +31,9 @@ class FailureSpec:
     name: str
     step: int
     rank: int
-    how: str  # raise (an exception), kill (SIGKILL), oom (torch's out-of-memory error) or thread (in the tracker's)
-    HOW = ("kill", "oom", "thread")
+    how: str  # raise (an exception), kill (SIGKILL), oom (torch's out-of-memory error), thread (in the
+    # tracker's thread) or nan (the model's first parameter becomes NaN: the run diverges)
+    HOW = ("kill", "oom", "thread", "nan")
 
 
 @dataclass(frozen=True)
@@ -125,9 +126,13 @@ class StepReadback:
         return self.pinned[step].item(), self.events[step].elapsed_time(self.events[step + 1]) / 1000
 
 
-def injected_failure(job: Job, step: int, tracker: MemoryTracker) -> None:
+def injected_failure(job: Job, step: int, tracker: MemoryTracker, model: torch.nn.Module) -> None:
     spec = job.train.inject_failure
     if spec and spec.name == job.name and spec.step == step and spec.rank == job.rank:
+        if spec.how == "nan":
+            with torch.no_grad():
+                local_tensor(next(model.parameters())).fill_(float("nan"))
+            return
         if spec.how == "thread":
             tracker.fail_with = RuntimeError(f"injected failure at step {step} on rank {job.rank}")
             return
@@ -200,7 +205,7 @@ def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
 
     with collector_paused():
         for step, batch in enumerate(batches):
-            injected_failure(job, step, tracker)
+            injected_failure(job, step, tracker, prep.model)
             tracker.polling = not (job.train.tracker_overhead and step % 2)
             hook = (lambda: accounting.update(before_zero_grad=account(prep.model, prep.optimizer))) \
                 if step == last else None

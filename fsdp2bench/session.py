@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from fsdp2bench.cli import check_replaceable, lock_output_dir, pick_device, prepare_output_dir
-from fsdp2bench.isolation import StoreKeys, catch_interrupts, launcher_env, launcher_keeps_to_one_thread, wait_for_keys
+from fsdp2bench.isolation import StoreKeys, catch_interrupts, launcher_env, wait_for_keys
 from fsdp2bench.memory_model import model_bytes, param_shapes
-from fsdp2bench.model import build_meta_model, layer_class_names, load_config
+from fsdp2bench.model import build_meta_model, check_units_own_their_parameters, layer_class_names, load_config
 from fsdp2bench.starting import start_child_server
 
 
@@ -39,28 +39,42 @@ class Session:
         return model_bytes(self.shapes)
 
 
-def open_session(model: str, device_choice: str, output_dir: str, seed: int, summary_file: str,
-                 check_config: Callable[[object], None] = lambda config: None) -> Session:
-    """Refuse what cannot work (one line, before anything runs), then meet the other ranks.
-    ``summary_file`` is the file rank 0 will keep rewriting in ``output_dir``.
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the model is, checked as fully_shard and accelerate will see it, before any process starts."""
+    name: str
+    config: object
+    shapes: list  # (shape, bytes per element) of each unique parameter
+    layer_classes: list[str]  # the transformer blocks to shard one by one
+
+
+def model_facts(model: str, seed: int, check_config: Callable[[object], None] = lambda config: None) -> ModelFacts:
+    """A causal LM whose blocks FSDP2 can shard one by one, each parameter in one unit; refused in one line."""
+    config = load_config(model)
+    check_config(config)
+    meta_model = build_meta_model(model, config, seed)
+    layer_classes = layer_class_names(meta_model)
+    check_units_own_their_parameters(model, meta_model, layer_classes)
+    return ModelFacts(model, config, param_shapes(meta_model), layer_classes)
+
+
+def open_session(facts: ModelFacts, device_choice: str, output_dir: str, summary_file: str) -> Session:
+    """Meet the other ranks, once the command line and the model were checked (one line, before anything
+    runs). ``summary_file`` is the file rank 0 will keep rewriting in ``output_dir``.
 
     From here on SIGINT and SIGTERM raise ``isolation.Interrupted`` in the main process.
     """
-    launcher_keeps_to_one_thread()
     device = pick_device(device_choice)
     rank, world_size = launcher_env()
     start_child_server(device.type)  # if the entry script has not: its imports overlap the set-up below
-    config = load_config(model)
-    check_config(config)
     prepare_output_dir(output_dir)
     if rank == 0:
         lock_output_dir(output_dir)
         check_replaceable(os.path.join(output_dir, summary_file))
-    meta_model = build_meta_model(model, config, seed)
-    shapes, layer_classes = param_shapes(meta_model), layer_class_names(meta_model)
     store, _, _ = next(dist.rendezvous("env://"))
     catch_interrupts()
-    return Session(device, rank, world_size, config, shapes, layer_classes, store, agree_on_run_id(store, rank))
+    return Session(device, rank, world_size, facts.config, facts.shapes, facts.layer_classes, store,
+                   agree_on_run_id(store, rank))
 
 
 def agree_on_run_id(store: dist.TCPStore, rank: int) -> str:

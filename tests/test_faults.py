@@ -279,23 +279,23 @@ def test_a_binary_dataset_is_read_as_its_bytes(tmp_path):
 
 
 def test_a_diverging_run_fails_its_checks_and_names_the_cause(tmp_path):
-    proc = run_script(["main.py", "--model", "tiny", "--device", "cpu", "--max_steps", "4", "--learning_rate", "1e308",
+    proc = run_script(["main.py", "--model", "tiny", "--device", "cpu", "--max_steps", "4",
                        "--variants", "torch_optimizer_after_fsdp,torch_optimizer_before_fsdp_fixed",
-                       "--output_dir", str(tmp_path)], nproc=None)
+                       "--inject_failure", "torch_optimizer_before_fsdp_fixed:1:0:nan", "--output_dir", str(tmp_path)],
+                      nproc=None)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     checks = load(tmp_path / "summary.json")["checks"]
     assert checks["losses_finite"]["ok"] is False
-    assert checks["losses_finite"]["first_non_finite_step"] == {"torch_optimizer_after_fsdp": 1,
-                                                                "torch_optimizer_before_fsdp_fixed": 1}
+    assert checks["losses_finite"]["first_non_finite_step"] == {"torch_optimizer_before_fsdp_fixed": 1}
     assert checks["intended_losses_match"]["ok"] is False
     assert checks["intended_variants_trained"]["ok"] is False
     assert "check losses_finite: FAIL" in proc.stdout
     # strict JSON, which any reader takes: the diverged losses are null, not a bare NaN
     def refuse(constant):
         raise ValueError(f"{constant} in a JSON file")
-    for path in [tmp_path / "summary.json", tmp_path / "torch_optimizer_after_fsdp_memory_usage.json"]:
+    for path in [tmp_path / "summary.json", tmp_path / f"{FIXED}_memory_usage.json"]:
         data = json.loads(path.read_text(), parse_constant=refuse)
-        losses = data["variants"]["torch_optimizer_after_fsdp"]["losses"] if "variants" in data else \
+        losses = data["variants"][FIXED]["losses"] if "variants" in data else \
             [s["loss"] for s in data["steps"]]
         assert math.isfinite(losses[0]) and losses[1] is None
     assert run_script(["visualize.py", "--dir", str(tmp_path)], nproc=None).returncode == 0

@@ -84,9 +84,9 @@ def test_a_matrix_with_a_sweep_has_a_row_per_simulated_world_size(tmp_path):
     (["--activation_checkpointing"], "--activation_checkpointing is set by matrix.py for each launch"),
     (["--option_sets", "default,fast"], "--option_sets: unknown option set(s) fast"),
     (["--option_sets", "ac,ac"], "an option set is given twice"),
-    (["--nproc_per_node", "-1"], "--nproc_per_node must be 0 (sweeps only) or a positive integer"),
+    (["--nproc_per_node", "-1"], "--nproc_per_node must be in [0, 4096], got -1"),
     (["--nproc_per_node", "0"], "--nproc_per_node 0 runs only the sweeps: give --simulate_world_size"),
-    (["--sweep_steps", "0", "--simulate_world_size", "2"], "--sweep_steps must be a positive integer"),
+    (["--sweep_steps", "0", "--simulate_world_size", "2"], "--sweep_steps must be in [1, 10000000], got 0"),
     (["--simulate_world_size", "2,x"], "expected comma-separated integers, got 'x'"),
     (["--batch_size", "0"], "--batch_size must be a positive integer"),
 ])
