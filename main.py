@@ -50,6 +50,9 @@ def parse_failure(text: str) -> FailureSpec:
                                          f"got {text!r}")
 
 
+SIMULATE_RANK_DEFAULT = "0"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--output_dir", default="out", help="where the JSON files go (default: out)")
@@ -92,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="measure one rank of a world of N instead of this launch's: one process plays that rank "
                         "on a fake process group (real allocations, no communication, losses meaningless). "
                         "Several N make a sweep, shared out among this launch's processes (default: off)")
-    p.add_argument("--simulate_rank", default="0", metavar="R[,R...]",
+    p.add_argument("--simulate_rank", default=SIMULATE_RANK_DEFAULT, metavar="R[,R...]",
                    help="with --simulate_world_size: the rank(s) to play, integers in [0, N) or 'last' for N-1; "
                         "'last' is skipped where the sharding rule gives it the bytes of a rank already played "
                         "(default: 0)")
@@ -151,6 +154,8 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], options.FsdpOptions
     fsdp_options = options.from_args(args)
     if args.dataset is not None and not os.path.isfile(args.dataset):
         raise UserError(f"--dataset {args.dataset}: no such file")
+    if args.simulate_world_size is None and args.simulate_rank != SIMULATE_RANK_DEFAULT:
+        raise UserError("--simulate_rank needs --simulate_world_size (there is no simulated rank to play)")
     if args.simulate_world_size is not None:
         sizes = simulation.parse_world_sizes(args.simulate_world_size)
         simulation.parse_ranks(args.simulate_rank, sizes)
@@ -160,16 +165,25 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], options.FsdpOptions
     return names, fsdp_options
 
 
-def check_failure_reachable(spec: FailureSpec, names: list[str], steps: int, world_size: int | None) -> None:
+def played_ranks(args: argparse.Namespace) -> set[int]:
+    """The simulated ranks a sweep plays (none without --simulate_world_size)."""
+    if not args.simulate_world_size:
+        return set()
+    sizes = simulation.parse_world_sizes(args.simulate_world_size)
+    return {n - 1 if spec == simulation.LAST else spec for n in sizes
+            for spec in simulation.parse_ranks(args.simulate_rank, sizes)}
+
+
+def check_failure_reachable(spec: FailureSpec, names: list[str], steps: int, ranks: set[int]) -> None:
     """A test option that would never fire is refused: a variant not run, a step past the last, a rank
-    the launch does not have (a sweep's ranks are the simulated ones, checked by the sweep's plan)."""
+    that is not played (this launch's ranks, or a sweep's simulated ones)."""
     where = f"--inject_failure {spec.name}:{spec.step}:{spec.rank}"
     if spec.name not in names:
         raise UserError(f"{where}: {spec.name} is not among --variants")
     if not 0 <= spec.step < steps:
         raise UserError(f"{where}: step {spec.step} is not among this run's steps 0..{steps - 1}")
-    if world_size is not None and not 0 <= spec.rank < world_size:
-        raise UserError(f"{where}: rank {spec.rank} is not among this launch's ranks 0..{world_size - 1}")
+    if spec.rank not in ranks:
+        raise UserError(f"{where}: rank {spec.rank} is not among the ranks played, {sorted(ranks)[:8]}")
 
 
 GPU_DEFAULT_MODEL, CPU_DEFAULT_MODEL = "qwen2.5-1.5b", "tiny"
@@ -249,7 +263,7 @@ def validate(argv: list[str] | None = None) -> Checked:
     batches = rank_batches(tokens, args.block_size, args.batch_size, args.dataset_fraction, rank, world,
                            args.max_steps)
     if args.inject_failure:
-        check_failure_reachable(args.inject_failure, names, len(batches), None if args.simulate_world_size else world)
+        check_failure_reachable(args.inject_failure, names, len(batches), played_ranks(args) or set(range(world)))
     return Checked(args, names, fsdp_options, facts, batches)
 
 

@@ -47,6 +47,8 @@ def check(args: argparse.Namespace, forwarded: list[str]) -> list[str]:
     check_ranges(args, NUMBER_RANGES)
     if args.nproc_per_node == 0 and not args.simulate_world_size:
         raise UserError("--nproc_per_node 0 runs only the sweeps: give --simulate_world_size")
+    if args.sweep_steps != DEFAULT_STEPS and not args.simulate_world_size:
+        raise UserError("--sweep_steps needs --simulate_world_size (there is no sweep to run)")
     check_output_dir(args.output_dir, "matrix.json")
     given = benchmark.validate([*forwarded, "--output_dir", args.output_dir]).args
     defaults = benchmark.parse_args([])

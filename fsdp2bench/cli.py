@@ -166,6 +166,8 @@ def check_output_dir(path: str, summary_file: str, flag: str = "--output_dir") -
 
 def check_writable_file(path: str, flag: str) -> None:
     """A file the command will write: not a directory, in a directory it can write."""
+    if not path.strip():
+        raise UserError(f"{flag}: an empty path")
     if os.path.isdir(path):
         raise UserError(f"{flag} {path}: a directory; a file goes there")
     check_output_dir(os.path.dirname(path) or ".", os.path.basename(path), flag)

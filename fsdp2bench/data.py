@@ -79,8 +79,8 @@ def rank_batches(tokens: torch.Tensor, block_size: int, batch_size: int, fractio
     if max_steps is not None:
         steps = min(steps, max_steps)
     if steps == 0:
-        raise UserError(f"the dataset gives {n_blocks} blocks of {block_size} tokens, too few for one step of "
-                        f"batch {batch_size} on {world_size} ranks")
+        raise UserError(f"--block_size {block_size}, --batch_size {batch_size}, --dataset_fraction {fraction:g}: the "
+                        f"dataset gives {n_blocks} blocks, too few for one step on {world_size} rank(s)")
     blocks = tokens[: n_blocks * block_size].view(n_blocks, block_size)
     mine = blocks[rank::world_size]
     return [mine[i * batch_size:(i + 1) * batch_size] for i in range(steps)]

@@ -47,6 +47,8 @@ def load_config(model: str):
             config = AutoConfig.from_pretrained(model)
         except Exception as exc:  # an unknown model_type, a field transformers refuses...
             raise UserError(f"--model {model}: transformers cannot read its config.json ({one_line(exc)})") from None
+    elif os.path.exists(model):
+        raise UserError(f"--model {model}: not a directory (a model directory holds config.json)")
     elif os.path.sep in model or model.startswith("."):
         raise UserError(f"--model {model}: no such directory")
     else:

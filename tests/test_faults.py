@@ -191,7 +191,7 @@ def test_a_failed_background_thread_fails_its_variant_in_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("accelerate:0:2", "rank 2 is not among this launch's ranks 0..1"),
+    ("accelerate:0:2", "rank 2 is not among the ranks played, [0, 1]"),
     ("accelerate:12:0", "step 12 is not among this run's steps 0..11"),
     ("accelerate:0:0:kill", "accelerate is not among --variants"),
 ])
