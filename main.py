@@ -264,6 +264,10 @@ def validate(argv: list[str] | None = None) -> Checked:
                            args.max_steps)
     if args.inject_failure:
         check_failure_reachable(args.inject_failure, names, len(batches), played_ranks(args) or set(range(world)))
+    device_type = pick_device(args.device).type
+    for n in simulation.parse_world_sizes(args.simulate_world_size)[:1] if args.simulate_world_size else [world]:
+        concurrency.check_fits(facts.shapes, n, names, args.init_device if device_type == "cuda" else "cpu",
+                               device_type, fsdp_options)
     return Checked(args, names, fsdp_options, facts, batches)
 
 

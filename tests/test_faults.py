@@ -122,6 +122,7 @@ BAD_INPUTS = {
     "bad failure spec": (["--inject_failure", "accelerate:x:1"], "expected VARIANT:STEP:RANK"),
     "concurrency zero": (["--concurrent_variants", "0"], "--concurrent_variants must be a positive integer"),
     "bad flag": (["--batch_sizes", "2"], "unrecognized arguments"),
+    "model too big for the host": (["--model", "qwen2.5-7b"], "GiB of host memory (1 process(es) at N = 1"),
     "checkpoint offload alone": (["--activation_checkpointing_offload"],
                                  "--activation_checkpointing_offload needs --activation_checkpointing"),
     "reshard not a bool": (["--reshard_after_forward", "maybe"], "--reshard_after_forward: invalid parse_bool value"),
