@@ -126,10 +126,10 @@ def add_fsdp_options(p: argparse.ArgumentParser) -> None:
                         "runs on the CPU")
 
 
-# What one run can do with each number (closed ranges): larger batches or blocks than any GPU holds for
-# one step, a learning rate that diverges on the first step, a seed beyond the generators' 32 bits, a
+# What one run can do with each number (closed ranges): a block of one token has no next token to
+# predict (its loss is NaN), larger batches or blocks than any GPU holds for one step, a learning rate that diverges on the first step, a seed beyond the generators' 32 bits, a
 # memory sample rarer than once a minute (a trace of one sample) or more often than once a millisecond.
-NUMBER_RANGES = {"batch_size": (1, 1 << 16), "block_size": (1, 1 << 20), "max_steps": (1, 10_000_000),
+NUMBER_RANGES = {"batch_size": (1, 1 << 16), "block_size": (2, 1 << 20), "max_steps": (1, 10_000_000),
                  "learning_rate": (1e-12, 10.0), "seed": (0, 2**32 - 1), "log_interval": (0.001, 60.0)}
 
 
