@@ -267,7 +267,7 @@ def validate(argv: list[str] | None = None) -> Checked:
     device_type = pick_device(args.device).type
     for n in simulation.parse_world_sizes(args.simulate_world_size)[:1] if args.simulate_world_size else [world]:
         concurrency.check_fits(facts.shapes, n, names, args.init_device if device_type == "cuda" else "cpu",
-                               device_type, fsdp_options)
+                               device_type, fsdp_options, 4 * args.batch_size * args.block_size * facts.config.vocab_size)
     return Checked(args, names, fsdp_options, facts, batches)
 
 

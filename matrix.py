@@ -18,6 +18,7 @@ from fsdp2bench import matrix, options
 from fsdp2bench.cli import OneLineParser, UserError, check_output_dir, check_ranges, exit_with, prepare_output_dir
 from fsdp2bench.simulation import DEFAULT_STEPS
 
+INTERRUPTED = (130, -2, -15)  # main.py's exit code after SIGINT or SIGTERM, or killed by one
 NUMBER_RANGES = {"nproc_per_node": (0, 4096), "sweep_steps": (1, 10_000_000)}  # 0 processes: sweeps only
 # main.py's FSDP2 options: each launch gets those of its option set.
 OWNED = ("reshard_after_forward", "mixed_precision_policy", "activation_checkpointing",
@@ -70,23 +71,24 @@ def run(args: argparse.Namespace, forwarded: list[str]) -> int:
     summaries: dict[str, tuple[str, dict]] = {}
     failed = False
     root = os.path.dirname(os.path.abspath(__file__))
-    try:
-        for option_set, directory, main_args in matrix.launches(args.output_dir, sets, args.simulate_world_size,
-                                                                args.sweep_steps, args.nproc_per_node > 0,
-                                                                forwarded):
-            print(f"=== option set {option_set}: main.py {' '.join(main_args)}", flush=True)
+    for option_set, directory, main_args in matrix.launches(args.output_dir, sets, args.simulate_world_size,
+                                                            args.sweep_steps, args.nproc_per_node > 0, forwarded):
+        print(f"=== option set {option_set}: main.py {' '.join(main_args)}", flush=True)
+        try:
             code = matrix.run_launch(matrix.launch_command(max(1, args.nproc_per_node), main_args), root)
-            if code == 2:  # main.py refused the launch and said why
-                return 2
-            failed = failed or code != 0
-            summary = matrix.read_summary(directory)
-            if summary is not None:
-                summaries[directory] = (option_set, summary)
-                matrix.write_matrix(args.output_dir, meta, summaries)
-    except KeyboardInterrupt:
-        matrix.write_matrix(args.output_dir, meta, summaries)
-        print(f"Interrupted; the option sets that ran are in {args.output_dir}/matrix.json", file=sys.stderr)
-        return 130
+        except KeyboardInterrupt:
+            code = INTERRUPTED[0]
+        if code == 2:  # main.py refused the launch and said why
+            return 2
+        failed = failed or code != 0
+        summary = matrix.read_summary(directory)
+        if summary is not None:
+            summaries[directory] = (option_set, summary)
+            matrix.write_matrix(args.output_dir, meta, summaries)
+        if code in INTERRUPTED:  # here, or in the launch alone (a signal this process may not have had)
+            matrix.write_matrix(args.output_dir, meta, summaries)
+            print(f"Interrupted; the option sets that ran are in {args.output_dir}/matrix.json", file=sys.stderr)
+            return 130
     result = matrix.write_matrix(args.output_dir, meta, summaries)
     matrix.print_findings(result)
     print(f"Wrote {args.output_dir}/matrix.json; draw it with:\n    python3 visualize.py --dir {args.output_dir}")

@@ -64,28 +64,31 @@ def decide(shapes, world_size: int, names: list[str], init_device: str, device_t
 
 
 def check_fits(shapes, world_size: int, names: list[str], init_device: str, device_type: str,
-               options: FsdpOptions) -> None:
-    """Refuse a run whose state alone (the memory model at the step peak, no margin) exceeds the
-    device, or whose host processes exceed the host's RAM: it could only run out of memory, or be
-    killed by the host, after minutes of building."""
+               options: FsdpOptions, logits_bytes: int) -> None:
+    """Refuse a run whose state (the memory model at the step peak, no margin) and one step's fp32
+    logits (``logits_bytes``, a lower bound of its activations) exceed the device, or whose host
+    processes exceed the host's RAM: it could only run out of memory, or be killed by the host,
+    after minutes of building."""
     from fsdp2bench.cli import UserError
 
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    state = max(sum(expected_state(shapes, world_size, 0, name, "before_zero_grad").values()) for name in names)
+    state = max(sum(expected_state(shapes, world_size, 0, name, "before_zero_grad").values())
+                for name in names) + (logits_bytes if device_type == "cpu" else 0)
     on_gpu = max(expected_device_bytes(shapes, world_size, 0, name, "before_zero_grad", options, device_type)
-                 for name in names)
+                 for name in names) + logits_bytes
     # The model built on the host is freed as fully_shard shards it: the host holds the larger of the two.
     build = model_bytes(shapes) if init_device == "cpu" else 0
     host = processes * (HOST_RUNTIME + max(build, state if device_type == "cpu" or options.cpu_offload else 0))
     available = psutil.virtual_memory().available
     if host > available:
-        raise UserError(f"--model and the launch need about {host / GIB:.1f} GiB of host memory ({processes} "
-                        f"process(es) at N = {world_size}: the model built on the host, its state and the runtime); "
-                        f"{available / GIB:.1f} GiB are available")
+        raise UserError(f"--model (with --batch_size and --block_size) needs about {host / GIB:.1f} GiB of host memory "
+                        f"({processes} process(es) at N = {world_size}: the model built on the host, its state and "
+                        f"the runtime); {available / GIB:.1f} GiB are available")
     total = gpu_memory() if device_type == "cuda" else None
     if total is not None and on_gpu > total:
-        raise UserError(f"--model at N = {world_size} holds {on_gpu / GIB:.1f} GiB of state per GPU at its step peak "
-                        f"(parameters, gradients, AdamW), more than the GPU's {total / GIB:.1f} GiB")
+        raise UserError(f"--model, --batch_size and --block_size at N = {world_size} need at least {on_gpu / GIB:.1f} "
+                        f"GiB per GPU at the step peak (parameters, gradients, AdamW and the fp32 logits), more than "
+                        f"the GPU's {total / GIB:.1f} GiB")
 
 
 def agree(store: dist.TCPStore, rank: int, decision: tuple[int, str] | None) -> tuple[int, str]:

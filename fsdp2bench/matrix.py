@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -51,12 +52,14 @@ def launches(output_dir: str, sets: list[str], sizes: str | None, sweep_steps: i
 
 
 def run_launch(command: list[str], cwd: str) -> int:
-    """One launch, in the foreground. On Ctrl-C the launch got the signal too: wait for it to write
-    what it has (it ends in bounded time), then pass the interrupt on."""
+    """One launch, in the foreground. On an interrupt the launch is told too (from a terminal it was
+    already; a second signal adds nothing there), writes what it has in bounded time, and the
+    interrupt is passed on."""
     proc = subprocess.Popen(command, cwd=cwd)
     try:
         return proc.wait()
     except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

@@ -16,6 +16,7 @@ import json
 import os
 import tempfile
 
+import psutil
 import pytest
 from conftest import run_script
 from hypothesis import HealthCheck, given, settings
@@ -270,7 +271,7 @@ def test_matrix_accepts_exactly_the_sane_command_lines(case):
 @given(main_command_line())
 def test_a_launch_runs_or_refuses_in_one_line_and_leaves_nothing_behind(case):
     """A few draws launched for real: exit 0 with summary.json, or exit 2 with one line and nothing
-    written; never a traceback."""
+    written; never a traceback, and no process left behind."""
     argv, sane = case
     out = tempfile.mkdtemp(prefix="fsdp2bench launch ")
     # The run's shape is fixed last (the last value wins) to one that shows within a dozen steps that the
@@ -282,6 +283,8 @@ def test_a_launch_runs_or_refuses_in_one_line_and_leaves_nothing_behind(case):
     proc = run_script(["main.py", *argv], nproc=None, timeout=300)
     output = proc.stdout + proc.stderr
     assert "Traceback" not in output, output[-3000:]
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if out in " ".join(p.info["cmdline"] or [])]
+    assert not left, f"processes left running: {left}"
     if proc.returncode == 2:
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and not os.path.exists(os.path.join(out, "run")), output[-3000:]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import signal
 
 import pytest
-from conftest import TINY, VARIANTS, load, run_script
+from conftest import TINY, VARIANTS, load, run_script, start_script
 
 from fsdp2bench import options
 from fsdp2bench.cli import UserError
@@ -77,6 +78,21 @@ def test_a_matrix_with_a_sweep_has_a_row_per_simulated_world_size(tmp_path):
     assert all(r["status"] == "ok" and r["accounting_matches_expected"] for r in result["rows"])
     at4 = next(f for f in result["findings"] if f["world_size"] == 4)
     assert at4["stale_optimizer_extra_mib"] > 0  # P + 2P/N against 4P/N (state, on CPU) from N = 4
+
+
+def test_an_interrupted_matrix_stops_and_keeps_what_finished(tmp_path):
+    proc = start_script(["matrix.py", "--model", "tiny", "--device", "cpu", "--max_steps", "400", "--option_sets",
+                         "default,ac", "--output_dir", str(tmp_path)], nproc=None)
+    for line in proc.stdout:
+        if line.startswith("[torch_optimizer_after_fsdp]"):
+            break
+    proc.send_signal(signal.SIGINT)  # to matrix.py alone: it tells the launch
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "Interrupted; the option sets that ran are in" in stderr
+    rows = load(tmp_path / "matrix.json")["rows"]
+    assert {r["option_set"] for r in rows} == {"default"} and rows[0]["status"] == "interrupted"
+    assert not (tmp_path / "ac").exists()
 
 
 @pytest.mark.parametrize("flags, message", [
