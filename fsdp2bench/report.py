@@ -191,33 +191,46 @@ def _gap_bytes(v: dict) -> int:
                for phase in PHASES for k in STATE_KEYS)
 
 
+def _held_after_training(v: dict) -> dict:
+    return max(v["accounting"], key=lambda r: sum(r[k] for k in STATE_KEYS))
+
+
+# The console table, at most 120 columns: (title, width, cell, needs an allocator). The rest of each
+# figure (steps, first loss, polled peaks, what is allocated beyond the state) is in summary.json.
+TABLE_COLUMNS = [
+    ("final", 7, lambda v: f"{v['final_loss']:.4f}", False),
+    ("drop", 6, lambda v: f"{v['loss_drop']:.1%}", False),
+    ("alloc", 8, lambda v: _fmt(v["peak_allocated_mib"]["max"]), True),
+    ("resv", 6, lambda v: _fmt(v["peak_reserved_mib"]["max"], ".0f"), True),
+    ("RSS", 6, lambda v: _fmt(v["peak_rss_mib"]["max"], ".0f"), False),
+    ("params", 7, lambda v: _mib(_held_after_training(v)["param_bytes"]), False),
+    ("grads", 7, lambda v: _mib(_held_after_training(v)["grad_bytes"]), False),
+    ("optim", 7, lambda v: _mib(_held_after_training(v)["optimizer_state_bytes"]), False),
+    ("stale", 7, lambda v: _mib(_held_after_training(v)["stale_param_bytes"]), False),
+    ("gap B", 5, lambda v: str(_gap_bytes(v)), False),
+    ("wall s", 6, lambda v: f"{v['wall_s']:.1f}", False),
+]
+NAME_WIDTH = 37  # the longest run name
+
+
 def print_table(summary: dict) -> None:
-    world = summary["meta"]["world_size"]
+    world, gpu = summary["meta"]["world_size"], summary["meta"]["device"] == "cuda"
+    columns = [c for c in TABLE_COLUMNS if gpu or not c[3]]
     print(f"\nResults over {world} rank(s); memory columns are the maximum over ranks.")
-    header = (f"{'variant':38} {'steps':>5} {'loss first':>10} {'final':>7} {'drop':>6} {'peak alloc':>10} "
-              f"{'polled':>8} {'peak resv':>9} {'peak RSS':>8} | {'params':>7} {'grads':>7} {'optim':>7} "
-              f"{'stale':>7} {'gap B':>6} {'other':>7} {'wall s':>6}")
+    header = f"{'variant':{NAME_WIDTH}} " + " ".join(f"{title:>{width}}" for title, width, _, _ in columns)
     print(header)
     print("-" * len(header))
     for name, v in summary["variants"].items():
         if v["status"] != "ok":
-            print(f"{name:38} {v['status'][:150]}{how_far(v.get('failure', []))}")
+            print(f"{name:{NAME_WIDTH}} {v['status'][:80]}{how_far(v.get('failure', []))}")
             continue
-        state = max(v["accounting"], key=lambda r: sum(r[k] for k in STATE_KEYS))
-        print(f"{name:38} {v['steps']:>5} {v['losses'][0]:>10.4f} {v['final_loss']:>7.4f} {v['loss_drop']:>6.1%} "
-              f"{_fmt(v['peak_allocated_mib']['max']):>10} {_fmt(v['polled_peak_allocated_mib']['max']):>8} "
-              f"{_fmt(v['peak_reserved_mib']['max'], '.0f'):>9} {_fmt(v['peak_rss_mib']['max'], '.0f'):>8} | "
-              f"{_mib(state['param_bytes']):>7} {_mib(state['grad_bytes']):>7} "
-              f"{_mib(state['optimizer_state_bytes']):>7} {_mib(state['stale_param_bytes']):>7} "
-              f"{_gap_bytes(v):>6} "
-              f"{_fmt(v['steady_allocated_minus_state_mib']['max']):>7} {v['wall_s']:>6.1f}")
-    print("MiB: peak alloc = the CUDA allocator's own peak counter; polled = the highest sample of the same; "
-          "peak resv = reserved by the caching allocator;\n     peak RSS = host memory of the process (polled). "
-          "Then MiB held by one rank after the last step: params (local shards), grads, optim (AdamW state), stale\n"
-          "     (tensors the optimizer holds that the model no longer uses); gap B = largest difference in bytes "
-          "from the FSDP2 sharding rule (memory_model.py),\n     any rank and moment; other = allocated after the "
-          "last step minus that state (buffers, allocator overhead).\ndrop: fall of the loss from the first to the "
-          "last quarter of steps.")
+        print(f"{name:{NAME_WIDTH}} " + " ".join(f"{cell(v):>{width}}" for _, width, cell, _ in columns))
+    print(("MiB. alloc: the CUDA allocator's own peak; resv: its peak reserved; " if gpu else "MiB. ") +
+          "RSS: the process's host memory (polled).\n"
+          "     Held by one rank after the last step: params (local shards), grads, optim (AdamW state), stale (tensors\n"
+          "     the optimizer holds that the model no longer uses); gap B: largest difference in bytes from the FSDP2\n"
+          "     sharding rule (memory_model.py), any rank and moment. drop: fall of the loss from the first to the last\n"
+          "     quarter of steps. summary.json has every figure per rank, the polled peaks and the phases.")
     for sentence in explanations(summary):
         print(sentence)
     print_checks(summary["checks"])
@@ -356,8 +369,8 @@ def print_sweep_table(summary: dict) -> None:
     sim = summary["meta"]["simulated"]
     print(f"\nSimulated world sizes ({summary['meta']['model']}): one process played each rank shown, on a fake "
           f"process group (real allocations, no communication); {sim['steps']} steps per run.")
-    header = (f"{'N':>4} {'rank':>4} {'variant':38} {'train peak':>10} {'peak alloc':>10} {'peak resv':>9} | "
-              f"{'params':>8} {'grads':>8} {'optim':>8} {'stale':>8} {'gap B':>6} {'beyond':>7}")
+    header = (f"{'N':>4} {'rank':>4} {'variant':{NAME_WIDTH}} {'train':>8} {'alloc':>8} {'resv':>6} "
+              f"{'params':>7} {'grads':>7} {'optim':>7} {'stale':>7} {'gap B':>5} {'beyond':>7}")
     print(header)
     print("-" * len(header))
     for n, rank, name, v in simulated_entries(summary["simulated"]):
@@ -365,16 +378,16 @@ def print_sweep_table(summary: dict) -> None:
             print(f"{n:>4} {rank:>4} {name:38} {v['status']}")
             continue
         state = v["accounting"][0]["before_zero_grad"]
-        print(f"{n:>4} {rank:>4} {name:38} {_fmt(v['training_peak_allocated_mib']['max']):>10} "
-              f"{_fmt(v['peak_allocated_mib']['max']):>10} {_fmt(v['peak_reserved_mib']['max'], '.0f'):>9} | "
-              f"{_mib(state['param_bytes']):>8} {_mib(state['grad_bytes']):>8} "
-              f"{_mib(state['optimizer_state_bytes']):>8} {_mib(state['stale_param_bytes']):>8} {_gap_bytes(v):>6} "
+        print(f"{n:>4} {rank:>4} {name:{NAME_WIDTH}} {_fmt(v['training_peak_allocated_mib']['max']):>8} "
+              f"{_fmt(v['peak_allocated_mib']['max']):>8} {_fmt(v['peak_reserved_mib']['max'], '.0f'):>6} "
+              f"{_mib(state['param_bytes']):>7} {_mib(state['grad_bytes']):>7} "
+              f"{_mib(state['optimizer_state_bytes']):>7} {_mib(state['stale_param_bytes']):>7} {_gap_bytes(v):>5} "
               f"{_fmt(v['training_peak_beyond_state_mib']['max']):>7}")
-    print("MiB: train peak = the allocator's peak over the optimizer steps; peak alloc = the same over the whole "
-          "run, building the model included;\n     peak resv = reserved by the caching allocator. Then the state "
+    print("MiB: train = the allocator's peak over the optimizer steps; alloc = the same over the whole "
+          "run, building the model included;\n     resv = reserved by the caching allocator. Then the state "
           "held at the step peak (after the last optimizer step): params,\n     grads, optim (AdamW state), stale "
           "(the optimizer's old full parameters); gap B = largest difference in bytes from the FSDP2\n     sharding "
-          "rule, any moment; beyond = train peak minus that state (activations, gathered parameters, buffers).")
+          "rule, any moment; beyond = train minus that state (activations, gathered parameters, buffers).")
     crossover = summary["simulation_findings"]["unfixed_exceeds_intended_from_world_size"]
     for key, n in crossover.items():
         said = f"from simulated N = {n} on" if n is not None else "at no simulated N"

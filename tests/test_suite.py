@@ -191,3 +191,25 @@ def test_the_device_is_told_before_torch_is_imported(monkeypatch, argv, driver, 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(os.path, "exists", lambda path: driver and path == "/dev/nvidiactl")
     assert likely_device_type(argv) == expected
+
+
+def test_the_results_table_fits_120_columns_on_cpu_and_on_a_gpu(suite, capsys):
+    """The CPU run's table leaves out the allocator's columns; a GPU run's (the committed one-H200
+    summary, drawn again) has them, and both fit a 120-column terminal."""
+    import json
+    from pathlib import Path
+
+    from fsdp2bench.report import print_table
+
+    def table(stdout: str) -> list[str]:
+        lines = stdout.split("Results over", 1)[1].splitlines()
+        return lines[1:lines.index(next(line for line in lines if line.startswith("MiB")))]
+
+    cpu = table(suite[1].stdout)
+    assert "alloc" not in cpu[0] and "RSS" in cpu[0]
+    gpu_summary = json.loads((Path(__file__).parent.parent / "results/h200/matrix_1.5b/default/summary.json").read_text())
+    print_table(gpu_summary)
+    gpu = table(capsys.readouterr().out)
+    assert "alloc" in gpu[0] and "29586.2" in "\n".join(gpu)
+    assert len(cpu) == len(gpu) == 2 + len(VARIANTS)
+    assert max(len(line) for line in cpu + gpu) <= 120
