@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from fsdp2bench.names import GIB, STATE_KEYS, TRACE_KEYS, VARIANTS, simulated_dir_name  # noqa: E402
+from fsdp2bench.names import GIB, MIB, STATE_KEYS, TRACE_KEYS, VARIANTS, simulated_dir_name  # noqa: E402
 # The zero of every time axis: all variants are compared from the moment their model is sharded,
 # so the time each spent building the model does not offset the curves.
 ALIGN_EVENT = "sharded"
@@ -197,33 +197,50 @@ def plot_memory(runs: dict, keys: tuple, path: str, threshold: float, partition:
             width = 1.8 if rank == 0 else 0.7
             for key, style in ((peak_key, "-"), (end_key, ":")):
                 if key is not None:
-                    bottom.plot(steps, [nan_if_none(s.get(key)) for s in trace["steps"]], color=f"C{i}", lw=width, ls=style,
-                                label=name if rank == 0 and key == (peak_key or end_key) else None)
+                    kind = "peak within the step" if key == peak_key else "after the step"
+                    bottom.plot(steps, [nan_if_none(s.get(key)) for s in trace["steps"]], color=f"C{i}", lw=width,
+                                ls=style, label=f"{name}, rank {rank}: {kind}")
     top.set_xlabel(f"seconds since the model was sharded ('{ALIGN_EVENT}' event)")
     top.set_title(f"{what}, {simulated_label(runs) or 'rank 0'}, sampled over time (MiB)")
     bottom.set_xlabel("optimizer step")
     first_line = "peak within each step (allocator counter, solid); " if peak_key else ""
-    bottom.set_title(f"{what} per step: {first_line}after the step (dotted); all ranks (MiB)")
+    bottom.set_title(f"{what} per step: {first_line}after the step (dotted); rank 0 thick, the others thin (MiB)")
     for ax in (top, bottom):
         ax.set_ylabel(f"{what} (MiB)")
+        ax.set_ylim(bottom=0)  # magnitudes are compared: a 2% difference must look like one
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    top.legend(fontsize=8, loc="lower right")  # the curves sit high on an axis from zero
+    bottom.legend(fontsize=6, ncol=2, loc="lower right")
     save(fig, path)
     return True
 
 
 def plot_loss(runs: dict, path: str) -> None:
+    """Rank 0's loss per step; variants whose losses are equal step for step are one line, labelled
+    with all of them, so that none hides under another."""
+    groups: dict[tuple, list[str]] = {}
+    for name, ranks in runs.items():
+        groups.setdefault(tuple(s["loss"] for s in ranks[0]["steps"]), []).append(name)
     fig, ax = plt.subplots(figsize=(11, 6))
-    for i, (name, ranks) in enumerate(runs.items()):
-        steps = ranks[0]["steps"]
-        ax.plot([s["step"] for s in steps], [s["loss"] for s in steps], color=f"C{i}", label=name,
-                lw=2.5 if i == 0 else 1.2, ls="-" if i == 0 else "--")
+    for i, (losses, names) in enumerate(groups.items()):
+        color = f"C{VARIANTS.index(names[0])}" if names[0] in VARIANTS else f"C{i}"
+        ax.plot(range(len(losses)), [nan_if_none(v) for v in losses], color=color, lw=2.5 if len(names) > 1 else 1.4,
+                ls="-" if i == 0 else "--", marker="o" if len(losses) <= 50 else None, ms=3,
+                label=" = ".join(names) + (" (equal at every step)" if len(names) > 1 else ""))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (rank 0's batches)")
     ax.set_title("Loss per step: the unfixed variant never trains")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     save(fig, path, dpi=120)
+
+
+def size_unit(max_bytes: float) -> tuple[float, str]:
+    """The unit that suits the largest value: GiB from 1 GiB, MiB from 1 MiB, else KiB."""
+    for divisor, name in ((GIB, "GiB"), (MIB, "MiB")):
+        if max_bytes >= divisor:
+            return divisor, name
+    return 1024, "KiB"
 
 
 def plot_projection(summary: dict, path: str) -> bool:
@@ -233,19 +250,20 @@ def plot_projection(summary: dict, path: str) -> bool:
         return False
     table = proj["per_rank_state_bytes"]
     sizes = [int(n) for n in table]
+    unit, unit_name = size_unit(max(v for row in table.values() for cell in row.values() for v in cell.values()))
     fig, ax = plt.subplots(figsize=(10, 6))
     for i, name in enumerate(VARIANTS):
         if name not in table[str(sizes[0])]:
             continue
-        peak = [table[str(n)][name]["before_zero_grad"] / GIB for n in sizes]
-        held = [table[str(n)][name]["end_of_training"] / GIB for n in sizes]
+        peak = [table[str(n)][name]["before_zero_grad"] / unit for n in sizes]
+        held = [table[str(n)][name]["end_of_training"] / unit for n in sizes]
         ax.plot(sizes, peak, color=f"C{i}", marker="o", ms=3, label=f"{name}: at the step peak")
         ax.plot(sizes, held, color=f"C{i}", ls=":", label=f"{name}: between steps")
         measured = proj["measured"]["per_rank_state_bytes"].get(name)
         if measured:
             n = proj["measured"]["world_size"]
             x = n * 2 ** (0.06 * (i - 1.5))  # nudge the stars apart: the intended ones coincide
-            ax.plot([x, x], [measured["before_zero_grad"] / GIB, measured["end_of_training"] / GIB], ls="none",
+            ax.plot([x, x], [measured["before_zero_grad"] / unit, measured["end_of_training"] / unit], ls="none",
                     marker="*", ms=14, color=f"C{i}", markeredgecolor="black")
     crossover = proj.get("unfixed_costs_more_from_world_size")
     if crossover:
@@ -255,7 +273,8 @@ def plot_projection(summary: dict, path: str) -> bool:
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(n) for n in sizes])
     ax.set_xlabel("world size N (ranks)")
-    ax.set_ylabel("parameters + gradients + optimizer state + stale parameters per rank (GiB)")
+    ax.set_ylabel(f"state only: parameters + gradients + optimizer state + stale parameters per rank ({unit_name})")
+    ax.set_ylim(bottom=0)
     ax.set_title(f"Expected state per rank for {summary['meta']['model']} (the three intended variants coincide); "
                  "stars: measured in this run")
     ax.grid(alpha=0.3)
@@ -338,37 +357,39 @@ def plot_simulated(summary: dict, path: str) -> None:
     measured memory beyond that state (activations, gathered parameters, buffers)."""
     table = summary["projection"]["per_rank_state_bytes"]
     sizes = [int(n) for n in table]
+    unit, unit_name = size_unit(max(v for row in table.values() for cell in row.values() for v in cell.values()))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 10), sharex=True)
     measured_any = False
     for i, name in enumerate(VARIANTS):
         if name not in table[str(sizes[0])]:
             continue
-        top.plot(sizes, [table[str(n)][name]["before_zero_grad"] / GIB for n in sizes], color=f"C{i}", lw=1,
+        top.plot(sizes, [table[str(n)][name]["before_zero_grad"] / unit for n in sizes], color=f"C{i}", lw=1,
                  label=f"{name}: state at the step peak (sharding rule)")
         points = sweep_points(summary, name)
         x = [n * 2 ** (0.05 * (i - 1.5)) for n, _, _ in points]  # nudged apart: the intended ones coincide
-        state = [max(sum(rank["before_zero_grad"][k] for k in STATE_KEYS) for rank in e["accounting"]) / GIB
+        state = [max(sum(rank["before_zero_grad"][k] for k in STATE_KEYS) for rank in e["accounting"]) / unit
                  for _, _, e in points]
-        peak = [nan_if_none(e["training_peak_allocated_mib"]["max"]) / 1024 for _, _, e in points]
-        beyond = [nan_if_none(e["training_peak_beyond_state_mib"]["max"]) / 1024 for _, _, e in points]
+        peak = [nan_if_none(e["training_peak_allocated_mib"]["max"]) * MIB / unit for _, _, e in points]
+        beyond = [nan_if_none(e["training_peak_beyond_state_mib"]["max"]) * MIB / unit for _, _, e in points]
         top.plot(x, state, ls="none", marker="x", ms=7, color=f"C{i}", label=f"{name}: state counted (simulated)")
         if any(v == v for v in peak):  # not all NaN: the device has an allocator
             measured_any = True
             top.plot(x, peak, ls="none", marker="o", ms=7, color=f"C{i}", markeredgecolor="black",
-                     label=f"{name}: peak allocated in training (simulated)")
+                     label=f"{name}: measured peak allocated in training (simulated)")
             bottom.plot(x, beyond, marker="o", ms=6, lw=1, color=f"C{i}", label=name)
     ranks = sorted({int(r) for by_rank in summary["simulated"].values() for r in by_rank})
     played = "rank 0" if ranks == [0] else f"ranks {', '.join(map(str, ranks))}"
     top.set_title(f"{summary['meta']['model']}, per rank against world size N: simulated N, one process playing "
                   f"{played}")
-    top.set_ylabel("GiB per rank")
+    top.set_ylabel(f"{unit_name} per rank: lines and crosses state only, dots measured peaks")
     bottom.set_title("measured beyond the state: peak allocated in training minus the state held at the step peak")
-    bottom.set_ylabel("GiB per rank")
+    bottom.set_ylabel(f"{unit_name} per rank")
     if not measured_any:
         bottom.text(0.5, 0.5, "no allocator counters (CPU run)", ha="center", transform=bottom.transAxes)
     for ax in (top, bottom):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(n) for n in sizes])
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)

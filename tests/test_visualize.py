@@ -93,3 +93,33 @@ def test_files_of_an_earlier_run_in_the_same_directory_are_left_out(suite, tmp_p
     # The new run rewrote the first variant's rank-0 file; its rank-1 file and the 3 others' 6 are old.
     assert "note: left out 7 trace file(s) of other runs" in proc.stdout
     assert f"no results for {', '.join(VARIANTS[1:])}" in proc.stdout
+
+
+def drawn(monkeypatch, draw) -> list:
+    """The figures a plot function draws, kept instead of saved."""
+    from fsdp2bench import plots
+
+    figures = []
+    monkeypatch.setattr(plots, "save", lambda fig, path, dpi=110: figures.append(fig))
+    draw(plots)
+    return figures
+
+
+def test_plots_hide_no_series_and_say_what_they_count(suite, monkeypatch):
+    """Coinciding losses are one line labelled with every variant; every memory series is in the
+    legend with its rank; magnitudes start at zero; a tiny model's state is drawn in MiB, as state only."""
+    out, _ = suite
+    runs = __import__("fsdp2bench.plots", fromlist=["load_traces"]).load_traces(
+        str(out), {name: f"{name}_memory_usage" for name in VARIANTS}, [])
+    loss, = drawn(monkeypatch, lambda plots: plots.plot_loss(runs, "loss.png"))
+    labels = [t.get_text() for t in loss.axes[0].get_legend().get_texts()]
+    intended = [VARIANTS[0], VARIANTS[2], VARIANTS[3]]
+    assert labels == [" = ".join(intended) + " (equal at every step)", VARIANTS[1]]
+    rss, = drawn(monkeypatch, lambda plots: plots.plot_memory(runs, plots.MEMORY_PLOTS["rss_memory.png"], "x", 0, 2))
+    bottom = [t.get_text() for t in rss.axes[1].get_legend().get_texts()]
+    assert len(bottom) == len(rss.axes[1].lines) == 2 * len(VARIANTS)
+    assert f"{VARIANTS[1]}, rank 1: after the step" in bottom
+    assert all(ax.get_ylim()[0] == 0 for ax in rss.axes)
+    summary = json.loads((out / "summary.json").read_text())
+    projection, = drawn(monkeypatch, lambda plots: plots.plot_projection(summary, "x"))
+    assert projection.axes[0].get_ylabel().startswith("state only:") and "(MiB)" in projection.axes[0].get_ylabel()
