@@ -2,7 +2,7 @@
 
 ``torchrun --nproc_per_node N loading.py`` (or ``accelerate launch loading.py``) loads the same
 safetensors checkpoint four ways, each ending with the same sharded model ready to train, and
-measures per rank the host RAM, the GPU memory and the time it took. See README.md; the modes
+measures per rank the host RAM, the GPU memory and the time it took. See docs/loading.md; the modes
 themselves are in ``fsdp2bench/loading.py``.
 """
 

@@ -1,7 +1,7 @@
 """FSDP2 memory and convergence benchmark: four ways to combine an optimizer with fully_shard.
 
 Launch with ``torchrun --nproc_per_node N main.py`` or ``accelerate launch main.py``
-(plain ``python main.py`` runs one rank). See README.md for every option and output.
+(plain ``python main.py`` runs one rank). See docs/options.md and docs/output.md for every option and output.
 
 Where things are: the four variants and the fix in ``utils.py``; the memory tracker in
 ``measure.py``; one variant's training in ``fsdp2bench/runner.py``; failures, interrupts and

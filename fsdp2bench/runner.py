@@ -90,7 +90,7 @@ def train_step(prep: utils.Prepared, input_ids: torch.Tensor,
 class StepReadback:
     """Each step's loss and time, read one step late on a GPU.
 
-    A step is bound by the host (README, "Performance"): reading its loss at once would make the host wait
+    A step is bound by the host (docs/performance.md): reading its loss at once would make the host wait
     for the GPU's tail of the step before queueing the next one. Instead the loss is copied to pinned
     host memory behind the step, with an event, and the step's time is the device's time between two
     such events. Nothing here allocates device memory, so the memory figures do not change. The

@@ -1,4 +1,4 @@
-"""speed.py: the record the Performance section of the README is made from."""
+"""speed.py: the record docs/performance.md is made from."""
 
 from __future__ import annotations
 
