@@ -189,9 +189,9 @@ def check_failure_reachable(spec: FailureSpec, names: list[str], steps: int, ran
 GPU_DEFAULT_MODEL, CPU_DEFAULT_MODEL = "qwen2.5-1.5b", "tiny"
 
 
-def default_model(device_choice: str) -> str:
+def default_model(device_type: str) -> str:
     """The upstream's model on GPUs; on a CPU run a model that trains in minutes, said in one line."""
-    if pick_device(device_choice).type == "cuda":
+    if device_type == "cuda":
         return GPU_DEFAULT_MODEL
     if os.environ.get("RANK", "0") == "0":
         print(f"No --model given and no GPU: training the {CPU_DEFAULT_MODEL} model, a functional run of a few "
@@ -251,8 +251,9 @@ def validate(argv: list[str] | None = None) -> Checked:
     launcher_keeps_to_one_thread()  # before this process computes anything: it forks the children
     args = parse_args(argv)
     names, fsdp_options = check_args(args)
-    args.model = args.model or default_model(args.device)
-    if args.init_device == "cuda" and pick_device(args.device).type != "cuda":
+    device_type = pick_device(args.device).type
+    args.model = args.model or default_model(device_type)
+    if args.init_device == "cuda" and device_type != "cuda":
         raise UserError("--init_device cuda needs a GPU (this run is on the CPU)")
     check_output_dir(args.output_dir, "summary.json")
     facts = model_facts(args.model, args.seed, lambda config: check_positions(args.block_size, config))
@@ -264,10 +265,10 @@ def validate(argv: list[str] | None = None) -> Checked:
                            args.max_steps)
     if args.inject_failure:
         check_failure_reachable(args.inject_failure, names, len(batches), played_ranks(args) or set(range(world)))
-    device_type = pick_device(args.device).type
-    for n in simulation.parse_world_sizes(args.simulate_world_size)[:1] if args.simulate_world_size else [world]:
-        concurrency.check_fits(facts.shapes, n, names, args.init_device if device_type == "cuda" else "cpu",
-                               device_type, fsdp_options, 4 * args.batch_size * args.block_size * facts.config.vocab_size)
+    # The smallest simulated N holds the most per rank.
+    fit_world = simulation.parse_world_sizes(args.simulate_world_size)[0] if args.simulate_world_size else world
+    concurrency.check_fits(facts.shapes, fit_world, names, args.init_device if device_type == "cuda" else "cpu",
+                           device_type, fsdp_options, 4 * args.batch_size * args.block_size * facts.config.vocab_size)
     return Checked(args, names, fsdp_options, facts, batches)
 
 
