@@ -25,11 +25,17 @@ FIXED_MARGIN = 2 * GIB  # CUDA context, cuBLAS workspaces, the step's activation
 HOST_RUNTIME = 2 * GIB  # one variant's process without its model (torch, transformers, accelerate)
 
 
+def device_state(shapes, world_size: int, names: list[str], options: FsdpOptions, device_type: str) -> int:
+    """The state on the device at the step peak, of the worst variant on the worst rank: rank 0, whose
+    chunk of every parameter is the largest (memory_model.shard_rows)."""
+    return max(expected_device_bytes(shapes, world_size, 0, name, "before_zero_grad", options, device_type)
+               for name in names)
+
+
 def gpu_need(shapes, world_size: int, names: list[str], init_device: str, options: FsdpOptions) -> int:
-    """Bytes one variant may take on one GPU: its state there at the step peak (the worst of the
-    variants and of ranks 0 and N-1) with a margin, or the whole model while it is built there."""
-    state = max(expected_device_bytes(shapes, world_size, rank, name, "before_zero_grad", options, "cuda")
-                for name in names for rank in {0, world_size - 1})
+    """Bytes one variant may take on one GPU: its state there at the step peak with a margin, or the
+    whole model while it is built there."""
+    state = device_state(shapes, world_size, names, options, "cuda")
     return max(int(state * STATE_MARGIN) + FIXED_MARGIN, int(model_bytes(shapes) * 1.2) if init_device == "cuda" else 0)
 
 
@@ -74,8 +80,7 @@ def check_fits(shapes, world_size: int, names: list[str], init_device: str, devi
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     state = max(sum(expected_state(shapes, world_size, 0, name, "before_zero_grad").values())
                 for name in names) + (logits_bytes if device_type == "cpu" else 0)
-    on_gpu = max(expected_device_bytes(shapes, world_size, 0, name, "before_zero_grad", options, device_type)
-                 for name in names) + logits_bytes
+    on_gpu = device_state(shapes, world_size, names, options, device_type) + logits_bytes
     # The model built on the host is freed as fully_shard shards it: the host holds the larger of the two.
     build = model_bytes(shapes) if init_device == "cpu" else 0
     host = processes * (HOST_RUNTIME + max(build, state if device_type == "cpu" or options.cpu_offload else 0))

@@ -123,9 +123,14 @@ def state_projection(shapes, names: list[str], sizes: list[int] = PROJECTION_WOR
             "reference": reference}
 
 
+def _worst_rank(entry: dict, phase: str) -> dict:
+    """The state counted at ``phase`` on the rank that held the most, per key."""
+    return max((rank[phase] for rank in entry["accounting"]), key=lambda held: sum(held[k] for k in STATE_KEYS))
+
+
 def _held_state(entry: dict, phase: str) -> int:
     """State bytes counted at ``phase``, on the rank that held the most."""
-    return max(sum(rank[phase][k] for k in STATE_KEYS) for rank in entry["accounting"])
+    return sum(_worst_rank(entry, phase)[k] for k in STATE_KEYS)
 
 
 def projection_summary(shapes, variants: dict, world_size: int) -> dict:
@@ -191,10 +196,6 @@ def _gap_bytes(v: dict) -> int:
                for phase in PHASES for k in STATE_KEYS)
 
 
-def _held_after_training(v: dict) -> dict:
-    return max(v["accounting"], key=lambda r: sum(r[k] for k in STATE_KEYS))
-
-
 # The console table, at most 120 columns: (title, width, cell, needs an allocator). The rest of each
 # figure (steps, first loss, polled peaks, what is allocated beyond the state) is in summary.json.
 TABLE_COLUMNS = [
@@ -203,10 +204,10 @@ TABLE_COLUMNS = [
     ("alloc", 8, lambda v: _fmt(v["peak_allocated_mib"]["max"]), True),
     ("resv", 6, lambda v: _fmt(v["peak_reserved_mib"]["max"], ".0f"), True),
     ("RSS", 6, lambda v: _fmt(v["peak_rss_mib"]["max"], ".0f"), False),
-    ("params", 7, lambda v: _mib(_held_after_training(v)["param_bytes"]), False),
-    ("grads", 7, lambda v: _mib(_held_after_training(v)["grad_bytes"]), False),
-    ("optim", 7, lambda v: _mib(_held_after_training(v)["optimizer_state_bytes"]), False),
-    ("stale", 7, lambda v: _mib(_held_after_training(v)["stale_param_bytes"]), False),
+    ("params", 7, lambda v: _mib(_worst_rank(v, "end_of_training")["param_bytes"]), False),
+    ("grads", 7, lambda v: _mib(_worst_rank(v, "end_of_training")["grad_bytes"]), False),
+    ("optim", 7, lambda v: _mib(_worst_rank(v, "end_of_training")["optimizer_state_bytes"]), False),
+    ("stale", 7, lambda v: _mib(_worst_rank(v, "end_of_training")["stale_param_bytes"]), False),
     ("gap B", 5, lambda v: str(_gap_bytes(v)), False),
     ("wall s", 6, lambda v: f"{v['wall_s']:.1f}", False),
 ]
