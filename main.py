@@ -286,8 +286,10 @@ def run(argv: list[str] | None = None) -> int:
             "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()}}
     concurrent = variants_at_once(args, session, names, fsdp_options)
     meta["concurrent_variants"] = concurrent
+    meta["threads_per_variant"] = max(1, build_threads() // concurrent)
     train = TrainConfig(args.seed, args.learning_rate, args.log_interval, args.save_memory_snapshot,
                         args.tracker_overhead, args.inject_failure, args.init_device, build_threads(),
+                        meta["threads_per_variant"],
                         weights.create() if args.init_device == "cpu" else None, args.quiet,
                         fsdp_options)
     suite = Suite(session, names, train, batches, meta, args.output_dir, concurrent,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 
+from fsdp2bench import snapshots
 from fsdp2bench.memory_model import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_state,
                                      first_world_size_where_unfixed_costs_more, projection)
 from fsdp2bench.names import GIB, INTENDED, MIB, PHASES, STATE_KEYS, UNFIXED
@@ -90,6 +91,7 @@ def memory_summary(name: str, per_rank: list[dict], shapes, world_size: int, ran
         "expected_device_bytes": expected_on_device,
         "accounting_matches_expected": accounting == expected and on_device == expected_on_device,
         "steady_allocated_minus_state_mib": _across(residual),
+        **({"peak_tensors": [r["peak_tensors"] for r in per_rank]} if "peak_tensors" in per_rank[0] else {}),
         "wall_s": max(r["wall_s"] for r in per_rank),
         "median_step_time_s": statistics.median(s["step_time_s"] for s in per_rank[0]["steps"]),
     }
@@ -267,7 +269,17 @@ def accelerate_vs_torch(entries: dict) -> dict | None:
                     "device_bytes": max(r["before_zero_grad"] for r in e["device_bytes"]),
                     "beyond_state_mib": e["training_peak_beyond_state_mib"]["max"]}
              for name, e in ((ACCELERATE, acc), (TORCH, ref))}
-    return {"reference": TORCH, "difference_mib": diffs, "holds_at_step_peak": holds}
+    found = {"reference": TORCH, "difference_mib": diffs, "holds_at_step_peak": holds}
+    if "peak_tensors" in acc and "peak_tensors" in ref:  # --save_memory_snapshot: the tensors that differ
+        found["peak_tensors_difference"] = snapshots.difference(_at_highest_peak(acc), _at_highest_peak(ref),
+                                                                ACCELERATE, TORCH)
+    return found
+
+
+def _at_highest_peak(entry: dict) -> dict:
+    """The replayed peak of the rank whose allocator peaked highest in training."""
+    peaks = [p if p is not None else -1 for p in entry["training_peak_allocated_mib"]["per_rank"]]
+    return entry["peak_tensors"][peaks.index(max(peaks))]
 
 
 def compared_sentence(found: dict | None) -> str | None:
@@ -279,8 +291,11 @@ def compared_sentence(found: dict | None) -> str | None:
     state = "the same state" if acc["state_bytes"] == ref["state_bytes"] else \
         f"{(acc['state_bytes'] - ref['state_bytes']) / MIB:+.1f} MiB of state"
     peak = "no allocator counters on CPU" if diff is None else f"{diff:+.1f} MiB of training peak allocated"
+    tensors = "".join(f"; at its peak accelerate holds {row['difference_mib']:+.1f} MiB of {row['tensor']} "
+                      f"(allocated at {row['site']})" for row in found.get("peak_tensors_difference", [])[:3])
     return (f"accelerate against {TORCH}: {peak}; {state} at the step peak (params, grads, AdamW, stale), "
-            f"so a difference is in what a step holds beyond it (gathered parameters, activations, buffers).")
+            f"so a difference is in what a step holds beyond it (gathered parameters, activations, buffers)"
+            f"{tensors}.")
 
 
 def explanations(summary: dict) -> list[str]:

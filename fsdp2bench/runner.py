@@ -20,6 +20,7 @@ from fsdp2bench.model import build_model
 from fsdp2bench.names import rank_file
 from fsdp2bench.options import FsdpOptions
 from fsdp2bench.progress import Progress
+from fsdp2bench import snapshots
 from fsdp2bench.simulation import init_simulated_group
 from fsdp2bench.weights import SharedWeights
 from measure import MemoryTracker
@@ -47,6 +48,7 @@ class TrainConfig:
     inject_failure: FailureSpec | None
     init_device: str  # "cpu" (the upstream's path: fully_shard moves the shards) or "cuda"
     build_threads: int  # this rank's share of the host's cores, for drawing the weights of a build on the CPU
+    compute_threads: int  # intra-op threads of each variant's process: that share split among the variants at once
     weights: SharedWeights | None  # where this rank's variants share the weights of a CPU build (weights.py)
     quiet: bool  # no progress lines
     options: FsdpOptions = FsdpOptions()  # the FSDP2 options every variant applies
@@ -73,18 +75,29 @@ class Job:
 
 # --------------------------------------------------------------------------- training
 
-def train_step(prep: utils.Prepared, input_ids: torch.Tensor,
-               before_zero_grad: Callable[[], None] | None = None) -> torch.Tensor:
-    """One step, queued; returns the loss still on the device (reading it would wait for the GPU)."""
-    # The outputs, logits included, stay alive through backward and the optimizer step, as in the
-    # upstream's loop and in most user code: they are part of what a step costs.
-    outputs = prep.model(input_ids=input_ids, labels=input_ids)
-    prep.backward(outputs.loss)
-    prep.optimizer.step()
-    if before_zero_grad is not None:
-        before_zero_grad()
-    prep.optimizer.zero_grad()
-    return outputs.loss.detach()
+class TrainStep:
+    """One step at a time, queued; a call returns the loss still on the device (reading it would wait
+    for the GPU).
+
+    The outputs, logits included, are part of what a step costs. They stay alive through backward and
+    the optimizer step, and on until the next step's forward has returned, as the loop variable of the
+    upstream's loop (and of most user code) keeps them: where they sit changes where the caching
+    allocator puts the next step's blocks (1042 MiB of reserved memory at N = 1 for the 1.5B model).
+    """
+
+    def __init__(self, prep: utils.Prepared):
+        self.prep = prep
+        self.outputs = None
+
+    def __call__(self, input_ids: torch.Tensor, before_zero_grad: Callable[[], None] | None = None) -> torch.Tensor:
+        prep = self.prep
+        self.outputs = prep.model(input_ids=input_ids, labels=input_ids)  # the previous outputs go only now
+        prep.backward(self.outputs.loss)
+        prep.optimizer.step()
+        if before_zero_grad is not None:
+            before_zero_grad()
+        prep.optimizer.zero_grad()
+        return self.outputs.loss.detach()
 
 
 class StepReadback:
@@ -195,6 +208,7 @@ def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
     progress = Progress(job.name, len(job.batches), job.position,
                         enabled=job.rank == 0 and not job.simulated and not job.train.quiet)
     readback = StepReadback(job.device, len(job.batches))
+    train_step = TrainStep(prep)
 
     def read_back(step: int) -> None:
         loss, seconds = readback.result(step)
@@ -209,7 +223,7 @@ def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
             tracker.polling = not (job.train.tracker_overhead and step % 2)
             hook = (lambda: accounting.update(before_zero_grad=account(prep.model, prep.optimizer))) \
                 if step == last else None
-            readback.queued(step, train_step(prep, batch.to(job.device, non_blocking=True), hook))
+            readback.queued(step, train_step(batch.to(job.device, non_blocking=True), hook))
             tracker.record_step(step)
             if step > 0:
                 read_back(step - 1)  # the previous step, while the device runs this one
@@ -219,9 +233,14 @@ def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
     progress.close()
     tracker.mark("training_finished")
     accounting["end_of_training"] = account(prep.model, prep.optimizer)
-    return {"wall_s": time.perf_counter() - start, "accounting": accounting,
-            "allocator": tracker.allocator_stats(), "counter_peaks": tracker.counter_peaks(),
-            "polled_peaks": tracker.polled_peaks()}
+    found = {"wall_s": time.perf_counter() - start, "accounting": accounting,
+             "allocator": tracker.allocator_stats(), "counter_peaks": tracker.counter_peaks(),
+             "polled_peaks": tracker.polled_peaks()}
+    if records_history(job):  # while the model exists to name the blocks
+        found["peak_tensors"] = snapshots.peak_tensors(torch.cuda.memory._snapshot(),
+                                                       snapshots.parameter_sizes(prep.model),
+                                                       job.device.index or 0, HISTORY_ENTRIES)
+    return found
 
 
 # --------------------------------------------------------------------------- the process
@@ -236,22 +255,31 @@ def deterministic(device: torch.device) -> None:
     torch.utils.deterministic.fill_uninitialized_memory = False
 
 
+HISTORY_ENTRIES = 400_000  # allocator events kept (the oldest go first; peak_tensors says when some did)
+
+
+def records_history(job: Job) -> bool:
+    return job.train.save_memory_snapshot and job.device.type == "cuda"
+
+
 def variant_process(job: Job) -> None:
     """Entry point of the child process: one variant on one rank."""
+    # Processes side by side that each take every core spin against one another: under CPU offload
+    # four AdamW steps on the host took 31-48 s a step instead of a few (1.5B, 16 cores, one H200).
+    torch.set_num_threads(job.train.compute_threads)
     deterministic(job.device)
-    snapshot = job.train.save_memory_snapshot and job.device.type == "cuda"
     child = TracedChild(job.keys, job.rank, job.device, job.train.log_interval,
                         os.path.join(job.output_dir, rank_file(job.name, "memory_usage.json", job.rank)),
                         {"meta": job.meta, "run_id": job.meta["run_id"]})
 
     def work(store, tracker: MemoryTracker) -> dict:
-        if snapshot:
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
+        if records_history(job):  # Python stacks only: C++ ones take minutes to resolve at the dump
+            torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
         mesh = init_simulated_group(job.device, job.rank, job.world_size) if job.simulated else \
             init_group(job.device, job.keys, store, job.rank, job.world_size)
         tracker.mark("group_ready")
         extra = train(job, tracker, mesh)
-        if snapshot:
+        if records_history(job):
             torch.cuda.memory._dump_snapshot(os.path.join(job.output_dir,
                                                           rank_file(job.name, "memory_snapshot.pkl", job.rank)))
         extra["gpu_name"] = torch.cuda.get_device_name(job.device) if job.device.type == "cuda" else None
