@@ -154,8 +154,9 @@ def filtered(times: list[float], values: list, threshold: float, partition: floa
     return [t for t, _ in kept], [v for _, v in kept]
 
 
-def save(fig, path: str, dpi: int = 110) -> None:
-    fig.tight_layout()
+def save(fig, path: str, dpi: int = 110, rect: tuple = (0, 0, 1, 1)) -> None:
+    """``rect``: the part of the figure the axes may take (the rest holds a figure legend)."""
+    fig.tight_layout(rect=rect)
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
 
@@ -443,6 +444,6 @@ def plot_matrix(matrix: dict, path: str) -> None:
         "state held at the step peak (counted; no allocator on CPU)"
     axes[0][0].set_ylabel(f"GiB per rank: {what}")
     fig.suptitle(f"{' '.join(matrix['meta']['main_args'])}: per option set and variant", y=0.995, fontsize=9)
-    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.94), ncol=5, fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1, 0.86))
-    save(fig, path)
+    wide = len(columns) >= 3  # room for the legend on one row
+    fig.legend(loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=5 if wide else 2, fontsize=8)
+    save(fig, path, rect=(0, 0.1 if wide else 0.2, 1, 0.97))
