@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from fsdp2bench.starting import start_before_imports
+from fsdp2bench.starting import CANCELLED, start_before_imports, wait_for_turn
 
 if __name__ == "__main__":  # ahead of the imports below, on purpose: the fork server's overlap them
     start_before_imports(sys.argv[1:])
@@ -277,6 +277,14 @@ def run(argv: list[str] | None = None) -> int:
     timeline = {"process_created": psutil.Process().create_time(), "main_started": time.time()}
     checked = validate(argv)
     args, names, fsdp_options, batches = checked.args, checked.names, checked.fsdp_options, checked.batches
+    try:  # started by matrix.py ahead of its turn, and checked: it waits here, having written nothing
+        turn = wait_for_turn()
+    except KeyboardInterrupt:
+        print("Interrupted while waiting for the launch before this one to end; nothing ran", file=sys.stderr)
+        return 130
+    if turn == CANCELLED:  # matrix.py ends before this launch's turn, and says why
+        return 0
+    timeline["turn_came"] = time.time()
     session = open_session(checked.facts, args.device, args.output_dir, "summary.json")
     meta = {"run_id": session.run_id, "world_size": session.world_size, "device": session.device.type,
             "init_device": args.init_device if session.device.type == "cuda" else "cpu",

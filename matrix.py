@@ -70,25 +70,30 @@ def run(args: argparse.Namespace, forwarded: list[str]) -> int:
     meta = matrix.meta_of(sets, args.simulate_world_size, args.sweep_steps, args.nproc_per_node, forwarded)
     summaries: dict[str, tuple[str, dict]] = {}
     failed = False
-    root = os.path.dirname(os.path.abspath(__file__))
-    for option_set, directory, main_args in matrix.launches(args.output_dir, sets, args.simulate_world_size,
-                                                            args.sweep_steps, args.nproc_per_node > 0, forwarded):
-        print(f"=== option set {option_set}: main.py {' '.join(main_args)}", flush=True)
-        try:
-            code = matrix.run_launch(matrix.launch_command(max(1, args.nproc_per_node), main_args), root)
-        except KeyboardInterrupt:
-            code = INTERRUPTED[0]
-        if code == 2:  # main.py refused the launch and said why
-            return 2
-        failed = failed or code != 0
-        summary = matrix.read_summary(directory)
-        if summary is not None:
-            summaries[directory] = (option_set, summary)
-            matrix.write_matrix(args.output_dir, meta, summaries)
-        if code in INTERRUPTED:  # here, or in the launch alone (a signal this process may not have had)
-            matrix.write_matrix(args.output_dir, meta, summaries)
-            print(f"Interrupted; the option sets that ran are in {args.output_dir}/matrix.json", file=sys.stderr)
-            return 130
+    plan = matrix.launches(args.output_dir, sets, args.simulate_world_size, args.sweep_steps, args.nproc_per_node > 0,
+                           forwarded)
+    launches = matrix.Launches([matrix.launch_command(max(1, args.nproc_per_node), main_args)
+                                for _, _, main_args in plan], os.path.dirname(os.path.abspath(__file__)))
+    try:
+        for i, (option_set, directory, main_args) in enumerate(plan):
+            print(f"=== option set {option_set}: main.py {' '.join(main_args)}", flush=True)
+            try:
+                code = launches.run(i)
+            except KeyboardInterrupt:
+                code = INTERRUPTED[0]
+            if code == 2:  # main.py refused the launch and said why
+                return 2
+            failed = failed or code != 0
+            summary = matrix.read_summary(directory)
+            if summary is not None:
+                summaries[directory] = (option_set, summary)
+                matrix.write_matrix(args.output_dir, meta, summaries)
+            if code in INTERRUPTED:  # here, or in the launch alone (a signal this process may not have had)
+                matrix.write_matrix(args.output_dir, meta, summaries)
+                print(f"Interrupted; the option sets that ran are in {args.output_dir}/matrix.json", file=sys.stderr)
+                return 130
+    finally:
+        launches.close()
     result = matrix.write_matrix(args.output_dir, meta, summaries)
     matrix.print_findings(result)
     print(f"Wrote {args.output_dir}/matrix.json; draw it with:\n    python3 visualize.py --dir {args.output_dir}")

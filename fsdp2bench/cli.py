@@ -123,7 +123,7 @@ def _refuse_or_clear(path: str, lock: str) -> None:
     try:
         with open(lock) as f:
             host, pid = f.read().split()
-        alive = host != socket.gethostname() or _running(int(pid))
+        alive = host != socket.gethostname() or process_running(int(pid))
     except (OSError, ValueError):
         host, pid, alive = "?", "?", False  # unreadable: left by a run that died while writing it
     if alive:
@@ -132,7 +132,7 @@ def _refuse_or_clear(path: str, lock: str) -> None:
     os.remove(lock)
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -19,10 +19,14 @@ from fsdp2bench.isolation import StoreKeys, wait_for_keys
 from fsdp2bench.memory_model import expected_device_bytes, expected_state, model_bytes
 from fsdp2bench.names import GIB
 from fsdp2bench.options import FsdpOptions
+from fsdp2bench.starting import started_ahead
 
 STATE_MARGIN = 1.5  # measured on 2x H200: reserved peaks are 1.2-1.6 times the state (1.5B, 7B)
 FIXED_MARGIN = 2 * GIB  # CUDA context, cuBLAS workspaces, the step's activations at small sizes
 HOST_RUNTIME = 2 * GIB  # one variant's process without its model (torch, transformers, accelerate)
+# Measured under cpu_offload (1.5B, one H200): RSS 29.2 GiB for 23.0 GiB of state on the host at N = 1,
+# 15.0 for 11.5 at N = 2: pinned buffers and the offload's staging come on top of the state.
+OFFLOAD_HOST_MARGIN = 1.25
 
 
 def device_state(shapes, world_size: int, names: list[str], options: FsdpOptions, device_type: str) -> int:
@@ -37,6 +41,21 @@ def gpu_need(shapes, world_size: int, names: list[str], init_device: str, option
     whole model while it is built there."""
     state = device_state(shapes, world_size, names, options, "cuda")
     return max(int(state * STATE_MARGIN) + FIXED_MARGIN, int(model_bytes(shapes) * 1.2) if init_device == "cuda" else 0)
+
+
+def host_bytes(shapes, world_size: int, names: list[str], init_device: str, options: FsdpOptions,
+               device_type: str) -> int:
+    """Host memory of one variant's process at its peak: the runtime and the larger of the model built
+    on the host (``fully_shard`` frees it as it shards) and the state kept on the host (all of it on a
+    CPU run; under CPU offload all but the unfixed variant's stale parameters, which stay on the GPU)."""
+    build = model_bytes(shapes) if init_device == "cpu" else 0
+    on_host = 0
+    if device_type == "cpu" or options.cpu_offload:
+        on_host = max(sum(expected_state(shapes, world_size, 0, name, "before_zero_grad").values())
+                      - expected_device_bytes(shapes, world_size, 0, name, "before_zero_grad", options, device_type)
+                      for name in names)
+    margin = OFFLOAD_HOST_MARGIN if options.cpu_offload and device_type != "cpu" else 1
+    return HOST_RUNTIME + max(build, int(on_host * margin))
 
 
 def gpu_memory() -> int | None:
@@ -59,9 +78,7 @@ def decide(shapes, world_size: int, names: list[str], init_device: str, device_t
     if total is None:
         return 1, "nvidia-smi did not report the GPUs' memory"
     need = gpu_need(shapes, world_size, names, init_device, options)
-    # A CPU build holds the whole model; CPU offload keeps the state (about 4P/N) on the host.
-    per_process = (model_bytes(shapes) if init_device == "cpu" else 0) + HOST_RUNTIME + \
-        (4 * model_bytes(shapes) // world_size if options.cpu_offload else 0)
+    per_process = host_bytes(shapes, world_size, names, init_device, options, device_type)
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     by_gpu, by_host = total // need, psutil.virtual_memory().available // (per_process * processes)
     k = max(1, min(pieces, by_gpu, by_host))
@@ -78,13 +95,13 @@ def check_fits(shapes, world_size: int, names: list[str], init_device: str, devi
     from fsdp2bench.cli import UserError
 
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    state = max(sum(expected_state(shapes, world_size, 0, name, "before_zero_grad").values())
-                for name in names) + (logits_bytes if device_type == "cpu" else 0)
     on_gpu = device_state(shapes, world_size, names, options, device_type) + logits_bytes
-    # The model built on the host is freed as fully_shard shards it: the host holds the larger of the two.
-    build = model_bytes(shapes) if init_device == "cpu" else 0
-    host = processes * (HOST_RUNTIME + max(build, state if device_type == "cpu" or options.cpu_offload else 0))
-    available = psutil.virtual_memory().available
+    host = processes * (host_bytes(shapes, world_size, names, init_device, options, device_type)
+                        + (logits_bytes if device_type == "cpu" else 0))
+    # A launch started ahead of its turn (matrix.py) sees the memory of the launch before it, which
+    # will be gone when it trains: it is checked against the host's whole memory.
+    memory = psutil.virtual_memory()
+    available = memory.total if started_ahead() else memory.available
     if host > available:
         raise UserError(f"--model (with --batch_size and --block_size) needs about {host / GIB:.1f} GiB of host memory "
                         f"({processes} process(es) at N = {world_size}: the model built on the host, its state and "

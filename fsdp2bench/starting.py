@@ -11,6 +11,9 @@ import multiprocessing
 import multiprocessing.context
 import os
 import socket
+import time
+
+from fsdp2bench.cli import UserError, process_running
 
 # The children's targets live in this package; transformers and accelerate are imported lazily by
 # the children, so importing them once in the server is what saves the time.
@@ -78,3 +81,40 @@ def likely_device_type(argv: list[str]) -> str:
     if choice in ("cpu", "cuda"):
         return choice
     return "cuda" if os.path.exists("/dev/nvidiactl") and os.environ.get("CUDA_VISIBLE_DEVICES") != "" else "cpu"
+
+
+# --------------------------------------------------------------------------- started ahead of its turn
+
+START_GATE = "FSDP2_BENCH_START_GATE"  # "<pid>:<path>", set by matrix.py for the launch after the running one
+GATE_POLL_S = 0.05
+
+
+def started_ahead() -> bool:
+    """matrix.py starts each launch while the one before it still trains, so that its imports and its
+    set-up (about 11 s a launch on one H200) overlap that one; it trains only once that one has ended."""
+    return START_GATE in os.environ
+
+
+GO, CANCELLED = "go", "cancelled"
+
+
+def wait_for_turn() -> str | None:
+    """Block until matrix.py writes the gate file: ``GO`` once the launch before this one has ended,
+    ``CANCELLED`` when matrix.py ends before this launch's turn (it has said why). None: not started
+    ahead. Refused in one line if matrix.py is gone without a word."""
+    if not started_ahead():
+        return None
+    owner, _, path = os.environ[START_GATE].partition(":")
+    while not os.path.exists(path):
+        if not process_running(int(owner)):
+            raise UserError(f"matrix.py (process {owner}), which started this launch ahead of its turn, is gone")
+        time.sleep(GATE_POLL_S)
+    with open(path) as f:
+        return f.read()
+
+
+def open_gate(path: str, word: str) -> None:
+    """Tell a launch waiting in ``wait_for_turn`` to go or to end (written whole, then renamed)."""
+    with open(path + ".tmp", "w") as f:
+        f.write(word)
+    os.replace(path + ".tmp", path)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
+import subprocess
+import time
 
 import pytest
 from conftest import TINY, VARIANTS, load, run_script, start_script
@@ -59,6 +62,33 @@ def test_the_default_set_is_todays_run_and_the_options_reach_the_model(matrix, s
     assert losses["ac"] == losses["ac_offload"] == losses["no_reshard"] == losses["default"]
     # fp32 gradient reduction without autocast computes differently: the policy was applied.
     assert losses["mp_policy"] != losses["default"] and losses["all"] == losses["mp_policy"]
+
+
+def test_each_launch_trains_only_after_the_one_before_it_has_ended(matrix):
+    """matrix.py starts the next launch while one trains; it waits, set up, for its turn."""
+    out, _ = matrix
+    timelines = [load(out / name / "summary.json")["meta"]["timeline"] for name in options.OPTION_SETS]
+    for before, after in zip(timelines, timelines[1:]):
+        assert after["process_created"] < before["variants_finished"]  # started ahead of its turn
+        assert after["turn_came"] >= before["variants_finished"]  # trained after
+
+
+def test_a_launch_waiting_for_its_turn_writes_nothing_and_ends_as_told(tmp_path):
+    gate, out = tmp_path / "gate", tmp_path / "out"
+    launch = ["main.py", "--model", "tiny", "--device", "cpu", "--max_steps", "2", "--output_dir", str(out)]
+    proc = start_script(launch, nproc=None, FSDP2_BENCH_START_GATE=f"{os.getpid()}:{gate}")
+    time.sleep(10)  # long enough to have reached the gate; it must not run before its turn
+    assert proc.poll() is None and not out.exists()
+    gate.write_text("cancelled")
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and not out.exists(), stdout + stderr
+    gate.unlink()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    proc = run_script(launch, nproc=None, FSDP2_BENCH_START_GATE=f"{dead.pid}:{gate}")
+    assert proc.returncode == 2 and not out.exists()
+    assert proc.stderr.strip().splitlines() == [f"error: matrix.py (process {dead.pid}), which started this launch "
+                                                f"ahead of its turn, is gone"]
 
 
 def test_the_matrix_is_drawn(matrix):
