@@ -1,9 +1,10 @@
 """Load a pretrained checkpoint into an FSDP2 model without paying for N copies of it.
 
 ``torchrun --nproc_per_node N loading.py`` (or ``accelerate launch loading.py``) loads the same
-safetensors checkpoint four ways, each ending with the same sharded model ready to train, and
-measures per rank the host RAM, the GPU memory and the time it took. See docs/loading.md; the modes
-themselves are in ``fsdp2bench/loading.py``.
+checkpoint (safetensors or pytorch_model.bin) five ways, each ending with the same sharded model
+ready to train, and measures per rank the host RAM, the GPU memory and the time it took;
+``python3 loading.py --simulate_world_size 8,32`` measures one rank of larger N, for the modes that
+need nothing from the other ranks. See docs/loading.md; the modes are in ``fsdp2bench/loading.py``.
 """
 
 from __future__ import annotations
@@ -16,15 +17,19 @@ if __name__ == "__main__":  # ahead of the imports below, on purpose: the fork s
     start_before_imports(sys.argv[1:])
 
 import argparse
+import contextlib
 import json
 import os
+import socket
 
 from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with, parse_names,
                             pick_device, save_summary)
 from fsdp2bench.isolation import (Interrupted, Piece, StoreKeys, gather_records, launcher_keeps_to_one_thread,
-                                  leave_together, run_isolated)
-from fsdp2bench.loading import (CHECKPOINT_DTYPES, MODES, Checkpoint, LoadConfig, LoadJob, load_process, print_table,
-                                summarise, write_checkpoint_process)
+                                  leave_together, run_isolated, wait_for_keys)
+from fsdp2bench import simulation, weights
+from fsdp2bench.checkpoints import FORMATS, Checkpoint
+from fsdp2bench.loading import (CHECKPOINT_DTYPES, MODES, NEEDS_PEERS, SIMULABLE, LoadConfig, LoadJob, load_process,
+                                print_simulated, print_table, summarise, write_checkpoint_process)
 from fsdp2bench.model import PRESETS
 from fsdp2bench.session import ModelFacts, Session, model_facts, open_session, say_interrupted
 
@@ -34,8 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None,
                    help=f"preset ({', '.join(PRESETS)}), local directory with config.json, or Hub id "
                         "(default: the --checkpoint directory's config, else qwen2.5-1.5b)")
-    p.add_argument("--checkpoint", default=None, help="directory of a safetensors checkpoint (default: rank 0 "
-                   "writes one of --model's shape into --output_dir first)")
+    p.add_argument("--checkpoint", default=None, help="directory of a checkpoint, safetensors or pytorch_model.bin "
+                   "(default: rank 0 writes one of --model's shape into --output_dir first)")
+    p.add_argument("--checkpoint_format", choices=list(FORMATS), default="safetensors",
+                   help="format of a checkpoint written here (default: safetensors)")
     p.add_argument("--checkpoint_dtype", choices=list(CHECKPOINT_DTYPES), default="bfloat16",
                    help="dtype of a checkpoint written here (default: bfloat16, as published checkpoints)")
     p.add_argument("--checkpoint_shard_size", default="2GB", help="max file size of a written checkpoint")
@@ -44,12 +51,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output_dir", default="out")
     p.add_argument("--seed", type=int, default=421, help="seed of a written checkpoint's random weights")
     p.add_argument("--log_interval", type=float, default=0.01, help="seconds between memory samples")
+    p.add_argument("--simulate_world_size", default=None, metavar="N[,N...]",
+                   help=f"play rank 0 of each N alone, with one process ({', '.join(SIMULABLE)}; the other modes "
+                        f"need the other ranks' data and are skipped)")
     return p.parse_args(argv)
 
 
 def write_checkpoint(session: Session, options: LoadConfig, model_name: str) -> tuple[str, float]:
     """Rank 0 writes a checkpoint of the model's shape (random weights); its path and the time it took."""
-    path = os.path.join(options.output_dir, f"checkpoint-{os.path.basename(model_name)}-{options.checkpoint_dtype}")
+    suffix = "-bin" if options.checkpoint_format == "bin" else ""
+    path = os.path.join(options.output_dir,
+                        f"checkpoint-{os.path.basename(model_name)}-{options.checkpoint_dtype}{suffix}")
     if session.rank == 0:
         print(f"Writing a {options.checkpoint_dtype} checkpoint of {model_name} to {path} ...", flush=True)
     writer = LoadJob("write-checkpoint", options, session.device, session.config, session.layer_classes, None,
@@ -71,6 +83,10 @@ def check_args(args: argparse.Namespace) -> list[str]:
         raise UserError(f"--checkpoint {args.checkpoint}: no such directory")
     check_ranges(args, NUMBER_RANGES)
     check_shard_size(args.checkpoint_shard_size)
+    if args.simulate_world_size is not None:
+        simulation.parse_world_sizes(args.simulate_world_size)
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            raise UserError("--simulate_world_size plays every rank from one process: run it with plain python")
     return modes
 
 
@@ -86,51 +102,114 @@ def check_shard_size(text: str) -> None:
         raise UserError(f"--checkpoint_shard_size: expected a positive integer and a unit (2GB, 500MiB), got {text!r}")
 
 
-def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str], ModelFacts]:
-    """Everything loading.py refuses, in one line, before any process or file exists."""
+def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str], ModelFacts, Checkpoint | None]:
+    """Everything loading.py refuses, in one line, before any process or file exists: a given
+    checkpoint's every file is opened (headers read, ``.bin`` files mapped) here."""
     launcher_keeps_to_one_thread()  # before this process computes anything: it forks the children
     args = parse_args(argv)
     modes = check_args(args)
     pick_device(args.device)
     check_output_dir(args.output_dir, "loading_summary.json")
-    return args, modes, model_facts(args.model or args.checkpoint or "qwen2.5-1.5b", args.seed)
+    checkpoint = Checkpoint(args.checkpoint) if args.checkpoint else None
+    return args, modes, model_facts(args.model or args.checkpoint or "qwen2.5-1.5b", args.seed), checkpoint
 
 
 def run(argv: list[str] | None = None) -> int:
-    args, modes, facts = validate(argv)
-    model_name = facts.name
+    args, modes, facts, given = validate(argv)
     s = open_session(facts, args.device, args.output_dir, "loading_summary.json")
     options = LoadConfig(args.output_dir, args.seed, args.log_interval, args.checkpoint_dtype,
-                         args.checkpoint_shard_size, s.run_id)
+                         args.checkpoint_shard_size, args.checkpoint_format, s.run_id)
     summary_path = os.path.join(args.output_dir, "loading_summary.json")
     try:
-        path, write_s = (args.checkpoint, None) if args.checkpoint else write_checkpoint(s, options, model_name)
-        checkpoint = Checkpoint(path)
-        records: dict = {}
-        summary = {"run_id": s.run_id, "model": model_name, "world_size": s.world_size, "device": s.device.type,
-                   "model_bytes": s.model_bytes, "checkpoint": {"path": path, "dtype": checkpoint.dtype_name(),
-                                                                "bytes": checkpoint.bytes(), "write_s": write_s},
-                   "modes": {}}
-        for mode in modes:
-            if s.rank == 0:
-                print(f"[{mode}] loading on {s.world_size} rank(s)...", flush=True)
-            job = LoadJob(mode, options, s.device, s.config, s.layer_classes, checkpoint, s.rank, s.world_size,
-                          StoreKeys(f"load-{mode}"))
-            failure, = run_isolated([Piece(load_process, (job,), job.keys)], s.rank, range(s.world_size), s.store,
-                                    s.device)
-            if s.rank == 0:
-                records[mode] = f"failed: {failure}" if failure else gather_records(s.store, job.keys,
-                                                                                   range(s.world_size))
-                summary["modes"] = summarise(records)
-                save_summary(summary_path, summary)
+        path, write_s = (args.checkpoint, None) if given else write_checkpoint(s, options, facts.name)
+        checkpoint = given or Checkpoint(path)
+        summary = {"run_id": s.run_id, "model": facts.name, "world_size": s.world_size, "device": s.device.type,
+                   "model_bytes": s.model_bytes, "modes": {},
+                   "checkpoint": {"path": path, "format": checkpoint.format, "dtype": checkpoint.dtype_name(),
+                                  "bytes": checkpoint.bytes(), "write_s": write_s}}
+        if args.simulate_world_size:
+            run_simulated(s, modes, simulation.parse_world_sizes(args.simulate_world_size), checkpoint, options,
+                          summary, summary_path)
+        else:
+            run_modes(s, modes, checkpoint, options, summary, summary_path)
         leave_together(s.store, s.rank, s.world_size)
     except Interrupted as exc:
         return say_interrupted(s, exc, f"; finished modes are in {summary_path}")
     if s.rank != 0:
         return 0
-    print_table(summary)
-    bad = [m for m, v in summary["modes"].items() if v["status"] != "ok" or not v["weights_match"]]
-    return 1 if bad else 0
+    if args.simulate_world_size:
+        print_simulated(summary)
+    else:
+        print_table(summary)
+    found = [*summary["modes"].values(), *(m for by_mode in summary.get("simulated", {}).values()
+                                          for m in by_mode.values() if not m["status"].startswith("skipped"))]
+    return 1 if any(m["status"] != "ok" or not m["weights_match"] for m in found) else 0
+
+
+def run_modes(s: Session, modes: list[str], checkpoint: Checkpoint, options: LoadConfig, summary: dict,
+              summary_path: str) -> None:
+    """Each mode on every rank, one after the other; rank 0 rewrites the summary after each."""
+    records: dict = {}
+    for mode in modes:
+        if s.rank == 0:
+            print(f"[{mode}] loading on {s.world_size} rank(s)...", flush=True)
+        with node_copy_file(s, mode, mode == "shared_memory") as shared:
+            job = LoadJob(mode, options, s.device, s.config, s.layer_classes, checkpoint, s.rank, s.world_size,
+                          StoreKeys(f"load-{mode}"), node_copy=shared)
+            failure, = run_isolated([Piece(load_process, (job,), job.keys)], s.rank, range(s.world_size), s.store,
+                                    s.device)
+        if s.rank == 0:
+            records[mode] = f"failed: {failure}" if failure else gather_records(s.store, job.keys,
+                                                                               range(s.world_size))
+            summary["modes"] = summarise(records)
+            save_summary(summary_path, summary)
+
+
+def run_simulated(s: Session, modes: list[str], sizes: list[int], checkpoint: Checkpoint, options: LoadConfig,
+                  summary: dict, summary_path: str) -> None:
+    """Rank 0 of each N, played alone, for each mode that needs nothing from the other ranks."""
+    summary["simulated"] = {}
+    for n in sizes:
+        os.makedirs(simulation.world_size_dir(options.output_dir, n), exist_ok=True)
+        records: dict = {}
+        for mode in modes:
+            if mode not in SIMULABLE:
+                records[mode] = f"skipped: {NEEDS_PEERS}"
+                continue
+            print(f"[{mode}] loading as rank 0 of a simulated {n}...", flush=True)
+            with node_copy_file(s, f"{mode}-N{n}", mode == "shared_memory") as shared:
+                job = LoadJob(mode, options, s.device, s.config, s.layer_classes, checkpoint, 0, n,
+                              StoreKeys(f"load-{mode}-N{n}"), node_copy=shared, simulated=True)
+                failure, = run_isolated([Piece(load_process, (job,), job.keys)], s.rank, [s.rank], s.store, s.device)
+            records[mode] = f"failed: {failure}" if failure else gather_records(s.store, job.keys, [0])
+            summary["simulated"][str(n)] = summarise(records)
+            save_summary(summary_path, summary)
+
+
+@contextlib.contextmanager
+def node_copy_file(s: Session, name: str, wanted: bool):
+    """For a ``shared_memory`` load (``wanted``), the node's shared file: made by the first local
+    rank's launcher process, found by the others through the store (None where no memfd can be made:
+    the load then fails with its reason). It is closed, and its memory freed, once every rank has
+    finished the load."""
+    if not wanted:
+        yield None
+        return
+    key = StoreKeys(f"node-copy/{name}/{socket.gethostname()}").prefix
+    first = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    made = weights.create() if first else None
+    if first:
+        s.store.set(key, f"{made.pid}:{made.fd}" if made else "none")
+    try:
+        wait_for_keys(s.store, [key])
+        found = s.store.get(key).decode()
+        yield None if found == "none" else weights.SharedWeights(*map(int, found.split(":")))
+        s.store.set(f"{key}/done/{s.rank}", "yes")
+        if first:
+            wait_for_keys(s.store, [f"{key}/done/{r}" for r in range(s.world_size)])
+    finally:
+        if made is not None:
+            os.close(made.fd)
 
 
 def main() -> None:

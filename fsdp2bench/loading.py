@@ -1,20 +1,20 @@
-"""Four ways to load a safetensors checkpoint into an FSDP2 model, each measured in its own processes."""
+"""Five ways to load a checkpoint into an FSDP2 model, each measured in its own processes."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 import utils
+from fsdp2bench import simulation, weights
+from fsdp2bench.checkpoints import Checkpoint, write_bin
 from fsdp2bench.child import TracedChild, run_traced_child
-from fsdp2bench.cli import UserError, one_line
 from fsdp2bench.isolation import Finisher, StoreKeys, init_group, run_child
 from fsdp2bench.memory_model import local_tensor, shard_rows
 from fsdp2bench.model import build_model
@@ -24,55 +24,7 @@ from measure import MemoryTracker, rss_mib
 CHECKPOINT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-# --------------------------------------------------------------------------- checkpoint access
-
-def tensor_names(file: str) -> list[str]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(file, framework="pt") as f:
-            return list(f.keys())
-    except Exception as exc:  # safetensors raises its own error type for a bad header or a short file
-        raise UserError(f"--checkpoint: {file} is not a readable safetensors file ({one_line(exc)})") from None
-
-
-class Checkpoint:
-    """Tensor names and files of a Hugging Face safetensors checkpoint, read lazily (memory-mapped)."""
-
-    def __init__(self, path: str):
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
-            raise UserError(f"--checkpoint {path}: no *.safetensors files")
-        self.files = {}
-        for file in files:  # every header is read: a corrupt or truncated file is refused before any load
-            self.files.update({name: file for name in tensor_names(file)})
-        self.path = path
-
-    def bytes(self) -> int:
-        return sum(os.path.getsize(f) for f in set(self.files.values()))
-
-    def dtype_name(self) -> str:
-        from safetensors import safe_open
-
-        name, file = next(iter(self.files.items()))
-        with safe_open(file, framework="pt") as f:
-            return str(f.get_slice(name).get_dtype())
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
-
-        state: dict[str, torch.Tensor] = {}
-        for file in sorted(set(self.files.values())):
-            state.update(load_file(file))
-        return state
-
-    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of dim 0 of one tensor: only those bytes are read."""
-        from safetensors import safe_open
-
-        with safe_open(self.files[name], framework="pt") as f:
-            return f.get_slice(name)[start:stop]
-
+# --------------------------------------------------------------------------- checkpoint names
 
 def stored_name(model: nn.Module, checkpoint: Checkpoint) -> dict[int, str]:
     """For each unique parameter, the name under which the checkpoint stores it (tied weights once)."""
@@ -146,20 +98,59 @@ def load_accelerate(job: "LoadJob", mesh) -> nn.Module:
     return model
 
 
-def load_sharded_read(job: "LoadJob", mesh) -> nn.Module:
-    """Every rank reads only its own rows of each tensor straight from the files: no broadcast."""
-    model = empty_sharded_model(job.config, mesh, job.layer_classes, job.device)
+def fill_own_rows(model: nn.Module, job: "LoadJob", rows) -> None:
+    """Copy into each parameter's local shard its own rows, ``rows(name, start, stop)`` of the
+    checkpoint's tensor (converted to the parameter's dtype on the way)."""
     names = stored_name(model, job.checkpoint)
     with torch.no_grad():
         for param in model.parameters():
             start, stop = shard_rows(param.shape[0], job.world_size, job.rank)
             if stop > start:
-                param.to_local()[: stop - start].copy_(job.checkpoint.rows(names[id(param)], start, stop))
+                param.to_local()[: stop - start].copy_(rows(names[id(param)], start, stop))
+
+
+def load_sharded_read(job: "LoadJob", mesh) -> nn.Module:
+    """Every rank reads only its own rows of each tensor straight from the files: no broadcast."""
+    model = empty_sharded_model(job.config, mesh, job.layer_classes, job.device)
+    fill_own_rows(model, job, job.checkpoint.rows)
     return model
 
 
+def load_shared_memory(job: "LoadJob", mesh) -> nn.Module:
+    """One host copy of the checkpoint per node, which every local rank maps and takes its own rows
+    from: the first local rank to come reads the checkpoint into an in-memory file that the node's
+    first launcher process holds (``node_copy``); C bytes once per node, whatever the number of ranks
+    and whatever the checkpoint's format."""
+    model = empty_sharded_model(job.config, mesh, job.layer_classes, job.device)
+    copy = node_copy(job)
+    fill_own_rows(model, job, lambda name, start, stop: copy[name][start:stop] if name in copy
+                  else job.checkpoint.rows(name, start, stop))
+    return model
+
+
+def node_copy(job: "LoadJob") -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors in the node's shared file (mapped, read as they are used), filled
+    first if no local rank has. Empty tensors are not in it (no pages to map)."""
+    def fill(views: list) -> None:
+        for name, view in views:
+            view.copy_(job.checkpoint.tensor(name))
+
+    named = [(name, meta) for name in job.checkpoint.files
+             if (meta := job.checkpoint.meta(name)).numel() > 0]
+    found = weights.shared_tensors(job.node_copy, named, fill) if job.node_copy is not None and named else None
+    if found is None:
+        raise RuntimeError("the node's shared copy cannot be used here (no memfd, or /proc is not readable)")
+    tensors, filled = found
+    spans = weights.layout(named)
+    job.notes.update(filled_node_copy=filled, node_copy_bytes=spans[-1][0] + spans[-1][1])
+    return {name: tensor for (name, _), tensor in zip(named, tensors)}
+
+
 MODES = {"naive": load_naive, "rank0_broadcast": load_rank0_broadcast, "accelerate": load_accelerate,
-         "sharded_read": load_sharded_read}
+         "sharded_read": load_sharded_read, "shared_memory": load_shared_memory}
+# A rank played alone on a fake process group receives nothing from the others.
+SIMULABLE = ("naive", "sharded_read", "shared_memory")
+NEEDS_PEERS = "needs data from the other ranks (a broadcast), which a simulated rank does not receive"
 
 
 def weights_match(model: nn.Module, checkpoint: Checkpoint, rank: int, world_size: int) -> bool:
@@ -184,6 +175,7 @@ class LoadConfig:
     log_interval: float
     checkpoint_dtype: str
     checkpoint_shard_size: str
+    checkpoint_format: str  # of a checkpoint written here: safetensors or bin
     run_id: str
 
 
@@ -198,10 +190,19 @@ class LoadJob:
     rank: int
     world_size: int
     keys: StoreKeys
+    node_copy: weights.SharedWeights | None = None  # the node's shared file, for shared_memory
+    simulated: bool = False  # rank ``rank`` of ``world_size`` played alone on a fake process group
+    notes: dict = field(default_factory=dict)  # what a mode adds to this rank's record
 
 
 def trace_file(output_dir: str, mode: str, rank: int) -> str:
     return os.path.join(output_dir, f"loading_{mode}_memory_usage{'' if rank == 0 else f'_rank{rank}'}.json")
+
+
+def job_dir(job: "LoadJob") -> str:
+    """Where a job's trace goes: the output directory, or its simulated world size's folder in it."""
+    return simulation.world_size_dir(job.options.output_dir, job.world_size) if job.simulated \
+        else job.options.output_dir
 
 
 def peak_rss_mib() -> float:
@@ -223,10 +224,11 @@ def load_process(job: LoadJob) -> None:
     fields = {"mode": job.mode, "rank": job.rank, "world_size": job.world_size, "baseline_rss_mib": rss_mib(),
               "run_id": job.options.run_id}
     child = TracedChild(job.keys, job.rank, job.device, job.options.log_interval,
-                        trace_file(job.options.output_dir, job.mode, job.rank), fields)
+                        trace_file(job_dir(job), job.mode, job.rank), fields)
 
     def work(store, tracker: MemoryTracker) -> dict:
-        mesh = init_group(job.device, job.keys, store, job.rank, job.world_size)
+        mesh = simulation.init_simulated_group(job.device, job.rank, job.world_size) if job.simulated else \
+            init_group(job.device, job.keys, store, job.rank, job.world_size)
         start = time.perf_counter()
         model = MODES[job.mode](job, mesh)
         if job.device.type == "cuda":
@@ -236,7 +238,7 @@ def load_process(job: LoadJob) -> None:
         return {"load_time_s": load_time,
                 "peak_rss_mib": max(peak_rss_mib(), tracker.polled_peaks()["peak_rss_mib"]),
                 "peak_allocated_mib": loaded["peak_allocated_mib"],
-                "weights_match": weights_match(model, job.checkpoint, job.rank, job.world_size)}
+                "weights_match": weights_match(model, job.checkpoint, job.rank, job.world_size), **job.notes}
 
     run_traced_child(child, work)
 
@@ -251,7 +253,13 @@ def write_checkpoint_process(job: LoadJob, path: str) -> None:
             start = time.perf_counter()
             model, _ = build_model(job.config, job.device, job.options.seed)
             model.to(CHECKPOINT_DTYPES[job.options.checkpoint_dtype])
-            model.save_pretrained(path, max_shard_size=job.options.checkpoint_shard_size)
+            if job.options.checkpoint_format == "bin":  # transformers 5 writes safetensors only
+                from transformers.utils.hub import convert_file_size_to_int
+
+                write_bin(model.state_dict(), path, convert_file_size_to_int(job.options.checkpoint_shard_size))
+                model.config.save_pretrained(path)
+            else:
+                model.save_pretrained(path, max_shard_size=job.options.checkpoint_shard_size)
             store.set(job.keys.record(0), json.dumps({"write_s": time.perf_counter() - start}))
         finisher.finish({})
 
@@ -270,19 +278,22 @@ def summarise(records: dict) -> dict:
         modes[mode] = {
             "status": "ok",
             "ranks": [{k: r[k] for k in ("peak_rss_mib", "baseline_rss_mib", "peak_allocated_mib",
-                                         "load_time_s", "weights_match")} for r in ranks],
+                                         "load_time_s", "weights_match", "filled_node_copy") if k in r}
+                      for r in ranks],
             "host_ram_sum_mib": sum(r["peak_rss_mib"] for r in ranks),
             "host_ram_added_sum_mib": sum(r["peak_rss_mib"] - r["baseline_rss_mib"] for r in ranks),
             "load_time_s": max(r["load_time_s"] for r in ranks),
             "weights_match": all(r["weights_match"] for r in ranks),
         }
+        if "node_copy_bytes" in ranks[0]:  # shared_memory: one copy per node, counted in each RSS that maps it
+            modes[mode]["node_copy_mib"] = ranks[0]["node_copy_bytes"] / MIB
     return modes
 
 
 def print_table(summary: dict) -> None:
     print(f"\nLoading {summary['model']} ({summary['model_bytes'] / MIB:.0f} MiB of fp32 parameters) from a "
-          f"{summary['checkpoint']['dtype']} checkpoint of {summary['checkpoint']['bytes'] / MIB:.0f} MiB "
-          f"on {summary['world_size']} rank(s)")
+          f"{summary['checkpoint']['dtype']} {summary['checkpoint']['format']} checkpoint of "
+          f"{summary['checkpoint']['bytes'] / MIB:.0f} MiB on {summary['world_size']} rank(s)")
     header = f"{'mode':16} {'load s':>7} {'RSS added, per rank (MiB)':>28} {'sum':>8} {'GPU peak MiB':>13} {'match':>6}"
     print(header)
     print("-" * len(header))
@@ -298,3 +309,31 @@ def print_table(summary: dict) -> None:
     print("RSS added: the process's peak resident memory (kernel high-water mark) minus its resident memory "
           "when loading began;\nGPU peak: the allocator's peak counter; match: every rank's shard equals the "
           "checkpoint's rows exactly.")
+    shared = summary["modes"].get("shared_memory", {})
+    if shared.get("status") == "ok":
+        fillers = ", ".join(str(i) for i, r in enumerate(shared["ranks"]) if r["filled_node_copy"])
+        print(f"shared_memory: one copy of {shared['node_copy_mib']:.0f} MiB per node, filled by rank {fillers}; its "
+              f"pages count in the RSS of every rank that maps them.")
+
+
+def print_simulated(summary: dict) -> None:
+    """One line per (simulated N, mode): rank 0 of N, played alone."""
+    print(f"\nLoading {summary['model']} ({summary['model_bytes'] / MIB:.0f} MiB of fp32 parameters) from a "
+          f"{summary['checkpoint']['dtype']} {summary['checkpoint']['format']} checkpoint of "
+          f"{summary['checkpoint']['bytes'] / MIB:.0f} MiB, as rank 0 of simulated world sizes")
+    header = f"{'N':>5} {'mode':16} {'load s':>7} {'RSS added MiB':>14} {'node copy MiB':>14} {'GPU peak MiB':>13} " \
+             f"{'match':>6}"
+    print(header)
+    print("-" * len(header))
+    for n, by_mode in summary["simulated"].items():
+        for mode, m in by_mode.items():
+            if m["status"] != "ok":
+                print(f"{n:>5} {mode:16} {m['status']}")
+                continue
+            r = m["ranks"][0]
+            gpu = "n/a" if r["peak_allocated_mib"] is None else f"{r['peak_allocated_mib']:.0f}"
+            copy = f"{m['node_copy_mib']:.0f}" if "node_copy_mib" in m else "-"
+            print(f"{n:>5} {mode:16} {m['load_time_s']:>7.2f} {r['peak_rss_mib'] - r['baseline_rss_mib']:>14.0f} "
+                  f"{copy:>14} {gpu:>13} {'yes' if m['weights_match'] else 'NO':>6}")
+    print("RSS added: the process's peak resident memory minus its resident memory when loading began (a node "
+          "copy's pages count in it\nonce mapped); node copy: shared_memory's one copy of the checkpoint per node.")

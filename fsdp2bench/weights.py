@@ -52,22 +52,10 @@ def place(model: nn.Module, weights: SharedWeights, draw, threads: int) -> str |
     named = list(model.named_parameters())
     if not named or any(p.dtype != torch.float32 or p.numel() == 0 for _, p in named):
         return None
-    spans = layout(named)
-    size = spans[-1][0] + spans[-1][1]
-    try:
-        fd = os.open(weights.path, os.O_RDWR)
-    except OSError:  # the launcher is gone, or /proc is not readable here
+    found = shared_tensors(weights, named, draw)
+    if found is None:
         return None
-    try:
-        with locked(fd):
-            drew = os.fstat(fd).st_size != size  # a drawer that died left size + 1 (draw_into)
-            if drew:
-                draw_into(fd, size, named, spans, draw)
-        mapped = [mapped_private(fd, span, param.shape) for (_, param), span in zip(named, spans)]
-    except OSError:  # no memory to map it (ENOMEM)
-        return None
-    finally:
-        os.close(fd)
+    mapped, drew = found
     map_every_page(mapped, threads)
     # A small tensor would have come from the heap, packed with others, not from pages of its own.
     mapped = [t.clone() if t.numel() * FLOAT32 < SMALL else t for t in mapped]
@@ -76,23 +64,45 @@ def place(model: nn.Module, weights: SharedWeights, draw, threads: int) -> str |
     return "drew" if drew else "mapped"
 
 
+def shared_tensors(weights: SharedWeights, named: list, fill) -> tuple[list[torch.Tensor], bool] | None:
+    """The tensors of ``named`` (name, meta tensor) from the shared file, copy-on-write, filled first
+    by ``fill(named_views)`` if no process has; and whether this one filled it. None where the file
+    cannot be used."""
+    spans = layout(named)
+    size = spans[-1][0] + spans[-1][1]
+    try:
+        fd = os.open(weights.path, os.O_RDWR)
+    except OSError:  # the launcher is gone, or /proc is not readable here
+        return None
+    try:
+        with locked(fd):
+            filled = os.fstat(fd).st_size != size  # a filler that died left size + 1 (fill_file)
+            if filled:
+                fill_file(fd, size, named, spans, fill)
+        return [mapped_private(fd, span, t.shape, t.dtype) for (_, t), span in zip(named, spans)], filled
+    except OSError:  # no memory to map it (ENOMEM)
+        return None
+    finally:
+        os.close(fd)
+
+
 def layout(named: list) -> list[tuple[int, int]]:
-    """(offset, bytes) of each parameter in the file. Each starts on a page, so that each is mapped
+    """(offset, bytes) of each tensor in the file. Each starts on a page, so that each is mapped
     on its own and unmapped when it is freed, as its own allocation would be (``fully_shard`` frees
     them one by one)."""
     spans, offset = [], 0
-    for _, param in named:
-        nbytes = param.numel() * FLOAT32
+    for _, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
         spans.append((offset, nbytes))
         offset += -(-nbytes // PAGE) * PAGE
     return spans
 
 
-def mapped_private(fd: int, span: tuple[int, int], shape: torch.Size) -> torch.Tensor:
-    """One parameter's pages, copy-on-write."""
+def mapped_private(fd: int, span: tuple[int, int], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor's pages, copy-on-write."""
     offset, nbytes = span
-    return torch.frombuffer(mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, offset=offset),
-                            dtype=torch.float32).view(shape)
+    region = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, offset=offset)
+    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
 
 
 TOUCH_PIECE = 16_384  # pages read by one task: below torch's grain size, so each runs on its own thread only
@@ -117,15 +127,15 @@ def locked(fd: int):
         fcntl.flock(fd, fcntl.LOCK_UN)
 
 
-def draw_into(fd: int, size: int, named: list, spans: list[tuple[int, int]], draw) -> None:
-    """The weights into the file. Its size says they are complete only once they are."""
+def fill_file(fd: int, size: int, named: list, spans: list[tuple[int, int]], fill) -> None:
+    """The tensors into the file. Its size says they are complete only once they are."""
     os.ftruncate(fd, size + 1)
     # A memfd has no size limit of its own (unlike /dev/shm), so its pages are simply taken as the
-    # drawing threads first write them, in parallel.
+    # filling threads first write them, in parallel.
     region = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-    flat = torch.frombuffer(region, dtype=torch.float32)
-    draw([(name, flat[offset // FLOAT32:(offset + nbytes) // FLOAT32].view(param.shape))
-          for (name, param), (offset, nbytes) in zip(named, spans)])
+    flat = torch.frombuffer(region, dtype=torch.uint8)
+    fill([(name, flat[offset:offset + nbytes].view(t.dtype).view(t.shape))
+          for (name, t), (offset, nbytes) in zip(named, spans)])
     del flat  # the tensors that view the region, before it can close
     region.close()
     os.ftruncate(fd, size)

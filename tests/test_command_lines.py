@@ -57,7 +57,36 @@ def make_world() -> dict[str, str]:
             f.write(content)
     with open(os.path.join(paths["tree"], "main.py"), "w") as f:
         f.write("")
+    make_checkpoints(paths, root, json.dumps(config))
     return paths
+
+
+def make_checkpoints(paths: dict[str, str], root: str, config: str) -> None:
+    """Checkpoint directories, each with the tiny config: in both formats, and broken in every way
+    a file can be (legacy .bin, corrupt files, an index that names a missing file or is not JSON)."""
+    import torch
+    from safetensors.torch import save_file
+
+    state = {"w": torch.zeros(4, 2)}
+    for name in ("ckpt st", "ckpt bin", "ckpt bin index", "ckpt legacy", "ckpt corrupt st", "ckpt corrupt bin",
+                 "ckpt index missing", "ckpt index bad"):
+        paths[name] = os.path.join(root, name)
+        os.makedirs(paths[name])
+        with open(os.path.join(paths[name], "config.json"), "w") as f:
+            f.write(config)
+    save_file(state, os.path.join(paths["ckpt st"], "model.safetensors"))
+    torch.save(state, os.path.join(paths["ckpt bin"], "pytorch_model.bin"))
+    torch.save(state, os.path.join(paths["ckpt bin index"], "part.bin"))
+    torch.save(state, os.path.join(paths["ckpt legacy"], "pytorch_model.bin"), _use_new_zipfile_serialization=False)
+    for name, file in (("ckpt corrupt st", "model.safetensors"), ("ckpt corrupt bin", "pytorch_model.bin")):
+        with open(os.path.join(paths[name], file), "wb") as f:
+            f.write(b"\x08\x00\x00\x00\x00\x00\x00\x00{not a header")
+    for name, index in (("ckpt bin index", {"weight_map": {"w": "part.bin"}}),
+                        ("ckpt index missing", {"weight_map": {"w": "gone.bin"}})):
+        with open(os.path.join(paths[name], "pytorch_model.bin.index.json"), "w") as f:
+            json.dump(index, f)
+    with open(os.path.join(paths["ckpt index bad"], "pytorch_model.bin.index.json"), "w") as f:
+        f.write("{not json")
 
 
 WORLD = make_world()
@@ -186,8 +215,13 @@ LOADING = {
     "--model": MODELS, "--device": MAIN["--device"],
     "--checkpoint_shard_size": choice(["2GB", "500MiB", "1KB"], ["2.5GB", "0GB", "x", "", "-1GB", "2TB"]),
     "--modes": choice(["naive", "naive,sharded_read"], ["nope", "naive,naive", ""]),
-    "--checkpoint": choice([WORLD["model"]], [WORLD["missing"], WORLD["a file"]]),
+    "--checkpoint": choice([WORLD["ckpt st"], WORLD["ckpt bin"], WORLD["ckpt bin index"]],
+                           [WORLD["missing"], WORLD["a file"], WORLD["model"], WORLD["ckpt legacy"],
+                            WORLD["ckpt corrupt st"], WORLD["ckpt corrupt bin"], WORLD["ckpt index missing"],
+                            WORLD["ckpt index bad"]]),
     "--checkpoint_dtype": choice(["bfloat16", "float32"], ["int4", ""]),
+    "--checkpoint_format": choice(["safetensors", "bin"], ["pt", "", "BIN"]),
+    "--simulate_world_size": choice(["2", "8,32", "3,128"], ["0", "-2", "x", "2,2", "65537", ""]),
 }
 
 

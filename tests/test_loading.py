@@ -8,7 +8,9 @@ import shutil
 import pytest
 from conftest import load, run_script
 
-MODES = ["naive", "rank0_broadcast", "accelerate", "sharded_read"]
+MODES = ["naive", "rank0_broadcast", "accelerate", "sharded_read", "shared_memory"]
+TINY_CONFIG = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +43,75 @@ def test_every_mode_loads_the_checkpoint_exactly_on_every_rank(loaded):
         assert mode in proc.stdout
 
 
-def test_rank0_broadcast_and_sharded_read_spare_rank1_half_the_model(loaded):
+def test_rank0_broadcast_sharded_read_and_shared_memory_spare_rank1_half_the_model(loaded):
     out, _ = loaded
     summary = load(out / "loading_summary.json")
     half_model_mib = summary["model_bytes"] / 2 / 2**20
     naive = summary["modes"]["naive"]["ranks"][1]["peak_rss_mib"]
-    for mode in ("rank0_broadcast", "sharded_read"):
+    for mode in ("rank0_broadcast", "sharded_read", "shared_memory"):
         assert summary["modes"][mode]["ranks"][1]["peak_rss_mib"] <= naive - half_model_mib, mode
+
+
+def test_shared_memory_keeps_one_copy_per_node_filled_by_one_rank(loaded):
+    out, _ = loaded
+    summary = load(out / "loading_summary.json")
+    shared = summary["modes"]["shared_memory"]
+    tensors_mib = summary["model_bytes"] / 2 / 2**20  # a bf16 checkpoint: half the fp32 model
+    assert tensors_mib <= shared["node_copy_mib"] <= tensors_mib * 1.01  # page-aligned tensors
+    filled = [r for r in shared["ranks"] if r["filled_node_copy"]]
+    other = [r for r in shared["ranks"] if not r["filled_node_copy"]]
+    assert len(filled) == 1 and len(other) == 1
+
+
+@pytest.mark.parametrize("shard_size, files", [("100MB", "pytorch_model.bin.index.json"), ("2GB", "pytorch_model.bin")])
+def test_a_pytorch_model_bin_checkpoint_loads_exactly_in_every_mode(tmp_path, shard_size, files):
+    modes = MODES if files.endswith("json") else ["sharded_read", "shared_memory", "naive"]
+    proc = run_script(["loading.py", "--model", "small", "--device", "cpu", "--checkpoint_format", "bin",
+                       "--checkpoint_shard_size", shard_size, "--modes", ",".join(modes),
+                       "--output_dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    summary = load(tmp_path / "loading_summary.json")
+    checkpoint = tmp_path / "checkpoint-small-bfloat16-bin"
+    assert (checkpoint / files).is_file() and not list(checkpoint.glob("*.safetensors"))
+    assert summary["checkpoint"]["format"] == "bin" and summary["checkpoint"]["dtype"] == "BF16"
+    assert list(summary["modes"]) == modes
+    assert all(m["status"] == "ok" and m["weights_match"] for m in summary["modes"].values())
+
+
+def test_a_simulated_world_size_loads_rank0_alone_and_skips_the_modes_that_need_peers(tmp_path):
+    proc = run_script(["loading.py", "--model", "small", "--device", "cpu", "--simulate_world_size", "2,8",
+                       "--output_dir", str(tmp_path)], nproc=None)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    summary = load(tmp_path / "loading_summary.json")
+    assert summary["modes"] == {} and list(summary["simulated"]) == ["2", "8"]
+    for n in ("2", "8"):
+        by_mode = summary["simulated"][n]
+        for mode in ("rank0_broadcast", "accelerate"):
+            assert by_mode[mode]["status"].startswith("skipped: needs data from the other ranks")
+        for mode in ("naive", "sharded_read", "shared_memory"):
+            assert by_mode[mode]["status"] == "ok" and by_mode[mode]["weights_match"], (n, mode)
+            assert load(tmp_path / f"simulated_N{n}" / f"loading_{mode}_memory_usage.json")["world_size"] == int(n)
+    read = {n: summary["simulated"][n]["sharded_read"]["ranks"][0] for n in ("2", "8")}
+    added = {n: r["peak_rss_mib"] - r["baseline_rss_mib"] for n, r in read.items()}
+    assert added["8"] < added["2"]  # rank 0 of 8 reads a quarter of what rank 0 of 2 reads
+
+
+def test_a_legacy_or_corrupt_bin_checkpoint_is_refused_in_one_line_before_any_file(tmp_path):
+    import torch
+
+    for name, write in (("legacy", lambda p: torch.save({"w": torch.zeros(2)}, p, _use_new_zipfile_serialization=False)),
+                        ("corrupt", lambda p: p.write_bytes(b"PK\x03\x04 truncated"))):
+        checkpoint = tmp_path / name
+        checkpoint.mkdir()
+        (checkpoint / "config.json").write_text(json.dumps(TINY_CONFIG))
+        write(checkpoint / "pytorch_model.bin")
+        out = tmp_path / f"out-{name}"
+        proc = run_script(["loading.py", "--checkpoint", str(checkpoint), "--device", "cpu", "--output_dir", str(out)],
+                          nproc=None)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: --checkpoint: {checkpoint / 'pytorch_model.bin'} is ")
+        assert ("legacy format" in lines[0]) == (name == "legacy") and not out.exists()
 
 
 def test_a_written_checkpoint_is_timed_and_reused(loaded, tmp_path):
@@ -82,7 +146,7 @@ def test_unknown_mode_is_one_line(tmp_path):
                        "--output_dir", str(tmp_path)], nproc=None)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: --modes: unknown mode(s) magic; choose from naive, rank0_broadcast, " \
-                                  "accelerate, sharded_read"
+                                  "accelerate, sharded_read, shared_memory"
 
 
 def test_a_repeated_mode_is_refused_in_one_line(tmp_path):
@@ -95,9 +159,7 @@ def test_a_repeated_mode_is_refused_in_one_line(tmp_path):
 def test_a_corrupt_or_truncated_checkpoint_is_refused_in_one_line(tmp_path):
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
-    (checkpoint / "config.json").write_text(json.dumps({
-        "model_type": "qwen2", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    (checkpoint / "config.json").write_text(json.dumps(TINY_CONFIG))
     (checkpoint / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not a header")
     proc = run_script(["loading.py", "--checkpoint", str(checkpoint), "--device", "cpu",
                        "--output_dir", str(tmp_path / "out")], nproc=None)
@@ -105,3 +167,15 @@ def test_a_corrupt_or_truncated_checkpoint_is_refused_in_one_line(tmp_path):
     assert proc.stderr.strip().startswith(f"error: --checkpoint: {checkpoint / 'model.safetensors'} is not a "
                                           "readable safetensors file (")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_the_transformers_report_reproduction_prints_each_ranks_host_memory(loaded):
+    out, _ = loaded
+    proc = run_script(["examples/cpu_ram_efficient_loading.py", str(out / "checkpoint-small-bfloat16")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("rank ")]
+    assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1"]
+    assert lines[0].endswith("expected: the weights") and lines[1].endswith("expected: nothing (meta tensors)")
+    assert all("added" in line and "MiB on the host" in line for line in lines)
+    usage = run_script(["examples/cpu_ram_efficient_loading.py"], nproc=None)
+    assert usage.returncode == 1 and usage.stderr.strip().splitlines()[-1].startswith("usage: torchrun")
