@@ -11,7 +11,7 @@ import os
 import sys
 
 from fsdp2bench.cli import OneLineParser, UserError, check_ranges
-from fsdp2bench.names import VARIANTS
+from fsdp2bench.names import VARIANTS, simulated_dir_name
 from fsdp2bench.plots import (InputError, latest_run, load_traces, loading_stems, plot_loading, plot_matrix,
                               plot_sweep, plot_training, read_json, reading)
 
@@ -54,6 +54,14 @@ def plot(args: argparse.Namespace) -> list[str]:
     if summary.get("simulated"):
         with reading(summary_path):
             plot_sweep(summary, args.dir)
+        return []
+    loading_path = os.path.join(args.dir, "loading_summary.json")
+    with reading(loading_path):
+        loading = read_json(loading_path) if os.path.exists(loading_path) else {}
+        sizes = [int(n) for n in loading.get("simulated") or {}]
+    if sizes:  # loading.py --simulate_world_size: its traces are per N
+        for n in sizes:
+            print(f"loading traces of N={n}: python3 visualize.py --dir {os.path.join(args.dir, simulated_dir_name(n))}")
         return []
     problems: list[str] = []
     runs = load_traces(args.dir, {name: f"{name}_memory_usage" for name in VARIANTS}, problems)
