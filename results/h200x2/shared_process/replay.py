@@ -2,7 +2,7 @@
 
 The upstream runs its variants one after the other in one process, in the order fixed, not fixed,
 after, accelerate; this project gives each its own process. This replay uses the project's own
-variants (utils.py) and step (runner.train_step), in the upstream's order and in one process, and
+variants (utils.py) and step (runner.TrainStep), in the upstream's order and in one process, and
 after each variant lists the device memory still allocated once every object of it is gone, with
 the stack that allocated each block (the memory snapshot). Beside the allocator's peak of allocated
 bytes (whole blocks, the figure both benchmarks report) it reads the peak of requested bytes (what
@@ -29,7 +29,7 @@ import utils  # noqa: E402
 from fsdp2bench.data import load_tokens, rank_batches  # noqa: E402
 from fsdp2bench.model import build_model, layer_class_names, load_config  # noqa: E402
 from fsdp2bench.names import MIB  # noqa: E402
-from fsdp2bench.runner import deterministic, train_step  # noqa: E402
+from fsdp2bench.runner import TrainStep, deterministic  # noqa: E402
 
 UPSTREAM_ORDER = ["torch_optimizer_before_fsdp_fixed", "torch_optimizer_before_fsdp_not_fixed",
                   "torch_optimizer_after_fsdp", "accelerate"]
@@ -67,11 +67,12 @@ def main() -> None:
         layers = layer_class_names(model)
         prep = utils.VARIANTS[name](model, utils.Context(device, mesh, 3e-5, layers, lambda *a, **k: None))
         del model
-        losses = [train_step(prep, batch.to(device)).item() for batch in batches]
+        step = TrainStep(prep)
+        losses = [step(batch.to(device)).item() for batch in batches]
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         requested_peak = torch.cuda.memory_stats()["requested_bytes.all.peak"]
-        del prep
+        del prep, step
         gc.collect()
         torch.cuda.synchronize()
         left = live_blocks()
