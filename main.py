@@ -284,7 +284,8 @@ def run(argv: list[str] | None = None) -> int:
         return 130
     if turn == CANCELLED:  # matrix.py ends before this launch's turn, and says why
         return 0
-    timeline["turn_came"] = time.time()
+    if turn is not None:
+        timeline["turn_came"] = time.time()
     session = open_session(checked.facts, args.device, args.output_dir, "summary.json")
     meta = {"run_id": session.run_id, "world_size": session.world_size, "device": session.device.type,
             "init_device": args.init_device if session.device.type == "cuda" else "cpu",

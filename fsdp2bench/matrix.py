@@ -71,14 +71,15 @@ class Launches:
         return os.path.join(self.gates, str(i))
 
     def _start(self, i: int) -> None:
+        """In a session of its own: a Ctrl-C at the terminal reaches this process, which tells the
+        running launch (``run``) and cancels the waiting one (``close``), not a launch mid-import."""
         if i < len(self.commands) and i not in self.procs:
             env = {**os.environ, START_GATE: f"{os.getpid()}:{self._gate(i)}"}
-            self.procs[i] = subprocess.Popen(self.commands[i], cwd=self.cwd, env=env)
+            self.procs[i] = subprocess.Popen(self.commands[i], cwd=self.cwd, env=env, start_new_session=True)
 
     def run(self, i: int) -> int:
-        """Launch ``i`` in the foreground (the next one starts meanwhile). On an interrupt the launch
-        is told too (from a terminal it was already), writes what it has in bounded time, and the
-        interrupt is passed on."""
+        """Launch ``i``, waited for (the next one starts meanwhile). On an interrupt the launch is
+        told, writes what it has in bounded time, and the interrupt is passed on."""
         self._start(i)
         open_gate(self._gate(i), GO)
         self._start(i + 1)

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 import utils
+from fsdp2bench import snapshots
 from fsdp2bench.child import TracedChild, run_traced_child
 from fsdp2bench.isolation import StoreKeys, init_group
 from fsdp2bench.memory_model import account, local_tensor
@@ -20,7 +21,6 @@ from fsdp2bench.model import build_model
 from fsdp2bench.names import rank_file
 from fsdp2bench.options import FsdpOptions
 from fsdp2bench.progress import Progress
-from fsdp2bench import snapshots
 from fsdp2bench.simulation import init_simulated_group
 from fsdp2bench.weights import SharedWeights
 from measure import MemoryTracker
