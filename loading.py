@@ -87,6 +87,9 @@ def check_args(args: argparse.Namespace) -> list[str]:
         simulation.parse_world_sizes(args.simulate_world_size)
         if int(os.environ.get("WORLD_SIZE", 1)) > 1:
             raise UserError("--simulate_world_size plays every rank from one process: run it with plain python")
+        if not set(modes) & set(SIMULABLE):
+            raise UserError(f"--simulate_world_size: none of --modes can be simulated ({', '.join(modes)} "
+                            f"{NEEDS_PEERS}); choose among {', '.join(SIMULABLE)}")
     return modes
 
 
