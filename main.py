@@ -212,12 +212,17 @@ def variants_at_once(args: argparse.Namespace, session: Session, names: list[str
         return int(args.concurrent_variants)
     sizes = simulation.parse_world_sizes(args.simulate_world_size) if args.simulate_world_size else None
     world, pieces = (min(sizes), len(names) * len(sizes)) if sizes else (session.world_size, len(names))
-    decision = concurrency.decide(session.shapes, world, names, args.init_device, session.device.type,
-                                  fsdp_options, pieces) if session.rank == 0 else None
+    decision = concurrency.decide(session.shapes, world, names, args.init_device, session.device.type, fsdp_options,
+                                  pieces, logits_bytes(args, session.config)) if session.rank == 0 else None
     k, reason = concurrency.agree(session.store, session.rank, decision)
     if session.rank == 0 and session.device.type == "cuda":
         print(f"{'Runs' if sizes else 'Variants'} at a time: {reason} (--concurrent_variants K chooses)", flush=True)
     return k
+
+
+def logits_bytes(args: argparse.Namespace, config) -> int:
+    """One step's fp32 logits on one rank: a lower bound of its activations."""
+    return 4 * args.batch_size * args.block_size * config.vocab_size
 
 
 def build_threads() -> int:
@@ -268,7 +273,7 @@ def validate(argv: list[str] | None = None) -> Checked:
     # The smallest simulated N holds the most per rank.
     fit_world = simulation.parse_world_sizes(args.simulate_world_size)[0] if args.simulate_world_size else world
     concurrency.check_fits(facts.shapes, fit_world, names, args.init_device if device_type == "cuda" else "cpu",
-                           device_type, fsdp_options, 4 * args.batch_size * args.block_size * facts.config.vocab_size)
+                           device_type, fsdp_options, logits_bytes(args, facts.config))
     return Checked(args, names, fsdp_options, facts, batches)
 
 

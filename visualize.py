@@ -61,7 +61,8 @@ def plot(args: argparse.Namespace) -> list[str]:
         sizes = [int(n) for n in loading.get("simulated") or {}]
     if sizes:  # loading.py --simulate_world_size: its traces are per N
         for n in sizes:
-            print(f"loading traces of N={n}: python3 visualize.py --dir {os.path.join(args.dir, simulated_dir_name(n))}")
+            where = os.path.join(args.dir, simulated_dir_name(n))
+            print(f"loading traces of N={n}: python3 visualize.py --dir {where}")
         return []
     problems: list[str] = []
     runs = load_traces(args.dir, {name: f"{name}_memory_usage" for name in VARIANTS}, problems)

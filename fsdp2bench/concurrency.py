@@ -2,9 +2,9 @@
 
 A step is bound by the host, not the GPU (its kernels take about a quarter of it on 2x H200), so
 variants side by side nearly divide the time, each in its own processes with its own allocator,
-which leaves every memory figure unchanged. The memory model gives what a variant holds at its
-step peak; activations, gathered parameters and the allocator's cache come on top, hence the
-margin. A variant that still runs out of memory while sharing is run again alone (suite.py).
+which leaves every memory figure unchanged. The memory model gives what a variant holds on the GPU
+at its step peak; what a step holds beyond it (``gpu_need``) is calibrated on the reserved peaks of
+one H200. A variant that still runs out of memory while sharing is run again alone (suite.py).
 """
 
 from __future__ import annotations
@@ -17,12 +17,18 @@ import torch.distributed as dist
 
 from fsdp2bench.isolation import StoreKeys, wait_for_keys
 from fsdp2bench.memory_model import expected_device_bytes, expected_state, model_bytes
-from fsdp2bench.names import GIB
-from fsdp2bench.options import FsdpOptions
+from fsdp2bench.names import GIB, UNFIXED
+from fsdp2bench.options import AUTOCAST, FsdpOptions
 from fsdp2bench.starting import started_ahead
 
-STATE_MARGIN = 1.5  # measured on 2x H200: reserved peaks are 1.2-1.6 times the state (1.5B, 7B)
-FIXED_MARGIN = 2 * GIB  # CUDA context, cuBLAS workspaces, the step's activations at small sizes
+FIXED_MARGIN = 1 * GIB  # the CUDA context and cuBLAS workspaces
+# What a step holds on the GPU beyond its state, as a fraction of the model's fp32 bytes P: gathered
+# units and their gradients, the allocator's cached blocks. On one H200 (results/h200/matrix_1.5b and
+# matrix_7b: 196 rows, every option set) the reserved peak less the state came to at most 0.65 P at
+# N >= 2 (0.42 P for 7B), about 0.5 P more with blocks kept gathered after forward, 0.2 P more with
+# fp32 gradient reduction, 0.3 P more under CPU offload; test_memory_model checks every row.
+BEYOND_STATE, NO_RESHARD, FP32_REDUCE, OFFLOADED = 0.7, 0.5, 0.2, 0.3
+LOGITS_COPIES = 3  # the fp32 logits, their gradient and the bf16 ones
 HOST_RUNTIME = 2 * GIB  # one variant's process without its model (torch, transformers, accelerate)
 # Measured under cpu_offload (1.5B, one H200): RSS 29.2 GiB for 23.0 GiB of state on the host at N = 1,
 # 15.0 for 11.5 at N = 2: pinned buffers and the offload's staging come on top of the state.
@@ -36,11 +42,25 @@ def device_state(shapes, world_size: int, names: list[str], options: FsdpOptions
                for name in names)
 
 
-def gpu_need(shapes, world_size: int, names: list[str], init_device: str, options: FsdpOptions) -> int:
-    """Bytes one variant may take on one GPU: its state there at the step peak with a margin, or the
-    whole model while it is built there."""
-    state = device_state(shapes, world_size, names, options, "cuda")
-    return max(int(state * STATE_MARGIN) + FIXED_MARGIN, int(model_bytes(shapes) * 1.2) if init_device == "cuda" else 0)
+def variant_need(shapes, world_size: int, name: str, options: FsdpOptions, logits_bytes: int) -> int:
+    """Bytes one variant reserves on a GPU at its step peak, rank 0: its state there, AdamW's foreach
+    temporaries (about the local fp32 parameters, while the intended variants step on the GPU; the
+    unfixed one's parameters get no gradients), what a step holds beyond the state (``BEYOND_STATE``),
+    the logits, and the CUDA context."""
+    state = expected_device_bytes(shapes, world_size, 0, name, "before_zero_grad", options, "cuda")
+    steps_on_gpu = name != UNFIXED and not options.cpu_offload
+    temporaries = expected_state(shapes, world_size, 0, name, "before_zero_grad")["param_bytes"] if steps_on_gpu else 0
+    fraction = BEYOND_STATE + (0 if options.reshard_after_forward else NO_RESHARD) + \
+        (FP32_REDUCE if options.mixed_precision_policy != AUTOCAST else 0) + (OFFLOADED if options.cpu_offload else 0)
+    return state + temporaries + int(model_bytes(shapes) * fraction) + LOGITS_COPIES * logits_bytes + FIXED_MARGIN
+
+
+def gpu_need(shapes, world_size: int, names: list[str], init_device: str, options: FsdpOptions,
+             logits_bytes: int) -> int:
+    """Bytes one variant may take on one GPU: the largest need among ``names``, or the whole model while
+    it is built there (with ``--init_device cuda``)."""
+    need = max(variant_need(shapes, world_size, name, options, logits_bytes) for name in names)
+    return max(need, int(model_bytes(shapes) * 1.2) if init_device == "cuda" else 0)
 
 
 def host_bytes(shapes, world_size: int, names: list[str], init_device: str, options: FsdpOptions,
@@ -69,7 +89,7 @@ def gpu_memory() -> int | None:
 
 
 def decide(shapes, world_size: int, names: list[str], init_device: str, device_type: str,
-           options: FsdpOptions, pieces: int) -> tuple[int, str]:
+           options: FsdpOptions, pieces: int, logits_bytes: int) -> tuple[int, str]:
     """How many of ``pieces`` (variants, or a sweep's runs at world size ``world_size`` or more) to
     run at once on this node, and why."""
     if device_type != "cuda":
@@ -77,7 +97,7 @@ def decide(shapes, world_size: int, names: list[str], init_device: str, device_t
     total = gpu_memory()
     if total is None:
         return 1, "nvidia-smi did not report the GPUs' memory"
-    need = gpu_need(shapes, world_size, names, init_device, options)
+    need = gpu_need(shapes, world_size, names, init_device, options, logits_bytes)
     per_process = host_bytes(shapes, world_size, names, init_device, options, device_type)
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     by_gpu, by_host = total // need, psutil.virtual_memory().available // (per_process * processes)

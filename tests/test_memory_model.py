@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import VARIANTS, load, run_script
+from conftest import ROOT, VARIANTS, load, run_script
 
 from fsdp2bench.memory_model import expected_state, first_world_size_where_unfixed_costs_more, projection
 
@@ -82,3 +82,28 @@ def test_accounting_equals_expectation_at_four_ranks(tmp_path):
     summary = load(tmp_path / "summary.json")
     assert summary["meta"]["world_size"] == 4
     check_accounting(summary, 4)
+
+
+def test_the_gpu_estimate_covers_every_reserved_peak_measured_on_one_h200():
+    """``--concurrent_variants auto`` plans with ``concurrency.variant_need``: for every row that the
+    committed H200 matrices measured (two shapes, every option set, N = 1 to 128) it is at least the
+    reserved peak, so that variants side by side never squeeze one another; and for the default 1.5B
+    run at N = 1 it lets four variants share the 140 GiB GPU, as their measured peaks do."""
+    from fsdp2bench.concurrency import variant_need
+    from fsdp2bench.names import GIB, MIB
+    from fsdp2bench.options import OPTION_SETS
+    from fsdp2bench.session import model_facts
+
+    short = []
+    for folder, model in (("matrix_1.5b", "qwen2.5-1.5b"), ("matrix_7b", "qwen2.5-7b")):
+        facts = model_facts(model, 421)
+        logits = 4 * 2 * 128 * facts.config.vocab_size  # the matrices' batch 2 x block 128
+        for row in load(ROOT / "results" / "h200" / folder / "matrix.json")["rows"]:
+            need = variant_need(facts.shapes, row["world_size"], row["variant"], OPTION_SETS[row["option_set"]],
+                                logits)
+            if need < row["peak_reserved_mib"] * MIB:
+                short.append((model, row["option_set"], row["world_size"], row["variant"]))
+        if model == "qwen2.5-1.5b":
+            default = max(variant_need(facts.shapes, 1, v, OPTION_SETS["default"], logits) for v in VARIANTS)
+            assert 4 * default <= 140 * GIB
+    assert short == []
