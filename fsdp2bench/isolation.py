@@ -140,10 +140,7 @@ def run_isolated(pieces: list[Piece], rank: int, participants: Sequence[int], st
 
     ``participants`` are the launcher ranks that run these pieces: every rank for a training
     variant, this rank alone for a simulated rank (which needs no peer)."""
-    for piece in pieces:  # a second piece on the same keys would read the first one's results
-        if piece.keys.prefix in _PIECES_RUN:
-            raise ValueError(f"{piece.keys.prefix}: ran already in this launch; every piece needs keys of its own")
-        _PIECES_RUN.add(piece.keys.prefix)
+    _register(pieces)
     context = child_context(device.type)
     children = [context.Process(target=piece.target, args=piece.args) for piece in pieces]
     for child in children:
@@ -155,30 +152,84 @@ def run_isolated(pieces: list[Piece], rank: int, participants: Sequence[int], st
             if running:
                 multiprocessing.connection.wait([c.sentinel for _, c in running], timeout=0.2)
     except Interrupted:
-        for piece in pieces:
-            try:
-                set_first(store, piece.keys.abort, INTERRUPTED)
-            except dist.DistError:  # no store: the children notice that themselves
-                break
+        _abort(pieces, store)
         raise
     finally:
-        deadline = time.monotonic() + GRACE_S
-        for child in children:
-            child.join(max(0.0, deadline - time.monotonic()))
-            if child.exitcode is None:
-                child.kill()
-                child.join()
+        _reap(children)
     for piece, child in zip(pieces, children):
-        if child.exitcode != 0:  # covers a process that died without a word (SIGKILL, OOM killer...)
-            how = f"killed by {signal.Signals(-child.exitcode).name}" if child.exitcode < 0 else \
-                f"exit code {child.exitcode}"
-            set_first(store, piece.keys.abort, f"rank {rank}: process ended ({how})")
-        store.set(piece.keys.status(rank), "done")
+        _settle(piece, child, rank, store)
     failures = []
     for piece in pieces:
         wait_for_keys(store, [piece.keys.status(r) for r in participants])
-        failures.append(store.get(piece.keys.abort).decode() if store.check([piece.keys.abort]) else None)
+        failures.append(_failure(piece, store))
     return failures
+
+
+def run_rolling(pieces: list[Piece], at_once: int, rank: int, store: dist.TCPStore, device: torch.device,
+                started: Callable[[int], None], ended: Callable[[int, str | None], None]) -> None:
+    """Run pieces that need no peer (simulated ranks), each in its own child, at most ``at_once`` at
+    a time, starting the next as soon as one ends, so that a long piece holds up no other.
+    ``started(i)`` and ``ended(i, failure)`` are told as each piece starts and ends."""
+    _register(pieces)
+    context = child_context(device.type)
+    waiting, running = list(range(len(pieces))), {}
+    try:
+        while waiting or running:
+            while waiting and len(running) < at_once:
+                i = waiting.pop(0)
+                running[i] = context.Process(target=pieces[i].target, args=pieces[i].args)
+                running[i].start()
+                started(i)
+            multiprocessing.connection.wait([c.sentinel for c in running.values()], timeout=0.2)
+            for i, child in list(running.items()):
+                if child.exitcode is None and not has_keys(store, [pieces[i].keys.abort]):
+                    continue
+                _reap([child])
+                _settle(pieces[i], child, rank, store)
+                del running[i]
+                ended(i, _failure(pieces[i], store))
+    except Interrupted:
+        _abort([pieces[i] for i in running], store)
+        _reap(list(running.values()))
+        raise
+
+
+def _register(pieces: list[Piece]) -> None:
+    for piece in pieces:  # a second piece on the same keys would read the first one's results
+        if piece.keys.prefix in _PIECES_RUN:
+            raise ValueError(f"{piece.keys.prefix}: ran already in this launch; every piece needs keys of its own")
+        _PIECES_RUN.add(piece.keys.prefix)
+
+
+def _abort(pieces: list[Piece], store: dist.TCPStore) -> None:
+    for piece in pieces:
+        try:
+            set_first(store, piece.keys.abort, INTERRUPTED)
+        except dist.DistError:  # no store: the children notice that themselves
+            break
+
+
+def _reap(children: list) -> None:
+    """Every child ended: given ``GRACE_S`` to write what it has, then killed."""
+    deadline = time.monotonic() + GRACE_S
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+
+
+def _settle(piece: Piece, child, rank: int, store: dist.TCPStore) -> None:
+    """This rank's part of a piece is done; a child that died without a word fails it."""
+    if child.exitcode != 0:  # covers a process that died without a word (SIGKILL, OOM killer...)
+        how = f"killed by {signal.Signals(-child.exitcode).name}" if child.exitcode < 0 else \
+            f"exit code {child.exitcode}"
+        set_first(store, piece.keys.abort, f"rank {rank}: process ended ({how})")
+    store.set(piece.keys.status(rank), "done")
+
+
+def _failure(piece: Piece, store: dist.TCPStore) -> str | None:
+    return store.get(piece.keys.abort).decode() if store.check([piece.keys.abort]) else None
 
 
 def wait_for_keys(store: dist.TCPStore, keys: list[str]) -> None:

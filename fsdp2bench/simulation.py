@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2bench.cli import UserError
-from fsdp2bench.isolation import INTERRUPTED, Interrupted, Piece, StoreKeys, run_isolated, wait_for_keys
+from fsdp2bench.isolation import INTERRUPTED, Interrupted, Piece, StoreKeys, run_rolling, wait_for_keys
 from fsdp2bench.memory_model import expected_state
 from fsdp2bench.names import PHASES, simulated_dir_name
 
@@ -142,26 +142,28 @@ def _outcome_key(run: SimulatedRun) -> str:
 def run_share(runs: list[SimulatedRun], make_job: Callable[[SimulatedRun], object], target: Callable,
               rank: int, world_size: int, store: dist.TCPStore, device: torch.device, at_once: int) -> bool:
     """Run this launch process's share of the sweep (every ``world_size``-th run), ``at_once`` at a
-    time, each alone in a fresh process; post each outcome ("ok" or the failure) as it ends.
-    True if any of them failed."""
-    mine, any_failed = runs[rank::world_size], False
-    for first in range(0, len(mine), at_once):
-        group = mine[first:first + at_once]
-        print(f"[process {rank}] " + "; ".join(f"{r.variant} ({r.label})" for r in group), flush=True)
-        jobs = [make_job(r) for r in group]
-        try:
-            failures = run_isolated([Piece(target, (job,), r.keys) for job, r in zip(jobs, group)], rank, [rank],
-                                    store, device)
-        except Interrupted:
-            for r in mine[first:]:  # so that rank 0 need not wait for runs that will never end
+    time, each alone in a fresh process, the next as soon as one ends; post each outcome ("ok" or the
+    failure) as it ends. True if any of them failed."""
+    mine, outcomes = runs[rank::world_size], {}
+
+    def started(i: int) -> None:
+        print(f"[process {rank}] {mine[i].variant} ({mine[i].label})", flush=True)
+
+    def ended(i: int, failure: str | None) -> None:
+        outcomes[i] = failure
+        store.set(_outcome_key(mine[i]), "ok" if failure is None else failure)
+        if failure:
+            print(f"[process {rank}] {mine[i].variant} ({mine[i].label}) FAILED: {failure}", flush=True)
+
+    try:
+        run_rolling([Piece(target, (make_job(r),), r.keys) for r in mine], at_once, rank, store, device,
+                    started, ended)
+    except Interrupted:
+        for i, r in enumerate(mine):  # so that rank 0 need not wait for runs that will never end
+            if i not in outcomes:
                 store.set(_outcome_key(r), INTERRUPTED)
-            raise
-        for r, failure in zip(group, failures):
-            store.set(_outcome_key(r), "ok" if failure is None else failure)
-            if failure:
-                any_failed = True
-                print(f"[process {rank}] {r.variant} ({r.label}) FAILED: {failure}", flush=True)
-    return any_failed
+        raise
+    return any(failure is not None for failure in outcomes.values())
 
 
 def statuses(runs: list[SimulatedRun], store: dist.TCPStore) -> dict[SimulatedRun, str]:

@@ -129,3 +129,21 @@ def test_sigterm_keeps_finished_runs_and_marks_the_interrupted_one(tmp_path):
     partial = load(tmp_path / "simulated_N8" / "torch_optimizer_after_fsdp_memory_usage.json")
     assert partial["status"] == "interrupted" and 0 < len(partial["steps"]) < 200
     assert "Interrupted (SIGTERM)" in stderr and "Traceback" not in stderr
+
+
+def test_runs_side_by_side_start_as_others_end_and_measure_what_they_measure_alone(sweep, tmp_path):
+    """Three at a time from one process: every run still plays its rank alone and counts the same bytes."""
+    out, _ = sweep
+    proc = run_script(["main.py", *TINY, "--max_steps", "3", "--simulate_world_size", "8,5",
+                       "--simulate_rank", "0,last", "--concurrent_variants", "3", "--output_dir", str(tmp_path)],
+                      nproc=None)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("[process 0]") == 16 and "FAILED" not in proc.stdout
+    alone = load(out / "summary.json")["simulated"]
+    together = load(tmp_path / "summary.json")["simulated"]
+    assert together.keys() == alone.keys()
+    for n, by_rank in alone.items():
+        for rank, by_variant in by_rank.items():
+            for name, entry in by_variant.items():
+                assert together[n][rank][name]["status"] == "ok"
+                assert together[n][rank][name]["accounting"] == entry["accounting"], (n, rank, name)
