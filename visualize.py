@@ -12,8 +12,8 @@ import sys
 
 from fsdp2bench.cli import OneLineParser, UserError, check_ranges
 from fsdp2bench.names import VARIANTS, simulated_dir_name
-from fsdp2bench.plots import (InputError, latest_run, load_traces, loading_stems, plot_loading, plot_matrix,
-                              plot_sweep, plot_training, read_json, reading)
+from fsdp2bench.plots import (InputError, latest_run, load_traces, loading_stems, plot_loading, plot_loading_sweep,
+                              plot_matrix, plot_sweep, plot_training, read_json, reading)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,6 +60,10 @@ def plot(args: argparse.Namespace) -> list[str]:
         loading = read_json(loading_path) if os.path.exists(loading_path) else {}
         sizes = [int(n) for n in loading.get("simulated") or {}]
     if sizes:  # loading.py --simulate_world_size: its traces are per N
+        path = os.path.join(args.dir, "loading_vs_world_size.png")
+        with reading(loading_path):
+            plot_loading_sweep(loading, path)
+        print(f"wrote {path}")
         for n in sizes:
             where = os.path.join(args.dir, simulated_dir_name(n))
             print(f"loading traces of N={n}: python3 visualize.py --dir {where}")

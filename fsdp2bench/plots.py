@@ -335,6 +335,40 @@ def plot_loading(loads: dict, path: str) -> None:
 
 
 
+def plot_loading_sweep(summary: dict, path: str) -> None:
+    """loading.py --simulate_world_size: per mode, what rank 0 of each N added to its host RSS while
+    loading, and its GPU peak; shared_memory's one copy per node as a dotted line of its own."""
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    sizes = sorted(int(n) for n in summary["simulated"])
+    modes = sorted({m for by_mode in summary["simulated"].values() for m, e in by_mode.items() if e["status"] == "ok"})
+    for i, mode in enumerate(modes):
+        points = [(n, summary["simulated"][str(n)][mode]) for n in sizes
+                  if summary["simulated"][str(n)].get(mode, {}).get("status") == "ok"]
+        ranks = [(n, entry["ranks"][0]) for n, entry in points]
+        axes[0].plot([n for n, _ in ranks], [r["peak_rss_mib"] - r["baseline_rss_mib"] for _, r in ranks],
+                     marker="o", color=f"C{i}", label=f"{mode}: RSS added, rank 0")
+        gpu = [(n, r["peak_allocated_mib"]) for n, r in ranks if r["peak_allocated_mib"] is not None]
+        if gpu:
+            axes[1].plot(*zip(*gpu), marker="o", color=f"C{i}", label=mode)
+        copies = [(n, entry["node_copy_mib"]) for n, entry in points if "node_copy_mib" in entry]
+        if copies:
+            axes[0].plot(*zip(*copies), ls=":", color=f"C{i}", label=f"{mode}: the node's one copy")
+    for ax, what in zip(axes, ("host RSS added while loading (MiB)", "GPU peak allocated while loading (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(n) for n in sizes])
+        ax.set_xlabel("simulated world size N (rank 0 played alone)")
+        ax.set_ylabel(what)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "no data (CPU run)", ha="center", transform=ax.transAxes)
+    fig.suptitle(f"loading {summary['model']} from a {summary['checkpoint']['dtype']} "
+                 f"{summary['checkpoint'].get('format', 'safetensors')} checkpoint", fontsize=10)
+    save(fig, path)
+
+
 # --------------------------------------------------------------------------- simulated world sizes
 
 def sweep_points(summary: dict, name: str) -> list[tuple[int, int, dict]]:
