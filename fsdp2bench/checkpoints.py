@@ -21,7 +21,8 @@ from fsdp2bench.cli import UserError, one_line
 BIN_NAME, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 FORMATS = ("safetensors", "bin")
 DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
-               torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+               torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64",
+               torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
