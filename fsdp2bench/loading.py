@@ -38,7 +38,7 @@ def stored_name(model: nn.Module, checkpoint: Checkpoint) -> dict[int, str]:
     return names
 
 
-# --------------------------------------------------------------------------- the four modes
+# --------------------------------------------------------------------------- the five modes
 
 def empty_sharded_model(config, mesh, layer_classes: list[str], device: torch.device) -> nn.Module:
     """Parameters on the meta device until sharded, then given (uninitialised) local storage.
