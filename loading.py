@@ -156,14 +156,8 @@ def run_modes(s: Session, modes: list[str], checkpoint: Checkpoint, options: Loa
     for mode in modes:
         if s.rank == 0:
             print(f"[{mode}] loading on {s.world_size} rank(s)...", flush=True)
-        with node_copy_file(s, mode, mode == "shared_memory") as shared:
-            job = LoadJob(mode, options, s.device, s.config, s.layer_classes, checkpoint, s.rank, s.world_size,
-                          StoreKeys(f"load-{mode}"), node_copy=shared)
-            failure, = run_isolated([Piece(load_process, (job,), job.keys)], s.rank, range(s.world_size), s.store,
-                                    s.device)
+        records[mode] = load_mode(s, mode, checkpoint, options, s.world_size, simulated=False)
         if s.rank == 0:
-            records[mode] = f"failed: {failure}" if failure else gather_records(s.store, job.keys,
-                                                                               range(s.world_size))
             summary["modes"] = summarise(records)
             save_summary(summary_path, summary)
 
@@ -180,13 +174,24 @@ def run_simulated(s: Session, modes: list[str], sizes: list[int], checkpoint: Ch
                 records[mode] = f"skipped: {NEEDS_PEERS}"
                 continue
             print(f"[{mode}] loading as rank 0 of a simulated {n}...", flush=True)
-            with node_copy_file(s, f"{mode}-N{n}", mode == "shared_memory") as shared:
-                job = LoadJob(mode, options, s.device, s.config, s.layer_classes, checkpoint, 0, n,
-                              StoreKeys(f"load-{mode}-N{n}"), node_copy=shared, simulated=True)
-                failure, = run_isolated([Piece(load_process, (job,), job.keys)], s.rank, [s.rank], s.store, s.device)
-            records[mode] = f"failed: {failure}" if failure else gather_records(s.store, job.keys, [0])
+            records[mode] = load_mode(s, mode, checkpoint, options, n, simulated=True)
             summary["simulated"][str(n)] = summarise(records)
             save_summary(summary_path, summary)
+
+
+def load_mode(s: Session, mode: str, checkpoint: Checkpoint, options: LoadConfig, world_size: int,
+              simulated: bool) -> str | list[dict]:
+    """One mode in its own processes, on every rank of the launch or as rank 0 of a simulated
+    ``world_size`` played alone: rank 0 gets every rank's record, or why the mode failed."""
+    name = f"{mode}-N{world_size}" if simulated else mode
+    ranks = [0] if simulated else list(range(s.world_size))
+    with node_copy_file(s, name, mode == "shared_memory") as shared:
+        job = LoadJob(mode, options, s.device, s.config, s.layer_classes, checkpoint, 0 if simulated else s.rank,
+                      world_size, StoreKeys(f"load-{name}"), node_copy=shared, simulated=simulated)
+        failure, = run_isolated([Piece(load_process, (job,), job.keys)], s.rank, ranks, s.store, s.device)
+    if failure:
+        return f"failed: {failure}"
+    return gather_records(s.store, job.keys, ranks) if s.rank == 0 else []
 
 
 @contextlib.contextmanager

@@ -299,10 +299,11 @@ def run(argv: list[str] | None = None) -> int:
             "steps_per_variant": len(batches), "fsdp_options": dataclasses.asdict(fsdp_options),
             "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()}}
     concurrent = variants_at_once(args, session, names, fsdp_options)
+    cores = build_threads()
     meta["concurrent_variants"] = concurrent
-    meta["threads_per_variant"] = max(1, build_threads() // concurrent)
+    meta["threads_per_variant"] = max(1, cores // concurrent)
     train = TrainConfig(args.seed, args.learning_rate, args.log_interval, args.save_memory_snapshot,
-                        args.tracker_overhead, args.inject_failure, args.init_device, build_threads(),
+                        args.tracker_overhead, args.inject_failure, args.init_device, cores,
                         meta["threads_per_variant"],
                         weights.create() if args.init_device == "cpu" else None, args.quiet,
                         fsdp_options)
