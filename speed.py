@@ -41,8 +41,11 @@ def phases(trace: dict, variant: dict) -> dict:
     }
 
 
-def same_work_as_upstream(meta: dict) -> bool:
-    """The upstream figure is a comparison only for its own configuration, all four variants."""
+def same_work_as_upstream(summary: dict) -> bool:
+    """The upstream figure is a comparison only for its own configuration, all four variants, real ranks."""
+    meta = summary["meta"]
+    if "variants" not in summary:
+        return False
     given = {**meta["args"], "steps_per_variant": meta["steps_per_variant"], "world_size": meta["world_size"]}
     return all(given[k] == v for k, v in UPSTREAM_WORK.items()) and len(meta["args"]["variants"].split(",")) == 4
 
@@ -98,6 +101,44 @@ def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[st
     return args, extra
 
 
+def finished_runs(summary: dict, output_dir: str) -> dict[str, tuple[dict, str | None]]:
+    """Every variant run that finished, named as a reader names it, with rank 0's trace where its
+    phases can be read from it (a simulated run records no process start, so it has none)."""
+    if "simulated" not in summary:
+        return {name: (v, os.path.join(output_dir, f"{name}_memory_usage.json"))
+                for name, v in summary["variants"].items() if v["status"] == "ok"}
+    return {f"N={n} rank {rank} {name}": (v, None)
+            for n, ranks in summary["simulated"].items() for rank, variants in ranks.items()
+            for name, v in variants.items() if v["status"] == "ok"}
+
+
+def against_baseline(ours: dict, theirs: dict) -> dict:
+    """Peaks (MiB, ours minus theirs) and losses of the runs both versions finished: a speed-up
+    counts only for the same work."""
+    common = [k for k in ours if k in theirs]
+
+    def difference(key: str, kind: str) -> float | None:
+        a, b = (runs[key][0][f"peak_{kind}_mib"]["max"] for runs in (ours, theirs))
+        return None if a is None or b is None else a - b  # a CPU run has no allocator peaks
+
+    differences = {k: {kind: difference(k, kind) for kind in ("allocated", "reserved")} for k in common}
+    measured = [d for diff in differences.values() for d in diff.values() if d is not None]
+    with_losses = [k for k in common if "losses" in ours[k][0] and "losses" in theirs[k][0]]
+    return {"runs_compared": len(common), "runs_only_in_one": sorted(set(ours) ^ set(theirs)),
+            "peak_differences_mib": differences,
+            "peaks_equal": all(d == 0 for d in measured) if measured else None,
+            "losses_bit_equal": all(ours[k][0]["losses"] == theirs[k][0]["losses"] for k in with_losses)
+            if with_losses else None}
+
+
+def read_summary(output_dir: str) -> dict | None:
+    path = os.path.join(output_dir, "summary.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, extra = validate(argv)
     baseline = time_baseline(args.baseline, args.nproc_per_node, extra, args.output_dir) if args.baseline else None
@@ -108,33 +149,35 @@ def main(argv: list[str] | None = None) -> int:
     launched, start = time.time(), time.perf_counter()
     code = subprocess.call(command)
     wall = time.perf_counter() - start
-    summary_path = os.path.join(args.output_dir, "summary.json")
-    if not os.path.exists(summary_path):
-        print(f"error: the run wrote no {summary_path} (exit code {code})", file=sys.stderr)
+    summary = read_summary(args.output_dir)
+    if summary is None:
+        print(f"error: the run wrote no {args.output_dir}/summary.json (exit code {code})", file=sys.stderr)
         return 2
-    with open(summary_path) as f:
-        summary = json.load(f)
     result = {"suite_wall_s": wall, "exit_code": code, "command": command[2:],
               "steps_per_variant": summary["meta"]["steps_per_variant"],
               "world_size": summary["meta"]["world_size"], "gpu_name": summary["meta"].get("gpu_name"),
               "upstream_suite_wall_s": UPSTREAM_SUITE_WALL_S,
-              "speedup_vs_upstream": UPSTREAM_SUITE_WALL_S / wall if same_work_as_upstream(summary["meta"]) else None,
+              "speedup_vs_upstream": UPSTREAM_SUITE_WALL_S / wall if same_work_as_upstream(summary) else None,
               "concurrent_variants": summary["meta"].get("concurrent_variants",
                                                          summary["meta"]["args"]["concurrent_variants"]),
               "launch_phases": launch_phases(summary["meta"]["timeline"], launched, wall),
-              "median_step_time_s": {}, "phases": {}, "peak_allocated_mib": {}, "tracker_overhead_ratio": None}
+              "median_step_time_s": {}, "phases": {}, "peak_allocated_mib": {}, "peak_reserved_mib": {},
+              "tracker_overhead_ratio": None}
+    runs = finished_runs(summary, args.output_dir)
     if baseline:
-        result.update(baseline=baseline, wall_ratio_to_baseline=wall / baseline["suite_wall_s"])
+        theirs = read_summary(baseline["output_dir"])
+        result.update(baseline={**baseline, "same_work": against_baseline(
+                          runs, finished_runs(theirs, baseline["output_dir"])) if theirs else None},
+                      wall_ratio_to_baseline=wall / baseline["suite_wall_s"])
     ratios = {}
-    for name, v in summary["variants"].items():
-        if v["status"] != "ok":
-            continue
-        with open(os.path.join(args.output_dir, f"{name}_memory_usage.json")) as f:
-            trace = json.load(f)
-        result["phases"][name] = phases(trace, v)
+    for name, (v, trace_path) in runs.items():
+        if trace_path is not None:
+            with open(trace_path) as f:
+                result["phases"][name] = phases(json.load(f), v)
         result["median_step_time_s"][name] = v["median_step_time_s"]
         result["peak_allocated_mib"][name] = v["peak_allocated_mib"]["max"]
-        if v["tracker_overhead_ratio"] is not None:
+        result["peak_reserved_mib"][name] = v["peak_reserved_mib"]["max"]
+        if v.get("tracker_overhead_ratio") is not None:
             ratios[name] = v["tracker_overhead_ratio"]
     if ratios:
         result["tracker_overhead_ratio"] = statistics.median(ratios.values())
@@ -143,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: result.get(k) for k in ("suite_wall_s", "wall_ratio_to_baseline", "speedup_vs_upstream",
                                                  "tracker_overhead_ratio", "median_step_time_s", "launch_phases")},
                      indent=1))
+    same = (result.get("baseline") or {}).get("same_work")
+    if same:
+        print(f"against the baseline: {same['runs_compared']} runs, peaks equal to the byte: {same['peaks_equal']}, "
+              f"losses bit-equal: {same['losses_bit_equal']}")
     return code
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from conftest import VARIANTS, load, run_script
+from conftest import ROOT, VARIANTS, load, run_script
 
 
 def test_speed_json_splits_the_launch_and_every_variant(tmp_path):
     out, record = tmp_path / "run", tmp_path / "speed.json"
-    proc = run_script(["speed.py", "--nproc_per_node", "2", "--json", str(record), "--output_dir", str(out), "--",
+    proc = run_script(["speed.py", "--nproc_per_node", "2", "--json", str(record), "--output_dir", str(out),
+                       "--baseline", str(ROOT), "--",
                        "--model", "tiny", "--device", "cpu", "--max_steps", "6", "--concurrent_variants", "4"],
                       nproc=None)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -26,3 +27,23 @@ def test_speed_json_splits_the_launch_and_every_variant(tmp_path):
     steps = load(out / "accelerate_memory_usage.json")["steps"]
     assert [s["polling"] for s in steps] == [True, False] * 3
     assert speed["tracker_overhead_ratio"] > 0
+    # the same tree as its own baseline: the same work, so the same losses (a CPU run has no allocator peaks)
+    same = speed["baseline"]["same_work"]
+    assert same["runs_compared"] == 4 and same["runs_only_in_one"] == []
+    assert same["losses_bit_equal"] is True and same["peaks_equal"] is None
+    assert speed["wall_ratio_to_baseline"] > 0
+
+
+def test_speed_times_a_simulated_sweep_against_a_baseline(tmp_path):
+    out, record = tmp_path / "sweep", tmp_path / "speed.json"
+    proc = run_script(["speed.py", "--nproc_per_node", "1", "--json", str(record), "--output_dir", str(out),
+                       "--baseline", str(ROOT), "--", "--model", "tiny", "--device", "cpu", "--max_steps", "2",
+                       "--simulate_world_size", "2,4"], nproc=None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    speed = load(record)
+    runs = [f"N={n} rank 0 {v}" for n in (2, 4) for v in VARIANTS]
+    assert sorted(speed["median_step_time_s"]) == sorted(speed["peak_reserved_mib"]) == sorted(runs)
+    assert speed["phases"] == {} and speed["speedup_vs_upstream"] is None  # a simulated rank has no process phases
+    same = speed["baseline"]["same_work"]
+    assert same["runs_compared"] == 8 and sorted(same["peak_differences_mib"]) == sorted(runs)
+    assert same["losses_bit_equal"] is None  # a fake process group's losses are not compared
