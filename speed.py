@@ -18,6 +18,7 @@ import sys
 import time
 
 from fsdp2bench.cli import OneLineParser, UserError, check_ranges, check_writable_file, exit_with, write_json
+from fsdp2bench.matrix import read_summary
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # The upstream scripts timed on 2x H200 on the same work: 282 s and 302 s for two launches.
@@ -131,14 +132,6 @@ def against_baseline(ours: dict, theirs: dict) -> dict:
             if with_losses else None}
 
 
-def read_summary(output_dir: str) -> dict | None:
-    path = os.path.join(output_dir, "summary.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
 def main(argv: list[str] | None = None) -> int:
     args, extra = validate(argv)
     baseline = time_baseline(args.baseline, args.nproc_per_node, extra, args.output_dir) if args.baseline else None
@@ -151,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - start
     summary = read_summary(args.output_dir)
     if summary is None:
-        print(f"error: the run wrote no {args.output_dir}/summary.json (exit code {code})", file=sys.stderr)
+        print(f"error: the run wrote no readable {args.output_dir}/summary.json (exit code {code})", file=sys.stderr)
         return 2
     result = {"suite_wall_s": wall, "exit_code": code, "command": command[2:],
               "steps_per_variant": summary["meta"]["steps_per_variant"],
