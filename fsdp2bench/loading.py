@@ -290,10 +290,15 @@ def summarise(records: dict) -> dict:
     return modes
 
 
+def loaded_what(summary: dict) -> str:
+    """The model and the checkpoint a table is about."""
+    checkpoint = summary["checkpoint"]
+    return (f"\nLoading {summary['model']} ({summary['model_bytes'] / MIB:.0f} MiB of fp32 parameters) from a "
+            f"{checkpoint['dtype']} {checkpoint['format']} checkpoint of {checkpoint['bytes'] / MIB:.0f} MiB")
+
+
 def print_table(summary: dict) -> None:
-    print(f"\nLoading {summary['model']} ({summary['model_bytes'] / MIB:.0f} MiB of fp32 parameters) from a "
-          f"{summary['checkpoint']['dtype']} {summary['checkpoint']['format']} checkpoint of "
-          f"{summary['checkpoint']['bytes'] / MIB:.0f} MiB on {summary['world_size']} rank(s)")
+    print(f"{loaded_what(summary)} on {summary['world_size']} rank(s)")
     header = f"{'mode':16} {'load s':>7} {'RSS added, per rank (MiB)':>28} {'sum':>8} {'GPU peak MiB':>13} {'match':>6}"
     print(header)
     print("-" * len(header))
@@ -318,9 +323,7 @@ def print_table(summary: dict) -> None:
 
 def print_simulated(summary: dict) -> None:
     """One line per (simulated N, mode): rank 0 of N, played alone."""
-    print(f"\nLoading {summary['model']} ({summary['model_bytes'] / MIB:.0f} MiB of fp32 parameters) from a "
-          f"{summary['checkpoint']['dtype']} {summary['checkpoint']['format']} checkpoint of "
-          f"{summary['checkpoint']['bytes'] / MIB:.0f} MiB, as rank 0 of simulated world sizes")
+    print(f"{loaded_what(summary)}, as rank 0 of simulated world sizes")
     header = f"{'N':>5} {'mode':16} {'load s':>7} {'RSS added MiB':>14} {'node copy MiB':>14} {'GPU peak MiB':>13} " \
              f"{'match':>6}"
     print(header)
