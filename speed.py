@@ -18,7 +18,7 @@ import sys
 import time
 
 from fsdp2bench.cli import OneLineParser, UserError, check_ranges, check_writable_file, exit_with, write_json
-from fsdp2bench.matrix import read_summary
+from fsdp2bench.matrix import read_summary, wait_passing_interrupt
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # The upstream scripts timed on 2x H200 on the same work: 282 s and 302 s for two launches.
@@ -71,7 +71,8 @@ def time_baseline(tree: str, nproc: int, main_args: list[str], output_dir: str) 
     """The other version's default run on the same work, timed from launch to exit."""
     tree, output_dir = os.path.abspath(tree), os.path.abspath(f"{output_dir}_baseline")
     start = time.perf_counter()
-    code = subprocess.call(launcher(nproc, tree, [*main_args, "--output_dir", output_dir]), cwd=tree)
+    code = wait_passing_interrupt(subprocess.Popen(launcher(nproc, tree, [*main_args, "--output_dir", output_dir]),
+                                                   cwd=tree))
     return {"tree": tree, "output_dir": output_dir, "suite_wall_s": time.perf_counter() - start, "exit_code": code}
 
 
@@ -134,13 +135,23 @@ def against_baseline(ours: dict, theirs: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = validate(argv)
+    try:
+        return timed(args, extra)
+    except KeyboardInterrupt:
+        written = f"{args.output_dir}" + (f" and {args.output_dir}_baseline" if args.baseline else "")
+        print(f"Interrupted; what the runs wrote is in {written}; {args.json} was not written", file=sys.stderr)
+        return 130
+
+
+def timed(args: argparse.Namespace, extra: list[str]) -> int:
+    """The baseline's launch, then this version's, timed; speed.json from this version's summary."""
     baseline = time_baseline(args.baseline, args.nproc_per_node, extra, args.output_dir) if args.baseline else None
     if baseline and baseline["exit_code"] != 0:
         print(f"error: the baseline run in {args.baseline} failed (exit code {baseline['exit_code']})", file=sys.stderr)
         return 2
     command = launcher(args.nproc_per_node, ROOT, [*extra, "--tracker_overhead", "--output_dir", args.output_dir])
     launched, start = time.time(), time.perf_counter()
-    code = subprocess.call(command)
+    code = wait_passing_interrupt(subprocess.Popen(command))
     wall = time.perf_counter() - start
     summary = read_summary(args.output_dir)
     if summary is None:

@@ -83,13 +83,7 @@ class Launches:
         self._start(i)
         open_gate(self._gate(i), GO)
         self._start(i + 1)
-        proc = self.procs[i]
-        try:
-            return proc.wait()
-        except KeyboardInterrupt:
-            proc.send_signal(signal.SIGINT)
-            _wait_or_kill(proc)
-            raise
+        return wait_passing_interrupt(self.procs[i])
 
     def close(self) -> None:
         """Tell a launch started ahead of a turn that will not come to end; remove the gates."""
@@ -98,6 +92,17 @@ class Launches:
                 open_gate(self._gate(i), CANCELLED)
             _wait_or_kill(proc)
         shutil.rmtree(self.gates, ignore_errors=True)
+
+
+def wait_passing_interrupt(proc: subprocess.Popen) -> int:
+    """A launch waited for in the foreground. On an interrupt it is told too (from a terminal it was
+    already), given a bounded time to write what it has, and the interrupt is passed on."""
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        _wait_or_kill(proc)
+        raise
 
 
 def _wait_or_kill(proc: subprocess.Popen) -> None:

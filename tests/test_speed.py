@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from conftest import ROOT, VARIANTS, load, run_script
+import signal
+import time
+
+import psutil
+from conftest import ROOT, TINY, VARIANTS, load, run_script, start_script
 
 
 def test_speed_json_splits_the_launch_and_every_variant(tmp_path):
@@ -47,3 +51,21 @@ def test_speed_times_a_simulated_sweep_against_a_baseline(tmp_path):
     same = speed["baseline"]["same_work"]
     assert same["runs_compared"] == 8 and sorted(same["peak_differences_mib"]) == sorted(runs)
     assert same["losses_bit_equal"] is None  # a fake process group's losses are not compared
+
+
+def test_an_interrupt_ends_speed_in_one_line_and_keeps_what_the_run_wrote(tmp_path):
+    out, record = tmp_path / "run", tmp_path / "speed.json"
+    proc = start_script(["speed.py", "--nproc_per_node", "1", "--json", str(record), "--output_dir", str(out), "--",
+                         *TINY, "--max_steps", "400", "--variants", "torch_optimizer_after_fsdp"], nproc=None)
+    for line in proc.stdout:
+        if line.startswith("[torch_optimizer_after_fsdp]"):
+            break
+    time.sleep(2)
+    speed = psutil.Process(proc.pid)
+    for p in [speed, *speed.children(recursive=True)]:  # Ctrl-C at a terminal reaches the whole group
+        p.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert stderr.strip().splitlines()[-1] == f"Interrupted; what the runs wrote is in {out}; {record} was not written"
+    assert load(out / "summary.json")["variants"]["torch_optimizer_after_fsdp"]["status"] == "interrupted"
+    assert not record.exists()
