@@ -250,7 +250,7 @@ SPEED = {
     "--nproc_per_node": (integers(1, 8)[0], integers(1, 4096)[1]),
     "--json": choice([os.path.join(WORLD["a dir"], "speed out.json")],
                      [WORLD["a dir"], os.path.join(WORLD["a file"], "speed.json"), ""]),
-    "--baseline": choice([WORLD["tree"]], [WORLD["missing"], WORLD["a dir"], WORLD["a file"]]),
+    "--baseline": choice([WORLD["tree"]], [WORLD["missing"], WORLD["a dir"], WORLD["a file"], "", " "]),
     "--output_dir": OUTPUT_DIRS,
 }
 
