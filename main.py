@@ -124,12 +124,38 @@ def add_fsdp_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu_offload", action="store_true",
                    help="CPUOffloadPolicy: parameters, gradients and AdamW state on the host; the optimizer step "
                         "runs on the CPU")
+    add_scaling_options(p)
+
+
+def add_scaling_options(p: argparse.ArgumentParser) -> None:
+    """accelerate's GradientAccumulationPlugin and ParallelismConfig fields; the torch variants make the
+    FSDP2 calls these lead to."""
+    g = p.add_argument_group("Gradient accumulation and HSDP (accelerate's names; the torch variants apply the same)")
+    g.add_argument("--gradient_accumulation_steps", type=int, default=1, metavar="K",
+                   help="microbatches of --batch_size per optimizer step; each loss is divided by K, as "
+                        "accelerate's backward does; --max_steps counts optimizer steps (default: 1)")
+    g.add_argument("--sync_each_batch", type=options.parse_bool, default=None, metavar="{true,false}",
+                   help="with K > 1: reduce-scatter the gradients after every microbatch (true), or keep each "
+                        "parameter's whole gradient on every rank until the last one (false, accelerate's "
+                        "default: its accumulate() then calls set_requires_gradient_sync(False)) (default: false)")
+    g.add_argument("--dp_replicate_size", type=int, default=None, metavar="R",
+                   help="HSDP: R replicas of an FSDP group of N/R ranks, a 2-D (replicate, shard) mesh; R must "
+                        "divide N (default: 1, flat FSDP)")
+    g.add_argument("--dp_shard_size", type=int, default=None, metavar="S",
+                   help="HSDP given by its shards instead: S ranks per FSDP group, N/S replicas; S must divide "
+                        "every N, so that a sweep keeps one node's shape (default: N)")
+    g.add_argument("--requires_all_reduce", type=options.parse_bool, default=True, metavar="{true,false}",
+                   help="torch's set_requires_all_reduce for the microbatches before the last: false, under HSDP "
+                        "with --sync_each_batch true, reduce-scatters each one but all-reduces across replicas "
+                        "only once; accelerate does not offer it (default: true)")
 
 
 # What one run can do with each number (closed ranges): a block of one token has no next token to
 # predict (its loss is NaN), larger batches or blocks than any GPU holds for one step, a learning rate that diverges on the first step, a seed beyond the generators' 32 bits, a
 # memory sample rarer than once a minute (a trace of one sample) or more often than once a millisecond.
 NUMBER_RANGES = {"batch_size": (1, 1 << 16), "block_size": (2, 1 << 20), "max_steps": (1, 10_000_000),
+                 "gradient_accumulation_steps": (1, 1 << 16), "dp_replicate_size": (1, 1 << 16),
+                 "dp_shard_size": (1, 1 << 16),
                  "learning_rate": (1e-12, 10.0), "seed": (0, 2**32 - 1), "log_interval": (0.001, 60.0)}
 
 
@@ -162,7 +188,18 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], options.FsdpOptions
         simulation.check_fake_group_available()
         if args.max_steps is None:
             args.max_steps = simulation.DEFAULT_STEPS
+    for n in simulation.parse_world_sizes(args.simulate_world_size) if args.simulate_world_size else \
+            [launcher_world_size()]:
+        fsdp_options.mesh_shape(n)  # refuses a replicate or shard size that does not divide N
     return names, fsdp_options
+
+
+def launcher_world_size() -> int:
+    """This launch's world size, as torchrun or accelerate launch set it (plain python: one)."""
+    text = os.environ.get("WORLD_SIZE", "1")
+    if not text.isdigit() or int(text) < 1:
+        raise UserError(f"WORLD_SIZE={text!r} in the environment is not a positive integer (the launcher sets it)")
+    return int(text)
 
 
 def played_ranks(args: argparse.Namespace) -> set[int]:
@@ -220,6 +257,18 @@ def variants_at_once(args: argparse.Namespace, session: Session, names: list[str
     return k
 
 
+def per_optimizer_step(args: argparse.Namespace, fsdp_options: options.FsdpOptions, world_size: int) -> dict:
+    """What one optimizer step takes: its microbatches, sequences and tokens per rank and in all (a
+    simulated rank's world is each N of the sweep, so only the per-rank figures are given there)."""
+    k, b, t = fsdp_options.gradient_accumulation_steps, args.batch_size, args.block_size
+    step = {"microbatches": k, "sequences_per_rank": k * b, "tokens_per_rank": k * b * t}
+    if not args.simulate_world_size:
+        replicas, shards = fsdp_options.mesh_shape(world_size)
+        step.update(sequences=k * b * world_size, tokens=k * b * t * world_size, mesh={"replicas": replicas,
+                                                                                        "shards": shards})
+    return step
+
+
 def logits_bytes(args: argparse.Namespace, config) -> int:
     """One step's fp32 logits on one rank: a lower bound of its activations."""
     return 4 * args.batch_size * args.block_size * config.vocab_size
@@ -264,10 +313,10 @@ def validate(argv: list[str] | None = None) -> Checked:
     facts = model_facts(args.model, args.seed, lambda config: check_positions(args.block_size, config))
     # A simulated rank has no peers to share the data with: every run takes the batches of a world of one.
     rank, world = (0, 1) if args.simulate_world_size else \
-        (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
+        (int(os.environ.get("RANK", 0)), launcher_world_size())
     tokens = load_tokens(args.dataset, args.tokenizer, facts.config.vocab_size)
     batches = rank_batches(tokens, args.block_size, args.batch_size, args.dataset_fraction, rank, world,
-                           args.max_steps)
+                           args.max_steps, fsdp_options.gradient_accumulation_steps)
     if args.inject_failure:
         check_failure_reachable(args.inject_failure, names, len(batches), played_ranks(args) or set(range(world)))
     # The smallest simulated N holds the most per rank.
@@ -297,6 +346,7 @@ def run(argv: list[str] | None = None) -> int:
             "versions": versions(),
             "model": args.model, "model_type": session.config.model_type, "num_parameters": session.num_parameters,
             "steps_per_variant": len(batches), "fsdp_options": dataclasses.asdict(fsdp_options),
+            "per_optimizer_step": per_optimizer_step(args, fsdp_options, session.world_size),
             "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()}}
     concurrent = variants_at_once(args, session, names, fsdp_options)
     cores = build_threads()

@@ -7,8 +7,9 @@ for all four and lives in the ``fsdp2bench`` package and ``measure.py``.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
@@ -77,11 +78,17 @@ class Context:
     options: FsdpOptions = FsdpOptions()
 
 
+def one_microbatch(last: bool) -> ContextManager:
+    return contextlib.nullcontext()
+
+
 @dataclass
 class Prepared:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     backward: Callable[[torch.Tensor], None]
+    # The context of one microbatch under gradient accumulation, given whether it is the step's last.
+    microbatch: Callable[[bool], ContextManager] = one_microbatch
 
 
 BF16_POLICY = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.bfloat16)
@@ -151,15 +158,32 @@ def torch_backward(loss: torch.Tensor) -> None:
     loss.backward()
 
 
+def torch_prepared(model: nn.Module, optimizer: torch.optim.Optimizer, options: FsdpOptions) -> Prepared:
+    """The torch variants' training calls: with K microbatches a step, what accelerate's
+    ``backward`` and ``accumulate()`` do, as FSDP2 calls (``sync_each_batch`` false: no reduction
+    before the last microbatch), plus torch's own choice, ``requires_all_reduce``."""
+    k = options.gradient_accumulation_steps
+    if k == 1:
+        return Prepared(model, optimizer, torch_backward)
+
+    def microbatch(last: bool) -> ContextManager:
+        model.set_requires_gradient_sync(last or options.sync_each_batch)
+        if not options.requires_all_reduce:
+            model.set_requires_all_reduce(last)
+        return contextlib.nullcontext()
+
+    return Prepared(model, optimizer, lambda loss: (loss / k).backward(), microbatch)
+
+
 def optimizer_after_fsdp(model: nn.Module, ctx: Context) -> Prepared:
     shard(model, ctx)
-    return Prepared(model, make_optimizer(model, ctx), torch_backward)
+    return torch_prepared(model, make_optimizer(model, ctx), ctx.options)
 
 
 def optimizer_before_fsdp_not_fixed(model: nn.Module, ctx: Context) -> Prepared:
     optimizer = make_optimizer(model, ctx)
     shard(model, ctx)
-    return Prepared(model, optimizer, torch_backward)
+    return torch_prepared(model, optimizer, ctx.options)
 
 
 def optimizer_before_fsdp_fixed(model: nn.Module, ctx: Context) -> Prepared:
@@ -167,13 +191,14 @@ def optimizer_before_fsdp_fixed(model: nn.Module, ctx: Context) -> Prepared:
     old_names = release_params(optimizer, model)
     shard(model, ctx)
     point_optimizer_at_sharded_params(optimizer, old_names, model)
-    return Prepared(model, optimizer, torch_backward)
+    return torch_prepared(model, optimizer, ctx.options)
 
 
 def make_accelerator(device: torch.device, layer_classes: list[str], cpu_ram_efficient_loading: bool = False,
                      options: FsdpOptions = FsdpOptions()):
     """accelerate's FSDP2 set-up as the upstream uses it (transformer-block auto-wrap), with ``options``
-    given to its plugin: bf16 through ``mixed_precision="bf16"``, or the policy through the plugin."""
+    given to its plugin (bf16 through ``mixed_precision="bf16"``, or the policy through the plugin),
+    its accumulation plugin and, for HSDP, its parallelism config (which builds its own mesh)."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
 
     autocast = options.mixed_precision_policy == AUTOCAST
@@ -184,10 +209,33 @@ def make_accelerator(device: torch.device, layer_classes: list[str], cpu_ram_eff
         activation_checkpointing=options.activation_checkpointing,
         activation_checkpointing_offload=options.activation_checkpointing_offload,
         cpu_offload=offload_policy(options, device))
-    accelerator = Accelerator(fsdp_plugin=plugin, mixed_precision="bf16" if autocast else "no")
+    scaling = accelerate_scaling(options)
+    # On the CPU its parallelism config would refuse the MULTI_CPU type it starts with: given after the switch.
+    parallelism = scaling.pop("parallelism_config", None) if device.type == "cpu" else None
+    accelerator = Accelerator(fsdp_plugin=plugin, mixed_precision="bf16" if autocast else "no",
+                              cpu=device.type == "cpu", **scaling)
     if device.type == "cpu":
-        force_accelerate_fsdp_on_cpu(accelerator, plugin, autocast)
+        force_accelerate_fsdp_on_cpu(accelerator, plugin, autocast, parallelism)
     return accelerator
+
+
+def accelerate_scaling(options: FsdpOptions) -> dict:
+    """``Accelerator`` arguments for accumulation and HSDP; none where they are off, as before they existed.
+    ``requires_all_reduce`` has no accelerate counterpart: the variant runs as ``sync_each_batch`` says."""
+    import torch.distributed as dist
+
+    kwargs = {}
+    if options.accumulates:
+        from accelerate.utils import GradientAccumulationPlugin
+
+        kwargs["gradient_accumulation_plugin"] = GradientAccumulationPlugin(
+            num_steps=options.gradient_accumulation_steps, sync_each_batch=options.sync_each_batch)
+    replicas, shards = options.mesh_shape(dist.get_world_size())
+    if replicas > 1:
+        from accelerate import ParallelismConfig
+
+        kwargs["parallelism_config"] = ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=shards)
+    return kwargs
 
 
 def accelerate_fsdp2(model: nn.Module, ctx: Context) -> Prepared:
@@ -197,22 +245,28 @@ def accelerate_fsdp2(model: nn.Module, ctx: Context) -> Prepared:
     if not isinstance(model, FSDPModule):
         raise RuntimeError(f"accelerate did not take its FSDP2 path (distributed type {accelerator.distributed_type})")
     ctx.mark("sharded")
-    return Prepared(model, optimizer, accelerator.backward)
+    return Prepared(model, optimizer, accelerator.backward, lambda last: accelerator.accumulate(model))
 
 
-def force_accelerate_fsdp_on_cpu(accelerator, plugin, autocast: bool = True) -> None:
+def force_accelerate_fsdp_on_cpu(accelerator, plugin, autocast: bool = True, parallelism=None) -> None:
     """Development/CI mode only: on CPU accelerate would silently pick DDP; make it take its FSDP2 path.
 
     This repeats what accelerate does itself when it selects FSDP on an accelerator: record the
     plugin and, for ``mixed_precision="bf16"``, give it the bf16 policy (without that the variant
-    would train in fp32).
+    would train in fp32); for HSDP, take the parallelism config, build its mesh and check it.
     """
+    from accelerate import PartialState
     from accelerate.utils import DistributedType
 
-    accelerator.state.distributed_type = DistributedType.FSDP
+    # Both shared states: accelerate copies the process state's type back into its own during prepare().
+    accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
     if autocast:
         plugin.set_mixed_precision("bf16")
+    if parallelism is not None:
+        accelerator.state.parallelism_config = parallelism
+        accelerator.state.device_mesh = parallelism.get_device_mesh("cpu")
+        parallelism._validate_accelerator(accelerator)
 
 
 # Run order and names are those of the upstream benchmark (fsdp2bench.names.VARIANTS).

@@ -69,18 +69,22 @@ def load_tokenizer(tokenizer: str):
 
 
 def rank_batches(tokens: torch.Tensor, block_size: int, batch_size: int, fraction: float,
-                 rank: int, world_size: int, max_steps: int | None) -> list[torch.Tensor]:
-    """Cut tokens into blocks, keep ``fraction`` of them, deal them round-robin to ranks, batch them.
+                 rank: int, world_size: int, max_steps: int | None, microbatches: int = 1) -> list[torch.Tensor]:
+    """Cut tokens into blocks, keep ``fraction`` of them, deal them round-robin to ranks, batch them:
+    one tensor per optimizer step, its ``microbatches`` microbatches of ``batch_size`` blocks one after
+    the other (so K microbatches of B see the blocks that one batch of K x B would).
 
     Every rank gets the same number of batches, in a fixed order, so all variants see identical data.
     """
     n_blocks = int(tokens.numel() // block_size * fraction)
-    steps = n_blocks // (world_size * batch_size)
+    per_step = batch_size * microbatches
+    steps = n_blocks // (world_size * per_step)
     if max_steps is not None:
         steps = min(steps, max_steps)
     if steps == 0:
-        raise UserError(f"--block_size {block_size}, --batch_size {batch_size}, --dataset_fraction {fraction:g}: the "
-                        f"dataset gives {n_blocks} blocks, too few for one step on {world_size} rank(s)")
+        raise UserError(f"--block_size {block_size}, --batch_size {batch_size}, --gradient_accumulation_steps "
+                        f"{microbatches}, --dataset_fraction {fraction:g}: the dataset gives {n_blocks} blocks, too "
+                        f"few for one step on {world_size} rank(s)")
     blocks = tokens[: n_blocks * block_size].view(n_blocks, block_size)
     mine = blocks[rank::world_size]
-    return [mine[i * batch_size:(i + 1) * batch_size] for i in range(steps)]
+    return [mine[i * per_step:(i + 1) * per_step] for i in range(steps)]

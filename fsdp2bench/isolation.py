@@ -385,12 +385,24 @@ def run_child(finisher: Finisher, work: Callable[[dist.TCPStore], None]) -> None
         os._exit(1)  # reached only if the result was already written as finished
 
 
-def init_group(device: torch.device, keys: StoreKeys, store: dist.TCPStore, rank: int, world_size: int):
-    """This piece of work's own process group and 1-D device mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+def init_group(device: torch.device, keys: StoreKeys, store: dist.TCPStore, rank: int, world_size: int,
+               shape: tuple[int, int] | None = None):
+    """This piece of work's own process group and its device mesh (``device_mesh``)."""
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             store=dist.PrefixStore(keys.prefix + "/pg", store), rank=rank,
                             world_size=world_size, timeout=timedelta(minutes=10),
                             device_id=device if device.type == "cuda" else None)
-    return init_device_mesh(device.type, (world_size,))
+    return device_mesh(device, world_size, shape)
+
+
+HSDP_DIMS = ("dp_replicate", "dp_shard")  # accelerate's names for the two dimensions
+
+
+def device_mesh(device: torch.device, world_size: int, shape: tuple[int, int] | None):
+    """FSDP2's mesh: 1-D over every rank, or (replicas, shards) for HSDP where there are replicas,
+    on which ``fully_shard`` replicates over the first dimension and shards over the second."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if shape is None or shape[0] == 1:
+        return init_device_mesh(device.type, (world_size,))
+    return init_device_mesh(device.type, shape, mesh_dim_names=HSDP_DIMS)

@@ -16,6 +16,20 @@ P = the model's parameter bytes:
 
 So at the peak the unfixed variant holds P + 2P/N against 4P/N: equal at N = 2, worse beyond.
 
+Under HSDP (R replicas x S shards = N) every parameter is split in S, not N: read S for N above
+and rank mod S for the rank. With gradient accumulation (K microbatches per step) the moment between
+two microbatches of a step (``between_microbatches``, counted after the first one's backward) holds,
+beside the state above, the gradients not yet reduced (``unreduced_grad_bytes``):
+
+* without ``sync_each_batch`` (accelerate's default) every parameter's whole gradient in the reduce
+  dtype (bf16 under autocast, fp32 under the fp32-reduce policy) on every rank: P/2 or P at any N,
+  from the first microbatch's backward to the last one's reduce-scatter; no sharded gradient yet;
+* with it, the sharded gradients (P/S) from the first microbatch on, as at the step peak;
+* with it and ``requires_all_reduce`` false under HSDP (the torch variants), the reduce-scatter
+  outputs that wait for the last microbatch's all-reduce, P/S in the reduce dtype, instead of them.
+
+accelerate syncs each microbatch only where it is distributed: a world of one never does.
+
 Where it lives (``expected_device_bytes``): on a GPU run everything above is on the GPU except
 AdamW's step counters (host tensors). Under ``cpu_offload`` the parameters, gradients and AdamW
 state live on the host, but the unfixed variant's stale parameters do not: ``fully_shard`` moves
@@ -34,8 +48,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp2bench.names import UNFIXED
-from fsdp2bench.options import FsdpOptions
+from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, UNFIXED
+from fsdp2bench.options import AUTOCAST, FsdpOptions
 
 ADAMW_MOMENTS = 2
 STEP_BYTES = 4  # AdamW's per-parameter fp32 step counter
@@ -84,8 +98,29 @@ def account(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
                                       if torch.is_tensor(v)),
         "stale_param_bytes": held(p for group in optimizer.param_groups for p in group["params"]
                                   if id(p) not in in_model),
+        "unreduced_grad_bytes": held(unreduced_grads(model)),
     }
     return {**result, "device_bytes": device_total}
+
+
+def unreduced_grads(model: nn.Module) -> list[torch.Tensor]:
+    """Gradients FSDP2 holds outside the parameters' ``.grad`` while it accumulates: each parameter's
+    unsharded gradient (kept in the parameter dtype, or cast to the reduce dtype) when a backward was
+    not reduced, and each group's reduce-scatter output waiting for the all-reduce across replicas."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = []
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        if group is None:
+            continue
+        if group._partial_reduce_output is not None:
+            found.append(group._partial_reduce_output)
+        for fsdp_param in group.fsdp_params:
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            found += [g for g in (fsdp_param.unsharded_accumulated_grad, getattr(unsharded, "grad", None))
+                      if g is not None]
+    return found
 
 
 # --------------------------------------------------------------------------- expected
@@ -120,13 +155,35 @@ def _shard_bytes(shapes, world_size: int, rank: int) -> tuple[int, int, int]:
     return padded, local, full
 
 
-def expected_state(shapes, world_size: int, rank: int, variant: str, phase: str) -> dict:
-    """What ``account`` should find for ``variant`` at ``phase``.
+def reduce_dtype_bytes(options: FsdpOptions) -> int:
+    """Bytes per element of the gradient reduction: bf16 under autocast, fp32 under the fp32-reduce policy."""
+    return 2 if options.mixed_precision_policy == AUTOCAST else 4
+
+
+def syncs_each_microbatch(variant: str, options: FsdpOptions, world_size: int) -> bool:
+    """Whether the first microbatch of a step is reduce-scattered: accelerate's ``accumulate()`` skips
+    ``no_sync`` for ``sync_each_batch`` only in a distributed run."""
+    return options.sync_each_batch and (variant != ACCELERATE or world_size > 1)
+
+
+def holds_back_all_reduce(variant: str, options: FsdpOptions, world_size: int) -> bool:
+    """``requires_all_reduce`` false on a mesh that has replicas to all-reduce over (torch variants only)."""
+    return not options.requires_all_reduce and variant != ACCELERATE and options.mesh_shape(world_size)[0] > 1
+
+
+def expected_state(shapes, world_size: int, rank: int, variant: str, phase: str,
+                   options: FsdpOptions = FsdpOptions(), steps: int = 2) -> dict:
+    """What ``account`` should find for ``variant`` at ``phase`` on ``rank`` of a run of ``steps``
+    optimizer steps.
 
     phase: "end_of_setup" (sharded, no step yet), "before_zero_grad" (after the last
-    optimizer step) or "end_of_training" (after the last ``zero_grad``).
+    optimizer step), "end_of_training" (after the last ``zero_grad``) or, with accumulation,
+    "between_microbatches" (the last step's first microbatch done, its optimizer step not yet).
     """
-    padded, local, full = _shard_bytes(shapes, world_size, rank)
+    shards = options.mesh_shape(world_size)[1]
+    if phase == MICROBATCH_PHASE:
+        return _between_microbatches(shapes, world_size, rank % shards, variant, options, steps > 1)
+    padded, local, full = _shard_bytes(shapes, shards, rank % shards)
     unfixed = variant == UNFIXED
     trained = phase != "end_of_setup"
     grads_alive = trained and (unfixed or phase == "before_zero_grad")
@@ -136,19 +193,43 @@ def expected_state(shapes, world_size: int, rank: int, variant: str, phase: str)
         "optimizer_state_bytes": ADAMW_MOMENTS * local + STEP_BYTES * len(shapes)
         if trained and not unfixed else 0,
         "stale_param_bytes": full if unfixed else 0,
+        "unreduced_grad_bytes": 0,
+    }
+
+
+def _between_microbatches(shapes, world_size: int, shard: int, variant: str, options: FsdpOptions,
+                          stepped: bool) -> dict:
+    """The state after the last step's first microbatch on the rank holding shard ``shard`` (see the
+    module text); ``stepped``: an optimizer step came before it. The unfixed variant's sharded
+    gradients are never cleared."""
+    shards = options.mesh_shape(world_size)[1]
+    padded, local, full = _shard_bytes(shapes, shards, shard)
+    padded_items, _, full_items = _shard_bytes([(shape, 1) for shape, _ in shapes], shards, shard)
+    unfixed = variant == UNFIXED
+    synced = syncs_each_microbatch(variant, options, world_size)
+    held_back = synced and holds_back_all_reduce(variant, options, world_size)
+    waiting = full_items if not synced else padded_items if held_back else 0
+    return {
+        "param_bytes": padded,
+        "grad_bytes": padded if (synced and not held_back) or (unfixed and stepped) else 0,
+        "optimizer_state_bytes": ADAMW_MOMENTS * local + STEP_BYTES * len(shapes) if stepped and not unfixed else 0,
+        "stale_param_bytes": full if unfixed else 0,
+        "unreduced_grad_bytes": waiting * reduce_dtype_bytes(options),
     }
 
 
 def expected_device_bytes(shapes, world_size: int, rank: int, variant: str, phase: str,
-                          options: FsdpOptions, device_type: str) -> int:
-    """The part of ``expected_state`` that ``account`` should find on the accelerator (see the module text)."""
+                          options: FsdpOptions, device_type: str, steps: int = 2) -> int:
+    """The part of ``expected_state`` that ``account`` should find on the accelerator (see the module
+    text): under CPU offload the stale parameters and the unreduced gradients, which live beside the
+    unsharded parameters on the GPU."""
     if device_type == "cpu":
         return 0
-    state = expected_state(shapes, world_size, rank, variant, phase)
+    state = expected_state(shapes, world_size, rank, variant, phase, options, steps)
     if options.cpu_offload:
-        return state["stale_param_bytes"]
-    steps = STEP_BYTES * len(shapes) if state["optimizer_state_bytes"] else 0
-    return sum(state.values()) - steps
+        return state["stale_param_bytes"] + state["unreduced_grad_bytes"]
+    counters = STEP_BYTES * len(shapes) if state["optimizer_state_bytes"] else 0
+    return sum(state.values()) - counters
 
 
 def projection(shapes, variants: list[str], sizes: list[int] = PROJECTION_WORLD_SIZES) -> dict:

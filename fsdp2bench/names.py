@@ -10,12 +10,19 @@ VARIANTS = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_not_fixed
             "torch_optimizer_before_fsdp_fixed", "accelerate"]
 INTENDED = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_fixed", "accelerate"]
 UNFIXED = "torch_optimizer_before_fsdp_not_fixed"
+ACCELERATE = "accelerate"
 
 # The upstream's per-rank trace: four lists of equal length, one entry per sample.
 TRACE_KEYS = ("timestamps", "allocated_memory", "reserved_memory", "virtual_memory")
 # What the memory model counts, and when.
-STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "stale_param_bytes")
+STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "stale_param_bytes", "unreduced_grad_bytes")
 PHASES = ("end_of_setup", "before_zero_grad", "end_of_training")
+MICROBATCH_PHASE = "between_microbatches"  # with gradient accumulation only
+
+
+def phases(accumulates: bool) -> tuple[str, ...]:
+    """The moments at which a variant's state is counted."""
+    return PHASES + (MICROBATCH_PHASE,) if accumulates else PHASES
 
 
 def rank_file(name: str, suffix: str, rank: int) -> str:

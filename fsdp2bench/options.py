@@ -1,9 +1,13 @@
-"""The FSDP2 options accelerate's ``FullyShardedDataParallelPlugin`` exposes, named as it names them.
+"""The FSDP2 options every variant applies, named as accelerate names them.
 
-One typed value (``FsdpOptions``) reaches every variant: the torch variants turn it into the
-``fully_shard`` arguments and checkpoint wrapping that accelerate applies for the same option
-(utils.py), the accelerate variant into its plugin. The named sets are the rows of a matrix
-(matrix.py). No torch import at module level: the plots and the matrix launcher read the names.
+Three accelerate objects take them: its ``FullyShardedDataParallelPlugin`` (resharding, mixed
+precision, activation checkpointing, CPU offload), its ``GradientAccumulationPlugin`` (the
+microbatches per optimizer step and whether each is reduced) and its ``ParallelismConfig`` (HSDP's
+replicate x shard mesh). One typed value (``FsdpOptions``) reaches every variant: the torch variants
+turn it into the ``fully_shard`` arguments, the mesh and the gradient-sync calls that accelerate
+makes for the same option (utils.py), the accelerate variant into its objects. One option is torch's
+alone (``requires_all_reduce``): accelerate does not offer it. The named sets are the rows of a
+matrix (matrix.py). No torch import at module level: the plots and the matrix launcher read the names.
 """
 
 from __future__ import annotations
@@ -27,6 +31,16 @@ class FsdpOptions:
     activation_checkpointing: bool = False
     activation_checkpointing_offload: bool = False  # needs activation_checkpointing, as accelerate enforces
     cpu_offload: bool = False  # CPUOffloadPolicy: parameters, gradients and AdamW live on the host
+    # GradientAccumulationPlugin: microbatches per optimizer step, and whether each is reduce-scattered
+    # (False, accelerate's default: the gradients stay unsharded on every rank until the last one).
+    gradient_accumulation_steps: int = 1
+    sync_each_batch: bool = False
+    # ParallelismConfig: HSDP, replicas x shards = N. None: the other one's complement (flat FSDP if both are).
+    dp_replicate_size: int | None = None
+    dp_shard_size: int | None = None
+    # torch's FSDPModule.set_requires_all_reduce: False reduce-scatters every microbatch under HSDP but
+    # all-reduces across the replicas only on the last one. Not offered by accelerate.
+    requires_all_reduce: bool = True
 
     def changed(self) -> dict:
         """The options that differ from the default (today's configuration, the upstream's)."""
@@ -38,14 +52,44 @@ class FsdpOptions:
         """main.py's command-line flags that select these options."""
         out = []
         for name, value in self.changed().items():
-            if isinstance(value, bool) and name != "reshard_after_forward":
+            if isinstance(value, bool) and name not in VALUED_BOOLS:
                 out.append(f"--{name}")
             else:
                 out += [f"--{name}", str(value).lower()]
         return out
 
+    def mesh_shape(self, world_size: int) -> tuple[int, int]:
+        """(replicas, shards) of a world of ``world_size`` ranks; refused where they do not divide it."""
+        r, s = self.dp_replicate_size, self.dp_shard_size
+        if r is None and s is None:
+            return 1, world_size
+        if r is not None and s is not None and r * s != world_size:
+            raise UserError(f"--dp_replicate_size {r} x --dp_shard_size {s} is not the world size {world_size}")
+        given, flag = (r, "--dp_replicate_size") if r is not None else (s, "--dp_shard_size")
+        if world_size % given:
+            raise UserError(f"{flag} {given} does not divide the world size {world_size}")
+        return (given, world_size // given) if r is not None else (world_size // given, given)
 
-# The rows of a matrix: each option alone, and all of them together (they all combine).
+    @property
+    def hsdp(self) -> bool:
+        """Whether a replicate dimension is asked for (it may still be 1 at some world sizes)."""
+        return self.dp_shard_size is not None or (self.dp_replicate_size or 1) > 1
+
+    @property
+    def accumulates(self) -> bool:
+        return self.gradient_accumulation_steps > 1
+
+
+# Booleans whose main.py flag takes a value ({true,false}) rather than standing alone.
+VALUED_BOOLS = ("reshard_after_forward", "sync_each_batch", "requires_all_reduce")
+# The options accelerate's FullyShardedDataParallelPlugin takes; the others go to its other objects.
+PLUGIN_OPTIONS = ("reshard_after_forward", "mixed_precision_policy", "activation_checkpointing",
+                  "activation_checkpointing_offload", "cpu_offload")
+
+
+ACCUMULATION_STEPS, NODE_RANKS = 4, 8  # a matrix's K, and HSDP's shards: the ranks of one node
+# The rows of a matrix: each plugin option alone, and all of them together (they all combine); then
+# accumulation each way, HSDP over nodes of 8 ranks, and both.
 OPTION_SETS: dict[str, FsdpOptions] = {
     "default": FsdpOptions(),
     "no_reshard": FsdpOptions(reshard_after_forward=False),
@@ -55,6 +99,14 @@ OPTION_SETS: dict[str, FsdpOptions] = {
     "cpu_offload": FsdpOptions(cpu_offload=True),
     "all": FsdpOptions(reshard_after_forward=False, mixed_precision_policy=POLICY, activation_checkpointing=True,
                        activation_checkpointing_offload=True, cpu_offload=True),
+    "accumulate": FsdpOptions(gradient_accumulation_steps=ACCUMULATION_STEPS),
+    "accumulate_sync": FsdpOptions(gradient_accumulation_steps=ACCUMULATION_STEPS, sync_each_batch=True),
+    "hsdp": FsdpOptions(dp_shard_size=NODE_RANKS),
+    "hsdp_accumulate": FsdpOptions(dp_shard_size=NODE_RANKS, gradient_accumulation_steps=ACCUMULATION_STEPS),
+    "hsdp_accumulate_sync": FsdpOptions(dp_shard_size=NODE_RANKS, gradient_accumulation_steps=ACCUMULATION_STEPS,
+                                        sync_each_batch=True),
+    "hsdp_all_reduce_last": FsdpOptions(dp_shard_size=NODE_RANKS, gradient_accumulation_steps=ACCUMULATION_STEPS,
+                                        sync_each_batch=True, requires_all_reduce=False),
 }
 EACH = "each"  # --option_sets each: every set above
 
@@ -68,9 +120,15 @@ def parse_bool(text: str) -> bool:
 
 
 def from_args(args) -> FsdpOptions:
-    """The options of a main.py command line, refused in one line where accelerate would refuse them."""
+    """The options of a main.py command line, refused in one line where accelerate would refuse them
+    or where one would change nothing (``--sync_each_batch`` given without accumulation)."""
+    if args.sync_each_batch is not None and args.gradient_accumulation_steps == 1:
+        raise UserError("--sync_each_batch needs --gradient_accumulation_steps above 1 (with one microbatch per "
+                        "step every step is reduced)")
     options = FsdpOptions(args.reshard_after_forward, args.mixed_precision_policy, args.activation_checkpointing,
-                          args.activation_checkpointing_offload, args.cpu_offload)
+                          args.activation_checkpointing_offload, args.cpu_offload, args.gradient_accumulation_steps,
+                          bool(args.sync_each_batch), args.dp_replicate_size, args.dp_shard_size,
+                          args.requires_all_reduce)
     check(options)
     return options
 
@@ -79,6 +137,10 @@ def check(options: FsdpOptions) -> None:
     if options.activation_checkpointing_offload and not options.activation_checkpointing:
         raise UserError("--activation_checkpointing_offload needs --activation_checkpointing (accelerate refuses "
                         "it alone)")
+    if not options.requires_all_reduce and not (options.hsdp and options.accumulates and options.sync_each_batch):
+        raise UserError("--requires_all_reduce false needs HSDP (--dp_replicate_size or --dp_shard_size), "
+                        "--gradient_accumulation_steps above 1 and --sync_each_batch true: it holds back the "
+                        "all-reduce across replicas of the microbatches that are reduce-scattered")
     check_libraries(options)
 
 
@@ -89,10 +151,11 @@ def check_libraries(options: FsdpOptions) -> None:
     from accelerate import FullyShardedDataParallelPlugin
 
     plugin_fields = {f.name for f in dataclasses.fields(FullyShardedDataParallelPlugin)}
-    for name, value in options.changed().items():
-        if name not in plugin_fields:
+    for name in options.changed():
+        if name in PLUGIN_OPTIONS and name not in plugin_fields:
             raise UserError(f"--{name}: accelerate {accelerate.__version__} has no such FSDP plugin option "
                             "(it came in accelerate 1.15)")
+    check_scaling_libraries(options)
     if options.cpu_offload and not hasattr(fsdp, "CPUOffloadPolicy"):
         raise UserError("--cpu_offload: this torch has no torch.distributed.fsdp.CPUOffloadPolicy")
     if options.activation_checkpointing:
@@ -101,6 +164,26 @@ def check_libraries(options: FsdpOptions) -> None:
                 checkpoint_wrapper, offload_wrapper)
         except ImportError:
             raise UserError("--activation_checkpointing: this torch has no checkpoint_wrapper") from None
+
+
+def check_scaling_libraries(options: FsdpOptions) -> None:
+    """Accumulation and HSDP need accelerate's GradientAccumulationPlugin and ParallelismConfig and
+    FSDP2's gradient-sync switches; a release without one is refused before any work starts."""
+    import accelerate
+    import accelerate.utils
+    from torch.distributed.fsdp import FSDPModule
+
+    if options.accumulates and "sync_each_batch" not in \
+            {f.name for f in dataclasses.fields(accelerate.utils.GradientAccumulationPlugin)}:
+        raise UserError(f"--gradient_accumulation_steps: accelerate {accelerate.__version__}'s "
+                        "GradientAccumulationPlugin has no sync_each_batch")
+    if options.accumulates and not hasattr(FSDPModule, "set_requires_gradient_sync"):
+        raise UserError("--gradient_accumulation_steps: this torch's FSDPModule has no set_requires_gradient_sync")
+    if options.hsdp and not hasattr(accelerate, "ParallelismConfig"):
+        raise UserError(f"--dp_replicate_size/--dp_shard_size: accelerate {accelerate.__version__} has no "
+                        "ParallelismConfig, through which it sets up HSDP")
+    if not options.requires_all_reduce and not hasattr(FSDPModule, "set_requires_all_reduce"):
+        raise UserError("--requires_all_reduce: this torch's FSDPModule has no set_requires_all_reduce")
 
 
 def parse_sets(text: str) -> list[str]:

@@ -8,7 +8,7 @@ import statistics
 from fsdp2bench import snapshots
 from fsdp2bench.memory_model import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_state,
                                      first_world_size_where_unfixed_costs_more, projection)
-from fsdp2bench.names import GIB, INTENDED, MIB, PHASES, STATE_KEYS, UNFIXED
+from fsdp2bench.names import GIB, INTENDED, MIB, PHASES, STATE_KEYS, UNFIXED, phases
 from fsdp2bench.options import FsdpOptions
 # Losses are compared step by step. On CPU the intended variants are bit-identical; on GPUs
 # accelerate groups its parameters differently, which may change bf16 rounding a little.
@@ -41,10 +41,10 @@ def _phase_peaks(record: dict) -> dict:
     return peaks
 
 
-def _by_phase(per_phase: dict) -> dict:
-    """End-of-training keys on top, every phase nested beside them."""
+def _by_phase(per_phase: dict, counted: tuple[str, ...] = PHASES) -> dict:
+    """End-of-training keys on top, every phase counted nested beside them."""
     return {**{k: per_phase["end_of_training"][k] for k in STATE_KEYS},
-            **{phase: {k: per_phase[phase][k] for k in STATE_KEYS} for phase in PHASES}}
+            **{phase: {k: per_phase[phase][k] for k in STATE_KEYS} for phase in counted}}
 
 
 def _training_peak(record: dict, key: str) -> float | None:
@@ -63,12 +63,13 @@ def _beyond_state(record: dict) -> float | None:
 def memory_summary(name: str, per_rank: list[dict], shapes, world_size: int, ranks: list[int],
                    options: FsdpOptions, device_type: str) -> dict:
     """Memory figures of one variant from the records of ``ranks`` (of a world of ``world_size``)."""
-    accounting = [_by_phase(r["accounting"]) for r in per_rank]
-    expected = [_by_phase({ph: expected_state(shapes, world_size, rank, name, ph) for ph in PHASES})
-                for rank in ranks]
-    on_device = [{ph: r["accounting"][ph]["device_bytes"] for ph in PHASES} for r in per_rank]
-    expected_on_device = [{ph: expected_device_bytes(shapes, world_size, rank, name, ph, options, device_type)
-                           for ph in PHASES} for rank in ranks]
+    counted, steps = phases(options.accumulates), len(per_rank[0]["steps"])
+    accounting = [_by_phase(r["accounting"], counted) for r in per_rank]
+    expected = [_by_phase({ph: expected_state(shapes, world_size, rank, name, ph, options, steps) for ph in counted},
+                          counted) for rank in ranks]
+    on_device = [{ph: r["accounting"][ph]["device_bytes"] for ph in counted} for r in per_rank]
+    expected_on_device = [{ph: expected_device_bytes(shapes, world_size, rank, name, ph, options, device_type, steps)
+                           for ph in counted} for rank in ranks]
     residual = [None if r["steps"][-1]["allocated_mib"] is None else
                 r["steps"][-1]["allocated_mib"] - r["accounting"]["end_of_training"]["device_bytes"] / MIB
                 for r in per_rank]
@@ -195,7 +196,7 @@ def _size(n_bytes: float) -> str:
 def _gap_bytes(v: dict) -> int:
     """Largest difference, in bytes, between what a rank held and what the sharding rule predicts."""
     return max(abs(held[phase][k] - exp[phase][k]) for held, exp in zip(v["accounting"], v["expected"])
-               for phase in PHASES for k in STATE_KEYS)
+               for phase in held if phase not in STATE_KEYS for k in STATE_KEYS)
 
 
 # The console table, at most 120 columns: (title, width, cell, needs an allocator). The rest of each

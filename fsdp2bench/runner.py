@@ -18,7 +18,7 @@ from fsdp2bench.child import TracedChild, run_traced_child
 from fsdp2bench.isolation import StoreKeys, init_group
 from fsdp2bench.memory_model import account, local_tensor
 from fsdp2bench.model import build_model
-from fsdp2bench.names import rank_file
+from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, rank_file
 from fsdp2bench.options import FsdpOptions
 from fsdp2bench.progress import Progress
 from fsdp2bench.simulation import init_simulated_group
@@ -76,28 +76,44 @@ class Job:
 # --------------------------------------------------------------------------- training
 
 class TrainStep:
-    """One step at a time, queued; a call returns the loss still on the device (reading it would wait
-    for the GPU).
+    """One optimizer step at a time, queued; a call returns the loss still on the device (reading it
+    would wait for the GPU): the microbatches' mean, as each was before the division by K.
 
     The outputs, logits included, are part of what a step costs. They stay alive through backward and
-    the optimizer step, and on until the next step's forward has returned, as the loop variable of the
+    the optimizer step, and on until the next forward has returned, as the loop variable of the
     upstream's loop (and of most user code) keeps them: where they sit changes where the caching
     allocator puts the next step's blocks (1042 MiB of reserved memory at N = 1 for the 1.5B model).
+    With K microbatches a step runs K forwards and backwards, each inside the variant's
+    ``microbatch`` context (which decides whether its gradients are reduced), then one optimizer step.
     """
 
-    def __init__(self, prep: utils.Prepared):
+    def __init__(self, prep: utils.Prepared, microbatches: int = 1):
         self.prep = prep
+        self.microbatches = microbatches
         self.outputs = None
 
-    def __call__(self, input_ids: torch.Tensor, before_zero_grad: Callable[[], None] | None = None) -> torch.Tensor:
-        prep = self.prep
-        self.outputs = prep.model(input_ids=input_ids, labels=input_ids)  # the previous outputs go only now
-        prep.backward(self.outputs.loss)
+    def __call__(self, input_ids: torch.Tensor, before_zero_grad: Callable[[], None] | None = None,
+                 between_microbatches: Callable[[], None] | None = None) -> torch.Tensor:
+        prep, k = self.prep, self.microbatches
+        if k == 1:
+            self.outputs = prep.model(input_ids=input_ids, labels=input_ids)  # the previous outputs go only now
+            prep.backward(self.outputs.loss)
+            loss = self.outputs.loss.detach()
+        else:
+            losses = []
+            for i, micro in enumerate(input_ids.chunk(k)):
+                with prep.microbatch(i == k - 1):
+                    self.outputs = prep.model(input_ids=micro, labels=micro)
+                    prep.backward(self.outputs.loss)
+                losses.append(self.outputs.loss.detach())
+                if i == 0 and between_microbatches is not None:
+                    between_microbatches()
+            loss = torch.stack(losses).mean()
         prep.optimizer.step()
         if before_zero_grad is not None:
             before_zero_grad()
         prep.optimizer.zero_grad()
-        return self.outputs.loss.detach()
+        return loss
 
 
 class StepReadback:
@@ -208,7 +224,7 @@ def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
     progress = Progress(job.name, len(job.batches), job.position,
                         enabled=job.rank == 0 and not job.simulated and not job.train.quiet)
     readback = StepReadback(job.device, len(job.batches))
-    train_step = TrainStep(prep)
+    train_step = TrainStep(prep, job.train.options.gradient_accumulation_steps)
 
     def read_back(step: int) -> None:
         loss, seconds = readback.result(step)
@@ -221,9 +237,9 @@ def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
         for step, batch in enumerate(batches):
             injected_failure(job, step, tracker, prep.model)
             tracker.polling = not (job.train.tracker_overhead and step % 2)
-            hook = (lambda: accounting.update(before_zero_grad=account(prep.model, prep.optimizer))) \
-                if step == last else None
-            readback.queued(step, train_step(batch.to(job.device, non_blocking=True), hook))
+            hooks = [(lambda phase=phase: accounting.update({phase: account(prep.model, prep.optimizer)}))
+                     if step == last else None for phase in ("before_zero_grad", MICROBATCH_PHASE)]
+            readback.queued(step, train_step(batch.to(job.device, non_blocking=True), *hooks))
             tracker.record_step(step)
             if step > 0:
                 read_back(step - 1)  # the previous step, while the device runs this one
@@ -275,8 +291,10 @@ def variant_process(job: Job) -> None:
     def work(store, tracker: MemoryTracker) -> dict:
         if records_history(job):  # Python stacks only: C++ ones take minutes to resolve at the dump
             torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
-        mesh = init_simulated_group(job.device, job.rank, job.world_size) if job.simulated else \
-            init_group(job.device, job.keys, store, job.rank, job.world_size)
+        # accelerate builds its own HSDP mesh from its ParallelismConfig (utils.accelerate_scaling).
+        shape = None if job.name == ACCELERATE else job.train.options.mesh_shape(job.world_size)
+        mesh = init_simulated_group(job.device, job.rank, job.world_size, shape) if job.simulated else \
+            init_group(job.device, job.keys, store, job.rank, job.world_size, shape)
         tracker.mark("group_ready")
         extra = train(job, tracker, mesh)
         if records_history(job):

@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 from fsdp2bench.cli import UserError
-from fsdp2bench.isolation import INTERRUPTED, Interrupted, Piece, StoreKeys, run_rolling, wait_for_keys
+from fsdp2bench.isolation import INTERRUPTED, Interrupted, Piece, StoreKeys, device_mesh, run_rolling, wait_for_keys
 from fsdp2bench.memory_model import expected_state
-from fsdp2bench.names import PHASES, simulated_dir_name
+from fsdp2bench.names import phases, simulated_dir_name
+from fsdp2bench.options import FsdpOptions
 
 FAKE_GROUP_MODULE = "torch.testing._internal.distributed.fake_pg"
 DEFAULT_STEPS = 10  # memory settles after the first optimizer step; losses mean nothing here
@@ -99,11 +100,13 @@ def check_fake_group_available() -> None:
 
 # --------------------------------------------------------------------------- plan
 
-def _state(shapes, world_size: int, rank: int, variants: list[str]) -> list:
-    return [expected_state(shapes, world_size, rank, v, phase) for v in variants for phase in PHASES]
+def _state(shapes, world_size: int, rank: int, variants: list[str], options: FsdpOptions) -> list:
+    return [expected_state(shapes, world_size, rank, v, phase, options)
+            for v in variants for phase in phases(options.accumulates)]
 
 
-def plan(world_sizes: list[int], ranks: list, variants: list[str], shapes) -> tuple[list[SimulatedRun], list[str]]:
+def plan(world_sizes: list[int], ranks: list, variants: list[str], shapes,
+         options: FsdpOptions = FsdpOptions()) -> tuple[list[SimulatedRun], list[str]]:
     """Every (N, rank, variant) to run, and a note for each ``last`` rank left out because the
     sharding rule gives it exactly the bytes of a rank already played (it would measure the same)."""
     runs, notes = [], []
@@ -113,7 +116,7 @@ def plan(world_sizes: list[int], ranks: list, variants: list[str], shapes) -> tu
             rank = n - 1 if spec == LAST else spec
             if rank in played:
                 continue
-            if spec == LAST and any(_state(shapes, n, rank, variants) == _state(shapes, n, r, variants)
+            if spec == LAST and any(_state(shapes, n, rank, variants, options) == _state(shapes, n, r, variants, options)
                                     for r in played):
                 notes.append(f"N={n}: rank {rank} holds the same bytes as rank {played[0]}; not played")
                 continue
@@ -124,13 +127,12 @@ def plan(world_sizes: list[int], ranks: list, variants: list[str], shapes) -> tu
 
 # --------------------------------------------------------------------------- child side
 
-def init_simulated_group(device: torch.device, rank: int, world_size: int):
-    """A fake process group of ``world_size`` ranks in which this process is ``rank``, and its mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+def init_simulated_group(device: torch.device, rank: int, world_size: int, shape: tuple[int, int] | None = None):
+    """A fake process group of ``world_size`` ranks in which this process is ``rank``, and its mesh
+    (HSDP's 2-D one where ``shape`` has replicas)."""
     fake_pg = __import__(FAKE_GROUP_MODULE, fromlist=["FakeStore"])  # importing registers the backend
     dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world_size)
-    return init_device_mesh(device.type, (world_size,))
+    return device_mesh(device, world_size, shape)
 
 
 # --------------------------------------------------------------------------- main process side

@@ -30,6 +30,12 @@ class Suite:
     summary: dict
 
     @property
+    def steps_said(self) -> str:
+        """"12 steps", or with accumulation "12 steps of 4 microbatches"."""
+        k = self.train.options.gradient_accumulation_steps
+        return f"{len(self.batches)} steps" + (f" of {k} microbatches" if k > 1 else "")
+
+    @property
     def summary_path(self) -> str:
         return os.path.join(self.output_dir, "summary.json")
 
@@ -54,7 +60,7 @@ def run_variants(suite: Suite) -> int:
     while groups:
         group = groups.pop(0)
         if s.rank == 0:
-            print(f"[{', '.join(group)}] {len(suite.batches)} steps on {s.world_size} rank(s)"
+            print(f"[{', '.join(group)}] {suite.steps_said} on {s.world_size} rank(s)"
                   f"{' (again, alone)' if group[0] in shared_failure else ''}...", flush=True)
         jobs = [suite.job(name, StoreKeys(f"{name}/alone" if name in shared_failure else name), s.rank, s.world_size,
                           suite.output_dir, position=i) for i, name in enumerate(group)]
@@ -130,7 +136,7 @@ def record_group(suite: Suite, jobs: list[Job], failures: list[str | None], star
 def run_sweep(suite: Suite, sizes: list[int], rank_specs: list) -> int:
     """Each run plays one rank of N alone; the launch's processes share the runs out."""
     s = suite.session
-    runs, notes = simulation.plan(sizes, rank_specs, suite.names, s.shapes)
+    runs, notes = simulation.plan(sizes, rank_specs, suite.names, s.shapes, suite.train.options)
     suite.summary["meta"]["simulated"] = {"world_sizes": sizes, "ranks": suite.meta["args"]["simulate_rank"],
                                           "runs": len(runs), "steps": len(suite.batches), "processes": s.world_size,
                                           "notes": notes}
@@ -138,7 +144,7 @@ def run_sweep(suite: Suite, sizes: list[int], rank_specs: list) -> int:
         for note in notes:
             print(note)
         print(f"Simulating {len(runs)} runs ({len(sizes)} world sizes x {len(suite.names)} variants x the ranks "
-              f"played) over {s.world_size} process(es), {len(suite.batches)} steps each...", flush=True)
+              f"played) over {s.world_size} process(es), {suite.steps_said} each...", flush=True)
     for n in sizes:
         os.makedirs(simulation.world_size_dir(suite.output_dir, n), exist_ok=True)
 
