@@ -159,8 +159,9 @@ NUMBER_RANGES = {"batch_size": (1, 1 << 16), "block_size": (2, 1 << 20), "max_st
                  "learning_rate": (1e-12, 10.0), "seed": (0, 2**32 - 1), "log_interval": (0.001, 60.0)}
 
 
-def check_args(args: argparse.Namespace) -> tuple[list[str], options.FsdpOptions]:
-    """Refuse what cannot work before any process or model exists; return the variants and options."""
+def check_args(args: argparse.Namespace, world_size: int | None = None) -> tuple[list[str], options.FsdpOptions]:
+    """Refuse what cannot work before any process or model exists; return the variants and options.
+    ``world_size``: that of the launch checked (default: this one's, from the launcher)."""
     for flag in ("batch_size", "block_size"):
         if getattr(args, flag) <= 0:
             raise UserError(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
@@ -189,7 +190,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], options.FsdpOptions
         if args.max_steps is None:
             args.max_steps = simulation.DEFAULT_STEPS
     for n in simulation.parse_world_sizes(args.simulate_world_size) if args.simulate_world_size else \
-            [launcher_world_size()]:
+            [world_size or launcher_world_size()]:
         fsdp_options.mesh_shape(n)  # refuses a replicate or shard size that does not divide N
     return names, fsdp_options
 

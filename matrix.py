@@ -10,6 +10,7 @@ with a row per (option set, variant, N). Every other option goes to main.py unch
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -20,9 +21,8 @@ from fsdp2bench.simulation import DEFAULT_STEPS
 
 INTERRUPTED = (130, -2, -15)  # main.py's exit code after SIGINT or SIGTERM, or killed by one
 NUMBER_RANGES = {"nproc_per_node": (0, 4096), "sweep_steps": (1, 10_000_000)}  # 0 processes: sweeps only
-# main.py's FSDP2 options: each launch gets those of its option set.
-OWNED = ("reshard_after_forward", "mixed_precision_policy", "activation_checkpointing",
-         "activation_checkpointing_offload", "cpu_offload")
+# main.py's FSDP2, accumulation and HSDP options: each launch gets those of its option set.
+OWNED = tuple(f.name for f in dataclasses.fields(options.FsdpOptions))
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -57,10 +57,11 @@ def check(args: argparse.Namespace, forwarded: list[str]) -> list[str]:
     if owned:
         raise UserError(f"--{owned[0]} is set by matrix.py for each launch from its option set; choose the sets "
                         f"with --option_sets")
-    for name in sets:  # every launch's command line, as main.py will check it
-        launch = benchmark.parse_args([*forwarded, *options.OPTION_SETS[name].flags()])
-        launch.simulate_world_size = args.simulate_world_size
-        benchmark.check_args(launch)
+    plan, _ = matrix.launches(args.output_dir, sets, args.simulate_world_size, args.sweep_steps, args.nproc_per_node,
+                              forwarded)
+    for _, _, main_args in plan:  # every launch's command line, as main.py will check it
+        launch = benchmark.parse_args(main_args)
+        benchmark.check_args(launch, world_size=None if launch.simulate_world_size else max(1, args.nproc_per_node))
     return sets
 
 
@@ -70,8 +71,11 @@ def run(args: argparse.Namespace, forwarded: list[str]) -> int:
     meta = matrix.meta_of(sets, args.simulate_world_size, args.sweep_steps, args.nproc_per_node, forwarded)
     summaries: dict[str, tuple[str, dict]] = {}
     failed = False
-    plan = matrix.launches(args.output_dir, sets, args.simulate_world_size, args.sweep_steps, args.nproc_per_node > 0,
-                           forwarded)
+    plan, skipped = matrix.launches(args.output_dir, sets, args.simulate_world_size, args.sweep_steps,
+                                    args.nproc_per_node, forwarded)
+    for note in skipped:
+        print(f"Skipped: {note}", flush=True)
+    meta["skipped"] = skipped
     launches = matrix.Launches([matrix.launch_command(max(1, args.nproc_per_node), main_args)
                                 for _, _, main_args in plan], os.path.dirname(os.path.abspath(__file__)))
     try:

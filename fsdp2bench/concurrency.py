@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from fsdp2bench.isolation import StoreKeys, wait_for_keys
 from fsdp2bench.memory_model import expected_device_bytes, expected_state, model_bytes
-from fsdp2bench.names import GIB, UNFIXED
+from fsdp2bench.names import GIB, PEAK_PHASES, UNFIXED, phases
 from fsdp2bench.options import AUTOCAST, FsdpOptions
 from fsdp2bench.starting import started_ahead
 
@@ -38,8 +38,14 @@ OFFLOAD_HOST_MARGIN = 1.25
 def device_state(shapes, world_size: int, names: list[str], options: FsdpOptions, device_type: str) -> int:
     """The state on the device at the step peak, of the worst variant on the worst rank: rank 0, whose
     chunk of every parameter is the largest (memory_model.shard_rows)."""
-    return max(expected_device_bytes(shapes, world_size, 0, name, "before_zero_grad", options, device_type)
-               for name in names)
+    return max(peak_device_bytes(shapes, world_size, name, options, device_type) for name in names)
+
+
+def peak_device_bytes(shapes, world_size: int, name: str, options: FsdpOptions, device_type: str) -> int:
+    """Rank 0's state on the device at the larger of its two peaks: after the optimizer step, or between
+    microbatches (the unreduced gradients of accumulation)."""
+    return max(expected_device_bytes(shapes, world_size, 0, name, phase, options, device_type)
+               for phase in PEAK_PHASES if phase in phases(options.accumulates))
 
 
 def variant_need(shapes, world_size: int, name: str, options: FsdpOptions, logits_bytes: int) -> int:
@@ -47,9 +53,10 @@ def variant_need(shapes, world_size: int, name: str, options: FsdpOptions, logit
     temporaries (about the local fp32 parameters, while the intended variants step on the GPU; the
     unfixed one's parameters get no gradients), what a step holds beyond the state (``BEYOND_STATE``),
     the logits, and the CUDA context."""
-    state = expected_device_bytes(shapes, world_size, 0, name, "before_zero_grad", options, "cuda")
+    state = peak_device_bytes(shapes, world_size, name, options, "cuda")
     steps_on_gpu = name != UNFIXED and not options.cpu_offload
-    temporaries = expected_state(shapes, world_size, 0, name, "before_zero_grad")["param_bytes"] if steps_on_gpu else 0
+    temporaries = expected_state(shapes, world_size, 0, name, "before_zero_grad", options)["param_bytes"] \
+        if steps_on_gpu else 0
     fraction = BEYOND_STATE + (0 if options.reshard_after_forward else NO_RESHARD) + \
         (FP32_REDUCE if options.mixed_precision_policy != AUTOCAST else 0) + (OFFLOADED if options.cpu_offload else 0)
     return state + temporaries + int(model_bytes(shapes) * fraction) + LOGITS_COPIES * logits_bytes + FIXED_MARGIN
@@ -71,7 +78,7 @@ def host_bytes(shapes, world_size: int, names: list[str], init_device: str, opti
     build = model_bytes(shapes) if init_device == "cpu" else 0
     on_host = 0
     if device_type == "cpu" or options.cpu_offload:
-        on_host = max(sum(expected_state(shapes, world_size, 0, name, "before_zero_grad").values())
+        on_host = max(sum(expected_state(shapes, world_size, 0, name, "before_zero_grad", options).values())
                       - expected_device_bytes(shapes, world_size, 0, name, "before_zero_grad", options, device_type)
                       for name in names)
     margin = OFFLOAD_HOST_MARGIN if options.cpu_offload and device_type != "cpu" else 1

@@ -19,7 +19,7 @@ import tempfile
 import time
 
 from fsdp2bench.cli import write_json
-from fsdp2bench.names import INTENDED, MIB, STATE_KEYS, UNFIXED
+from fsdp2bench.names import INTENDED, MIB, PEAK_PHASES, STATE_KEYS, UNFIXED
 from fsdp2bench.options import OPTION_SETS
 from fsdp2bench.starting import CANCELLED, GO, START_GATE, open_gate
 
@@ -38,20 +38,35 @@ def launch_command(nproc: int, args: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "main.py", *args]
 
 
-def launches(output_dir: str, sets: list[str], sizes: str | None, sweep_steps: int, real: bool,
-             forwarded: list[str]) -> list[tuple[str, str, list]]:
-    """(option set, its directory, main.py arguments) of every launch, in order. A sweep takes
-    ``sweep_steps`` steps whatever the real runs take: its memory settles after the first step."""
-    out = []
+def fitting_sizes(option_set: str, sizes: list[int]) -> list[int]:
+    """The world sizes an option set runs at: an HSDP set's shard size must divide N (a node of 8
+    ranks needs N = 8, 16, ...)."""
+    shards = OPTION_SETS[option_set].dp_shard_size
+    return [n for n in sizes if shards is None or n % shards == 0]
+
+
+def launches(output_dir: str, sets: list[str], sizes: str | None, sweep_steps: int, nproc: int,
+             forwarded: list[str]) -> tuple[list[tuple[str, str, list]], list[str]]:
+    """(option set, its directory, main.py arguments) of every launch, in order, and a note for each
+    launch an option set cannot make at these world sizes. A sweep takes ``sweep_steps`` steps
+    whatever the real runs take: its memory settles after the first step."""
+    out, skipped = [], []
+    wanted = [int(n) for n in sizes.split(",")] if sizes else []
     for name in sets:
         flags = OPTION_SETS[name].flags()
-        if real:
+        if nproc and fitting_sizes(name, [nproc]):
             out.append((name, set_dir(output_dir, name), [*forwarded, *flags, "--output_dir", set_dir(output_dir, name)]))
-        if sizes:
+        elif nproc:
+            skipped.append(f"{name}: no real run on {nproc} rank(s) (its shard size does not divide it)")
+        fitting = fitting_sizes(name, sorted(wanted))
+        if fitting:
             sweep = os.path.join(set_dir(output_dir, name), SWEEP_DIR)
-            out.append((name, sweep, [*forwarded, *flags, "--simulate_world_size", sizes, "--max_steps",
-                                      str(sweep_steps), "--output_dir", sweep]))
-    return out
+            out.append((name, sweep, [*forwarded, *flags, "--simulate_world_size", ",".join(map(str, fitting)),
+                                      "--max_steps", str(sweep_steps), "--output_dir", sweep]))
+        if len(fitting) < len(wanted):
+            skipped.append(f"{name}: not simulated at N = {', '.join(str(n) for n in wanted if n not in fitting)} "
+                           "(its shard size does not divide N)")
+    return out, skipped
 
 
 class Launches:
@@ -119,9 +134,11 @@ def _max(figure: dict | None):
 
 
 def _state_at_peak(entry: dict) -> dict:
-    """State bytes at the step peak on the rank that held the most (the real run's ranks, or one simulated rank)."""
-    worst = max(entry["accounting"], key=lambda r: sum(r["before_zero_grad"][k] for k in STATE_KEYS))
-    return {k: worst["before_zero_grad"][k] for k in STATE_KEYS}
+    """State bytes at the step peak on the rank and moment that held the most (the real run's ranks, or
+    one simulated rank; after the optimizer step, or between microbatches under accumulation)."""
+    held = [r[phase] for r in entry["accounting"] for phase in PEAK_PHASES if phase in r]
+    worst = max(held, key=lambda state: sum(state[k] for k in STATE_KEYS))
+    return {k: worst[k] for k in STATE_KEYS}
 
 
 def row(option_set: str, variant: str, world_size: int, simulated: bool, rank: int | None, entry: dict) -> dict:
@@ -171,9 +188,17 @@ def compared_figure(r: dict) -> tuple[str, float | None]:
         in r else None
 
 
+# What a set is compared with beyond the default: what sync_each_batch saves (or costs), and what
+# holding back the all-reduce across replicas saves under HSDP.
+COMPARED_SETS = {"accumulate_sync": "accumulate", "hsdp_accumulate_sync": "hsdp_accumulate",
+                 "hsdp_all_reduce_last": "hsdp_accumulate_sync"}
+NOT_OFFERED = "not offered by accelerate: its variant runs with sync_each_batch alone"
+
+
 def findings(rows: list[dict]) -> list[dict]:
     """Per (option set, N): accelerate against torch, the stale optimizer's cost, and each variant's
-    saving against the default option set at the same N (in MiB, on the rank that held the most)."""
+    saving against the default option set at the same N (in MiB, on the rank that held the most),
+    and against the set it is compared with (``COMPARED_SETS``)."""
     cells: dict[tuple, dict[str, float]] = {}
     for r in rows:
         key, value = compared_figure(r)
@@ -184,12 +209,22 @@ def findings(rows: list[dict]) -> list[dict]:
     out = []
     for (option_set, n, simulated), cell in cells.items():
         default = cells.get(("default", n, simulated), {})
-        out.append({"option_set": option_set, "world_size": n, "simulated": simulated, "figure": cell["_figure"],
-                    "accelerate_minus_torch_mib": _minus(cell, ACCELERATE, REFERENCE),
-                    "stale_optimizer_extra_mib": _minus(cell, UNFIXED, REFERENCE),
-                    "saved_against_default_mib": {v: default[v] - cell[v] for v in cell
-                                                  if not v.startswith("_") and v in default}})
+        found = {"option_set": option_set, "world_size": n, "simulated": simulated, "figure": cell["_figure"],
+                 "accelerate_minus_torch_mib": _minus(cell, ACCELERATE, REFERENCE),
+                 "stale_optimizer_extra_mib": _minus(cell, UNFIXED, REFERENCE),
+                 "saved_against_default_mib": _saved(default, cell)}
+        if option_set in COMPARED_SETS:
+            other = COMPARED_SETS[option_set]
+            found["saved_against"] = {"option_set": other,
+                                      "mib": _saved(cells.get((other, n, simulated), {}), cell)}
+        if option_set in OPTION_SETS and not OPTION_SETS[option_set].requires_all_reduce:
+            found["accelerate"] = NOT_OFFERED
+        out.append(found)
     return out
+
+
+def _saved(reference: dict, cell: dict) -> dict:
+    return {v: reference[v] - cell[v] for v in cell if not v.startswith("_") and v in reference}
 
 
 def _minus(cell: dict, a: str, b: str) -> float | None:
@@ -213,17 +248,20 @@ def write_matrix(output_dir: str, meta: dict, summaries: dict[str, tuple[str, di
 
 def print_findings(matrix: dict) -> None:
     """One line per (option set, N), MiB on the rank that held the most."""
-    print(f"\n{'option set':12} {'N':>5} {'accel - torch':>13} {'stale extra':>11} "
-          f"{'saved vs default (after / accelerate)':>38}  figure")
+    print(f"\n{'option set':20} {'N':>5} {'accel - torch':>13} {'stale extra':>11} "
+          f"{'saved vs default (after / accelerate)':>38} {'saved vs compared set':>22}")
     for f in matrix["findings"]:
-        saved = f["saved_against_default_mib"]
+        saved, against = f["saved_against_default_mib"], f.get("saved_against")
         n = f"{f['world_size']}{'s' if f['simulated'] else ''}"
-        print(f"{f['option_set']:12} {n:>5} {_fmt(f['accelerate_minus_torch_mib']):>13} "
-              f"{_fmt(f['stale_optimizer_extra_mib']):>11} "
-              f"{_fmt(saved.get(REFERENCE)) + ' / ' + _fmt(saved.get(ACCELERATE)):>38}  {f['figure']}")
-    print("MiB; N with s = simulated. accel - torch: accelerate's peak minus torch_optimizer_after_fsdp's; stale "
-          "extra: the unfixed variant's minus the same; saved vs default: the default option set's peak minus this "
-          "set's, at the same N.")
+        compared = f"{_fmt(against['mib'].get(REFERENCE))} vs {against['option_set']}" if against else ""
+        accel = "not offered" if "accelerate" in f else _fmt(f["accelerate_minus_torch_mib"])
+        print(f"{f['option_set']:20} {n:>5} {accel:>13} {_fmt(f['stale_optimizer_extra_mib']):>11} "
+              f"{_fmt(saved.get(REFERENCE)) + ' / ' + _fmt(saved.get(ACCELERATE)):>38} {compared:>22}")
+    print(f"MiB of {matrix['findings'][0]['figure'] if matrix['findings'] else 'n/a'}; N with s = simulated. accel - "
+          "torch: accelerate's peak minus torch_optimizer_after_fsdp's (not offered: the set needs\n"
+          "torch's set_requires_all_reduce); stale extra: the unfixed variant's minus the same; saved vs default: the "
+          "default option set's\npeak minus this set's, at the same N; saved vs compared set: that set's peak minus "
+          "this one's, torch_optimizer_after_fsdp.")
     failed = [f"{launch}: {key}" for launch, checks in matrix["checks"].items()
               for key, c in checks.items() if c.get("ok") is False]
     not_ok = [r for r in matrix["rows"] if r["status"] != "ok"]

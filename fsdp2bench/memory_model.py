@@ -114,7 +114,7 @@ def unreduced_grads(model: nn.Module) -> list[torch.Tensor]:
         group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
         if group is None:
             continue
-        if group._partial_reduce_output is not None:
+        if getattr(group, "_partial_reduce_output", None) is not None:
             found.append(group._partial_reduce_output)
         for fsdp_param in group.fsdp_params:
             unsharded = getattr(fsdp_param, "_unsharded_param", None)

@@ -18,6 +18,7 @@ TRACE_KEYS = ("timestamps", "allocated_memory", "reserved_memory", "virtual_memo
 STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "stale_param_bytes", "unreduced_grad_bytes")
 PHASES = ("end_of_setup", "before_zero_grad", "end_of_training")
 MICROBATCH_PHASE = "between_microbatches"  # with gradient accumulation only
+PEAK_PHASES = ("before_zero_grad", MICROBATCH_PHASE)  # where the state of a step is at its largest
 
 
 def phases(accumulates: bool) -> tuple[str, ...]:

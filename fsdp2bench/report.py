@@ -8,7 +8,7 @@ import statistics
 from fsdp2bench import snapshots
 from fsdp2bench.memory_model import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_state,
                                      first_world_size_where_unfixed_costs_more, projection)
-from fsdp2bench.names import GIB, INTENDED, MIB, PHASES, STATE_KEYS, UNFIXED, phases
+from fsdp2bench.names import GIB, INTENDED, MIB, MICROBATCH_PHASE, PEAK_PHASES, PHASES, STATE_KEYS, UNFIXED, phases
 from fsdp2bench.options import FsdpOptions
 # Losses are compared step by step. On CPU the intended variants are bit-identical; on GPUs
 # accelerate groups its parameters differently, which may change bf16 rounding a little.
@@ -134,6 +134,11 @@ def _worst_rank(entry: dict, phase: str) -> dict:
 def _held_state(entry: dict, phase: str) -> int:
     """State bytes counted at ``phase``, on the rank that held the most."""
     return sum(_worst_rank(entry, phase)[k] for k in STATE_KEYS)
+
+
+def _held_at_step_peak(entry: dict) -> int:
+    """State bytes at the larger of a step's two peaks: after its optimizer step, or between microbatches."""
+    return max(_held_state(entry, phase) for phase in PEAK_PHASES if phase in entry["accounting"][0])
 
 
 def projection_summary(shapes, variants: dict, world_size: int) -> dict:
@@ -266,8 +271,8 @@ def accelerate_vs_torch(entries: dict) -> dict | None:
         return None
     diffs = {k: None if acc[k]["max"] is None or ref[k]["max"] is None else acc[k]["max"] - ref[k]["max"]
              for k in COMPARED_PEAKS}
-    holds = {name: {"state_bytes": _held_state(e, "before_zero_grad"),
-                    "device_bytes": max(r["before_zero_grad"] for r in e["device_bytes"]),
+    holds = {name: {"state_bytes": _held_at_step_peak(e),
+                    "device_bytes": max(r[phase] for r in e["device_bytes"] for phase in PEAK_PHASES if phase in r),
                     "beyond_state_mib": e["training_peak_beyond_state_mib"]["max"]}
              for name, e in ((ACCELERATE, acc), (TORCH, ref))}
     found = {"reference": TORCH, "difference_mib": diffs, "holds_at_step_peak": holds}
@@ -310,6 +315,7 @@ def explanations(summary: dict) -> list[str]:
                    f"state ({_size(rank0['optimizer_state_bytes'])}) and the model never changes (loss drop "
                    f"{unfixed['loss_drop']:.1%}); zero_grad() never reaches the model's sharded parameters, so "
                    f"their {_size(rank0['grad_bytes'])} of gradients are never cleared.")
+    out += accumulation_sentences(summary)
     proj = summary.get("projection") or {}
     n = proj.get("unfixed_costs_more_from_world_size")
     if n is not None:
@@ -317,6 +323,26 @@ def explanations(summary: dict) -> list[str]:
         out.append(f"At the step peak the unfixed variant's state (P + 2P/N) exceeds the intended one's (4P/N) "
                    f"from N = {n} ranks on: {_size(row[UNFIXED]['before_zero_grad'])} vs "
                    f"{_size(row[proj['reference']]['before_zero_grad'])} per rank (projection in summary.json).")
+    return out
+
+
+def accumulation_sentences(summary: dict) -> list[str]:
+    """What a step of K microbatches is, and what each variant held between two of them."""
+    step = summary["meta"].get("per_optimizer_step") or {}
+    if step.get("microbatches", 1) == 1:
+        return []
+    mesh = step.get("mesh") or {}
+    out = [f"One optimizer step: {step['microbatches']} microbatches, {step['sequences_per_rank']} sequences and "
+           f"{step['tokens_per_rank']} tokens per rank, {step.get('tokens', 'n/a')} tokens in all"
+           + (f", on {mesh['replicas']} replicas x {mesh['shards']} shards (HSDP)" if mesh.get("replicas", 1) > 1
+              else "") + "."]
+    held = {name: _worst_rank(v, MICROBATCH_PHASE) for name, v in summary["variants"].items()
+            if v.get("status") == "ok" and MICROBATCH_PHASE in v["accounting"][0]}
+    if held:
+        out.append("Between two microbatches of the last step (before its optimizer step) each rank held gradients "
+                   "not yet reduced: " + "; ".join(f"{name} {_size(h['unreduced_grad_bytes'])} unreduced, "
+                                                    f"{_size(h['grad_bytes'])} sharded" for name, h in held.items())
+                   + ".")
     return out
 
 
@@ -358,7 +384,7 @@ def _worst_per_world_size(simulated: dict, figure) -> dict[int, dict[str, float]
 
 MEASURED_FIGURES = {  # key in summary.json -> (how to read it off an entry, what it is in words)
     "training_peak_allocated": (lambda e: e["training_peak_allocated_mib"]["max"], "peak allocated in training"),
-    "state_at_step_peak": (lambda e: _held_state(e, "before_zero_grad"), "state held at the step peak"),
+    "state_at_step_peak": (_held_at_step_peak, "state held at the step peak"),
 }
 
 

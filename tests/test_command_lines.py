@@ -136,6 +136,10 @@ MAIN = {
     "--device": choice(["cpu"], ["tpu", ""]), "--init_device": choice(["cpu"], ["gpu"]),
     "--mixed_precision_policy": choice(["bf16_autocast", "bf16_params_fp32_reduce"], ["fp8", ""]),
     "--reshard_after_forward": choice(["true", "false", "TRUE"], ["maybe", "1", ""]),
+    "--gradient_accumulation_steps": (st.sampled_from(["1", "2", "4"]), integers(1, 1 << 16)[1]),
+    # Sane at every world size drawn (1, or the simulated 2, 1,8 and 3,64): one replica.
+    "--dp_replicate_size": (st.just("1"), integers(1, 1 << 16)[1]),
+    "--requires_all_reduce": (st.just("true"), st.sampled_from(["maybe", "", "false"])),
 }
 # Integer options: the sane strategy above, the hostile one from the same helper.
 for flag, (low, high) in {"--batch_size": (1, 1 << 16), "--block_size": (2, 1 << 20), "--max_steps": (1, 10_000_000),
@@ -155,12 +159,30 @@ def command_line(draw, options: dict, fixed: list[str] | None = None) -> tuple[l
     return argv, sane
 
 
+SCALING_FLAGS = ("--gradient_accumulation_steps", "--dp_replicate_size", "--requires_all_reduce")
+FLAT_SETS = sorted(n for n, o in OPTION_SETS.items() if not o.hsdp)
+HSDP_SETS = sorted(n for n, o in OPTION_SETS.items() if o.hsdp)
+# Each refused whatever else is given (no other scaling flag, one real rank): an option that changes
+# nothing, the third way without HSDP, a replicate or shard size that does not divide the world.
+SCALING_BAD = [["--sync_each_batch", "true"], ["--sync_each_batch", "false"],
+               ["--requires_all_reduce", "false", "--gradient_accumulation_steps", "2", "--sync_each_batch", "true"],
+               ["--dp_shard_size", "8"], ["--dp_replicate_size", "2"],
+               ["--dp_replicate_size", "2", "--dp_shard_size", "1"], ["--dp_replicate_size", "1", "--dp_shard_size", "2"],
+               ["--dp_shard_size", "0"], ["--dp_shard_size", "nan"], ["--dp_shard_size", "65537"]]
+
+
 @st.composite
 def main_command_line(draw) -> tuple[list[str], bool]:
     argv, sane = draw(command_line(MAIN, ["--device", "cpu"]))
-    extra = draw(st.sampled_from(["none", "fsdp", "fsdp_bad", "failure", "failure_bad", "rank_alone"]))
-    if extra == "fsdp":
-        argv += OPTION_SETS[draw(st.sampled_from(sorted(OPTION_SETS)))].flags()
+    extra = draw(st.sampled_from(["none", "fsdp", "fsdp_bad", "failure", "failure_bad", "rank_alone", "hsdp",
+                                  "scaling_bad"]))
+    scaling_given = any(flag in argv for flag in SCALING_FLAGS)
+    if extra == "fsdp" and not scaling_given:
+        argv += OPTION_SETS[draw(st.sampled_from(FLAT_SETS))].flags()
+    elif extra == "hsdp" and not scaling_given and "--simulate_world_size" not in argv:
+        argv += ["--simulate_world_size", "8,16", *OPTION_SETS[draw(st.sampled_from(HSDP_SETS))].flags()]
+    elif extra == "scaling_bad" and not scaling_given and "--simulate_world_size" not in argv:
+        argv, sane = argv + draw(st.sampled_from(SCALING_BAD)), False
     elif extra == "fsdp_bad":
         argv, sane = argv + ["--activation_checkpointing_offload"], False
     elif extra == "failure" and "--variants" not in argv and "--max_steps" not in argv:

@@ -17,14 +17,16 @@ from fsdp2bench.memory_model import STEP_BYTES, expected_device_bytes, expected_
 
 INTENDED = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_fixed", "accelerate"]
 UNFIXED = "torch_optimizer_before_fsdp_not_fixed"
+# The plugin's option sets (accumulation and HSDP have their own tests, test_scaling.py).
+PLUGIN_SETS = [n for n, o in options.OPTION_SETS.items() if not o.accumulates and not o.hsdp]
 
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
-    """Every option set, each a full suite at 2 real ranks, through matrix.py."""
+    """Every plugin option set, each a full suite at 2 real ranks, through matrix.py."""
     out = tmp_path_factory.mktemp("matrix")
-    proc = run_script(["matrix.py", "--nproc_per_node", "2", "--output_dir", str(out), *TINY, "--quiet"],
-                      nproc=None, timeout=900)
+    proc = run_script(["matrix.py", "--nproc_per_node", "2", "--option_sets", ",".join(PLUGIN_SETS), "--output_dir",
+                       str(out), *TINY, "--quiet"], nproc=None, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc
 
@@ -32,9 +34,10 @@ def matrix(tmp_path_factory):
 def test_every_option_set_trains_the_intended_variants_alike_and_counts_every_byte(matrix):
     out, proc = matrix
     result = load(out / "matrix.json")
-    assert result["meta"]["option_sets"] == list(options.OPTION_SETS)
-    assert len(result["rows"]) == len(options.OPTION_SETS) * len(VARIANTS)
-    for name, chosen in options.OPTION_SETS.items():
+    assert result["meta"]["option_sets"] == PLUGIN_SETS
+    assert len(result["rows"]) == len(PLUGIN_SETS) * len(VARIANTS)
+    for name in PLUGIN_SETS:
+        chosen = options.OPTION_SETS[name]
         summary = load(out / name / "summary.json")
         assert summary["meta"]["fsdp_options"] == dataclasses.asdict(chosen)
         checks = summary["checks"]
@@ -53,7 +56,7 @@ def test_every_option_set_trains_the_intended_variants_alike_and_counts_every_by
 def test_the_default_set_is_todays_run_and_the_options_reach_the_model(matrix, suite):
     out, _ = matrix
     today = load(suite[0] / "summary.json")["variants"]
-    runs = {name: load(out / name / "summary.json")["variants"] for name in options.OPTION_SETS}
+    runs = {name: load(out / name / "summary.json")["variants"] for name in PLUGIN_SETS}
     for variant in VARIANTS:
         assert runs["default"][variant]["losses"] == today[variant]["losses"]
         assert runs["default"][variant]["accounting"] == today[variant]["accounting"]
@@ -67,7 +70,7 @@ def test_the_default_set_is_todays_run_and_the_options_reach_the_model(matrix, s
 def test_each_launch_trains_only_after_the_one_before_it_has_ended(matrix):
     """matrix.py starts the next launch while one trains; it waits, set up, for its turn."""
     out, _ = matrix
-    timelines = [load(out / name / "summary.json")["meta"]["timeline"] for name in options.OPTION_SETS]
+    timelines = [load(out / name / "summary.json")["meta"]["timeline"] for name in PLUGIN_SETS]
     for before, after in zip(timelines, timelines[1:]):
         assert after["process_created"] < before["variants_finished"]  # started ahead of its turn
         assert after["turn_came"] >= before["variants_finished"]  # trained after
