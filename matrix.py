@@ -17,7 +17,7 @@ import sys
 import main as benchmark
 from fsdp2bench import matrix, options
 from fsdp2bench.cli import OneLineParser, UserError, check_output_dir, check_ranges, exit_with, prepare_output_dir
-from fsdp2bench.simulation import DEFAULT_STEPS
+from fsdp2bench.simulation import DEFAULT_STEPS, parse_world_sizes
 
 INTERRUPTED = (130, -2, -15)  # main.py's exit code after SIGINT or SIGTERM, or killed by one
 NUMBER_RANGES = {"nproc_per_node": (0, 4096), "sweep_steps": (1, 10_000_000)}  # 0 processes: sweeps only
@@ -57,12 +57,17 @@ def check(args: argparse.Namespace, forwarded: list[str]) -> list[str]:
     if owned:
         raise UserError(f"--{owned[0]} is set by matrix.py for each launch from its option set; choose the sets "
                         f"with --option_sets")
-    plan, _ = matrix.launches(args.output_dir, sets, args.simulate_world_size, args.sweep_steps, args.nproc_per_node,
+    plan, _ = matrix.launches(args.output_dir, sets, sweep_sizes(args), args.sweep_steps, args.nproc_per_node,
                               forwarded)
     for _, _, main_args in plan:  # every launch's command line, as main.py will check it
         launch = benchmark.parse_args(main_args)
         benchmark.check_args(launch, world_size=None if launch.simulate_world_size else max(1, args.nproc_per_node))
     return sets
+
+
+def sweep_sizes(args: argparse.Namespace) -> list[int]:
+    """``--simulate_world_size`` as main.py reads it (refused in one line where it would refuse it)."""
+    return parse_world_sizes(args.simulate_world_size) if args.simulate_world_size else []
 
 
 def run(args: argparse.Namespace, forwarded: list[str]) -> int:
@@ -71,7 +76,7 @@ def run(args: argparse.Namespace, forwarded: list[str]) -> int:
     meta = matrix.meta_of(sets, args.simulate_world_size, args.sweep_steps, args.nproc_per_node, forwarded)
     summaries: dict[str, tuple[str, dict]] = {}
     failed = False
-    plan, skipped = matrix.launches(args.output_dir, sets, args.simulate_world_size, args.sweep_steps,
+    plan, skipped = matrix.launches(args.output_dir, sets, sweep_sizes(args), args.sweep_steps,
                                     args.nproc_per_node, forwarded)
     for note in skipped:
         print(f"Skipped: {note}", flush=True)

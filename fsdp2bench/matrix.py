@@ -19,7 +19,7 @@ import tempfile
 import time
 
 from fsdp2bench.cli import write_json
-from fsdp2bench.names import INTENDED, MIB, PEAK_PHASES, STATE_KEYS, UNFIXED
+from fsdp2bench.names import INTENDED, MIB, PEAK_PHASES, STATE_KEYS, UNFIXED, state_bytes
 from fsdp2bench.options import OPTION_SETS
 from fsdp2bench.starting import CANCELLED, GO, START_GATE, open_gate
 
@@ -45,20 +45,20 @@ def fitting_sizes(option_set: str, sizes: list[int]) -> list[int]:
     return [n for n in sizes if shards is None or n % shards == 0]
 
 
-def launches(output_dir: str, sets: list[str], sizes: str | None, sweep_steps: int, nproc: int,
+def launches(output_dir: str, sets: list[str], wanted: list[int], sweep_steps: int, nproc: int,
              forwarded: list[str]) -> tuple[list[tuple[str, str, list]], list[str]]:
     """(option set, its directory, main.py arguments) of every launch, in order, and a note for each
     launch an option set cannot make at these world sizes. A sweep takes ``sweep_steps`` steps
-    whatever the real runs take: its memory settles after the first step."""
+    whatever the real runs take: its memory settles after the first step; ``wanted``: the simulated
+    world sizes, smallest first (none: no sweeps)."""
     out, skipped = [], []
-    wanted = [int(n) for n in sizes.split(",")] if sizes else []
     for name in sets:
         flags = OPTION_SETS[name].flags()
         if nproc and fitting_sizes(name, [nproc]):
             out.append((name, set_dir(output_dir, name), [*forwarded, *flags, "--output_dir", set_dir(output_dir, name)]))
         elif nproc:
             skipped.append(f"{name}: no real run on {nproc} rank(s) (its shard size does not divide it)")
-        fitting = fitting_sizes(name, sorted(wanted))
+        fitting = fitting_sizes(name, wanted)
         if fitting:
             sweep = os.path.join(set_dir(output_dir, name), SWEEP_DIR)
             out.append((name, sweep, [*forwarded, *flags, "--simulate_world_size", ",".join(map(str, fitting)),
@@ -137,8 +137,8 @@ def _state_at_peak(entry: dict) -> dict:
     """State bytes at the step peak on the rank and moment that held the most (the real run's ranks, or
     one simulated rank; after the optimizer step, or between microbatches under accumulation)."""
     held = [r[phase] for r in entry["accounting"] for phase in PEAK_PHASES if phase in r]
-    worst = max(held, key=lambda state: sum(state[k] for k in STATE_KEYS))
-    return {k: worst[k] for k in STATE_KEYS}
+    worst = max(held, key=state_bytes)
+    return {k: worst.get(k, 0) for k in STATE_KEYS}
 
 
 def row(option_set: str, variant: str, world_size: int, simulated: bool, rank: int | None, entry: dict) -> dict:

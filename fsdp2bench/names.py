@@ -21,6 +21,11 @@ MICROBATCH_PHASE = "between_microbatches"  # with gradient accumulation only
 PEAK_PHASES = ("before_zero_grad", MICROBATCH_PHASE)  # where the state of a step is at its largest
 
 
+def state_bytes(held: dict) -> int:
+    """The state counted at one moment, in bytes; summaries written before a key existed count it as 0."""
+    return sum(held.get(k, 0) for k in STATE_KEYS)
+
+
 def phases(accumulates: bool) -> tuple[str, ...]:
     """The moments at which a variant's state is counted."""
     return PHASES + (MICROBATCH_PHASE,) if accumulates else PHASES

@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from fsdp2bench.names import GIB, MIB, STATE_KEYS, TRACE_KEYS, VARIANTS, simulated_dir_name  # noqa: E402
+from fsdp2bench.names import GIB, MIB, TRACE_KEYS, VARIANTS, simulated_dir_name, state_bytes  # noqa: E402
 # The zero of every time axis: all variants are compared from the moment their model is sharded,
 # so the time each spent building the model does not offset the curves.
 ALIGN_EVENT = "sharded"
@@ -402,7 +402,7 @@ def plot_simulated(summary: dict, path: str) -> None:
                  label=f"{name}: state at the step peak (sharding rule)")
         points = sweep_points(summary, name)
         x = [n * 2 ** (0.05 * (i - 1.5)) for n, _, _ in points]  # nudged apart: the intended ones coincide
-        state = [max(sum(rank["before_zero_grad"][k] for k in STATE_KEYS) for rank in e["accounting"]) / unit
+        state = [max(state_bytes(rank["before_zero_grad"]) for rank in e["accounting"]) / unit
                  for _, _, e in points]
         peak = [nan_if_none(e["training_peak_allocated_mib"]["max"]) * MIB / unit for _, _, e in points]
         beyond = [nan_if_none(e["training_peak_beyond_state_mib"]["max"]) * MIB / unit for _, _, e in points]

@@ -8,7 +8,7 @@ import statistics
 from fsdp2bench import snapshots
 from fsdp2bench.memory_model import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_state,
                                      first_world_size_where_unfixed_costs_more, projection)
-from fsdp2bench.names import GIB, INTENDED, MIB, MICROBATCH_PHASE, PEAK_PHASES, PHASES, STATE_KEYS, UNFIXED, phases
+from fsdp2bench.names import GIB, INTENDED, MIB, MICROBATCH_PHASE, PEAK_PHASES, PHASES, STATE_KEYS, UNFIXED, phases, state_bytes
 from fsdp2bench.options import FsdpOptions
 # Losses are compared step by step. On CPU the intended variants are bit-identical; on GPUs
 # accelerate groups its parameters differently, which may change bf16 rounding a little.
@@ -128,12 +128,12 @@ def state_projection(shapes, names: list[str], sizes: list[int] = PROJECTION_WOR
 
 def _worst_rank(entry: dict, phase: str) -> dict:
     """The state counted at ``phase`` on the rank that held the most, per key."""
-    return max((rank[phase] for rank in entry["accounting"]), key=lambda held: sum(held[k] for k in STATE_KEYS))
+    return max((rank[phase] for rank in entry["accounting"]), key=state_bytes)
 
 
 def _held_state(entry: dict, phase: str) -> int:
     """State bytes counted at ``phase``, on the rank that held the most."""
-    return sum(_worst_rank(entry, phase)[k] for k in STATE_KEYS)
+    return state_bytes(_worst_rank(entry, phase))
 
 
 def _held_at_step_peak(entry: dict) -> int:
@@ -200,7 +200,7 @@ def _size(n_bytes: float) -> str:
 
 def _gap_bytes(v: dict) -> int:
     """Largest difference, in bytes, between what a rank held and what the sharding rule predicts."""
-    return max(abs(held[phase][k] - exp[phase][k]) for held, exp in zip(v["accounting"], v["expected"])
+    return max(abs(held[phase].get(k, 0) - exp[phase].get(k, 0)) for held, exp in zip(v["accounting"], v["expected"])
                for phase in held if phase not in STATE_KEYS for k in STATE_KEYS)
 
 

@@ -21,7 +21,7 @@ def test_sharding_rule_pads_every_rank_to_the_ceil_chunk():
     assert r0["grad_bytes"] == r0["stale_param_bytes"] == 0
     unfixed = expected_state(shapes, 2, 1, UNFIXED, "end_of_training")
     assert unfixed == {"param_bytes": 52, "grad_bytes": 52, "optimizer_state_bytes": 0,
-                       "stale_param_bytes": (15 + 7) * 4}
+                       "stale_param_bytes": (15 + 7) * 4, "unreduced_grad_bytes": 0}
 
 
 def test_projection_finds_where_the_unfixed_variant_starts_costing_more():
