@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from fsdp2bench.starting import start_before_imports
+from fsdp2bench.starting import check_launcher_env, start_before_imports
 
 if __name__ == "__main__":  # ahead of the imports below, on purpose: the fork server's overlap them
     start_before_imports(sys.argv[1:])
@@ -23,7 +23,7 @@ import os
 import socket
 
 from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with, parse_names,
-                            pick_device, save_summary)
+                            pick_device, save_summary, unwritten)
 from fsdp2bench.isolation import (Interrupted, Piece, StoreKeys, gather_records, launcher_keeps_to_one_thread,
                                   leave_together, run_isolated, wait_for_keys)
 from fsdp2bench import simulation, weights
@@ -110,6 +110,7 @@ def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[st
     checkpoint's every file is opened (headers read, ``.bin`` files mapped) here."""
     launcher_keeps_to_one_thread()  # before this process computes anything: it forks the children
     args = parse_args(argv)
+    check_launcher_env()
     modes = check_args(args)
     pick_device(args.device)
     check_output_dir(args.output_dir, "loading_summary.json")
@@ -146,7 +147,10 @@ def run(argv: list[str] | None = None) -> int:
         print_table(summary)
     found = [*summary["modes"].values(), *(m for by_mode in summary.get("simulated", {}).values()
                                           for m in by_mode.values() if not m["status"].startswith("skipped"))]
-    return 1 if any(m["status"] != "ok" or not m["weights_match"] for m in found) else 0
+    missing = unwritten()
+    if missing:
+        print(missing, file=sys.stderr, flush=True)
+    return 1 if missing or any(m["status"] != "ok" or not m["weights_match"] for m in found) else 0
 
 
 def run_modes(s: Session, modes: list[str], checkpoint: Checkpoint, options: LoadConfig, summary: dict,

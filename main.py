@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from fsdp2bench.starting import CANCELLED, start_before_imports, wait_for_turn
+from fsdp2bench.starting import CANCELLED, check_launcher_env, start_before_imports, wait_for_turn
 
 if __name__ == "__main__":  # ahead of the imports below, on purpose: the fork server's overlap them
     start_before_imports(sys.argv[1:])
@@ -197,10 +197,7 @@ def check_args(args: argparse.Namespace, world_size: int | None = None) -> tuple
 
 def launcher_world_size() -> int:
     """This launch's world size, as torchrun or accelerate launch set it (plain python: one)."""
-    text = os.environ.get("WORLD_SIZE", "1")
-    if not text.isdigit() or int(text) < 1:
-        raise UserError(f"WORLD_SIZE={text!r} in the environment is not a positive integer (the launcher sets it)")
-    return int(text)
+    return check_launcher_env()[1]
 
 
 def played_ranks(args: argparse.Namespace) -> set[int]:
@@ -305,6 +302,7 @@ def validate(argv: list[str] | None = None) -> Checked:
     in-process with hostile command lines)."""
     launcher_keeps_to_one_thread()  # before this process computes anything: it forks the children
     args = parse_args(argv)
+    check_launcher_env()
     names, fsdp_options = check_args(args)
     device_type = pick_device(args.device).type
     args.model = args.model or default_model(device_type)
@@ -313,8 +311,7 @@ def validate(argv: list[str] | None = None) -> Checked:
     check_output_dir(args.output_dir, "summary.json")
     facts = model_facts(args.model, args.seed, lambda config: check_positions(args.block_size, config))
     # A simulated rank has no peers to share the data with: every run takes the batches of a world of one.
-    rank, world = (0, 1) if args.simulate_world_size else \
-        (int(os.environ.get("RANK", 0)), launcher_world_size())
+    rank, world = (0, 1) if args.simulate_world_size else check_launcher_env()
     tokens = load_tokens(args.dataset, args.tokenizer, facts.config.vocab_size)
     batches = rank_batches(tokens, args.block_size, args.batch_size, args.dataset_fraction, rank, world,
                            args.max_steps, fsdp_options.gradient_accumulation_steps)
@@ -332,11 +329,9 @@ def run(argv: list[str] | None = None) -> int:
     timeline = {"process_created": psutil.Process().create_time(), "main_started": time.time()}
     checked = validate(argv)
     args, names, fsdp_options, batches = checked.args, checked.names, checked.fsdp_options, checked.batches
-    try:  # started by matrix.py ahead of its turn, and checked: it waits here, having written nothing
-        turn = wait_for_turn()
-    except KeyboardInterrupt:
-        print("Interrupted while waiting for the launch before this one to end; nothing ran", file=sys.stderr)
-        return 130
+    # Started by matrix.py ahead of its turn, and checked: it waits here, having written nothing (a
+    # Ctrl-C meanwhile ends it in one line: starting.start_before_imports).
+    turn = wait_for_turn()
     if turn == CANCELLED:  # matrix.py ends before this launch's turn, and says why
         return 0
     if turn is not None:

@@ -17,12 +17,58 @@ class UserError(Exception):
     """A problem the user can fix (bad flag, missing file); reported in one line."""
 
 
+class Stopped(Exception):
+    """SIGINT or SIGTERM reached this process (isolation.Interrupted is one)."""
+
+
 class OneLineParser(argparse.ArgumentParser):
     """A bad flag gets one line and exit code 2, like every other user error."""
 
     def error(self, message: str):
         print(f"error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
+
+
+class SurvivingStream:
+    """A standard stream whose reader went away (``| head -2`` ended) stops being written to instead
+    of raising BrokenPipeError into the run: the run goes on and writes its files. Its descriptor is
+    pointed at /dev/null, so that child processes and C code that write to it go on too."""
+
+    def __init__(self, stream):
+        self._stream, self._lost = stream, False
+
+    def write(self, text: str) -> int:
+        if not self._lost:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._lose()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._lost:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._lose()
+
+    def _lose(self) -> None:
+        self._lost = True
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def survive_closed_output() -> None:
+    """Standard output and error that outlive their reader (each process calls it once, first)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, SurvivingStream):
+            setattr(sys, name, SurvivingStream(stream))
 
 
 def exit_with(run: Callable[[], int]) -> None:
@@ -33,11 +79,21 @@ def exit_with(run: Callable[[], int]) -> None:
     handlers still run (the output directory's lock), and every file was closed before. A refused
     start keeps the ordinary exit: under torchrun the first rank to exit makes it stop the others,
     and the teardown's seconds let them print their own line first."""
+    survive_closed_output()
     try:
         code = run()
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except (KeyboardInterrupt, Stopped) as exc:  # before a run's own handling of interrupts took over
+        if os.environ.get("RANK", "0") == "0":
+            print(f"Interrupted ({exc or 'SIGINT'}) before the run started; nothing ran", file=sys.stderr)
+        sys.exit(130)
+    except OSError as exc:  # a file the command writes (a full disk, a directory gone); each is written whole
+        if exc.filename is None:
+            raise
+        print(f"error: cannot write {exc.filename} ({exc.strerror})", file=sys.stderr)
+        sys.exit(1)
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -104,32 +160,44 @@ LOCK_FILE = ".fsdp2bench.lock"
 
 def lock_output_dir(path: str) -> None:
     """One launch at a time writes into a directory: two would mix their files silently. The lock
-    names its host and process; one left by a process that is gone is taken over."""
+    names its host and process and appears whole or not at all (written under a name of its own,
+    then hard-linked into place, which fails if a lock is there); one left by a process that is gone
+    is taken over."""
     lock, me = os.path.join(path, LOCK_FILE), f"{socket.gethostname()} {os.getpid()}"
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            _refuse_or_clear(path, lock)
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(me)
-        atexit.register(_unlock, lock, me)
-        return
+    mine = f"{lock}.{os.getpid()}"
+    with open(mine, "w") as f:
+        f.write(me)
+    try:
+        for _ in range(2):
+            try:
+                os.link(mine, lock)
+            except FileExistsError:
+                _refuse_or_clear(path, lock)
+                continue
+            atexit.register(_unlock, lock, me)
+            return
+    finally:
+        os.remove(mine)
     raise UserError(f"--output_dir {path}: could not take {LOCK_FILE}")
 
 
 def _refuse_or_clear(path: str, lock: str) -> None:
+    """A lock whose process is gone is removed; one that names a live process, or that cannot be read
+    (never made by this code, which writes it whole), is refused."""
     try:
         with open(lock) as f:
             host, pid = f.read().split()
         alive = host != socket.gethostname() or process_running(int(pid))
+    except FileNotFoundError:  # its run ended meanwhile
+        return
     except (OSError, ValueError):
-        host, pid, alive = "?", "?", False  # unreadable: left by a run that died while writing it
+        raise UserError(f"--output_dir {path}: {lock} is there but does not name a run; remove it if no run is "
+                        "writing there") from None
     if alive:
         raise UserError(f"--output_dir {path}: another run (process {pid} on {host}) is writing there; wait for "
                         f"it to end, choose another directory, or remove {lock} if that run is gone")
-    os.remove(lock)
+    with contextlib.suppress(FileNotFoundError):  # another launch may have cleared it first
+        os.remove(lock)
 
 
 def process_running(pid: int) -> bool:
@@ -200,10 +268,10 @@ def write_bytes(path: str, content: bytes) -> None:
         with open(tmp, "wb") as f:
             f.write(content)
         os.replace(tmp, path)
-    except OSError:
+    except OSError as exc:
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise
+        raise OSError(exc.errno, exc.strerror, path) from None  # the file meant, not its temporary name
 
 
 def write_json(path: str, data: dict) -> None:
@@ -222,9 +290,23 @@ def _finite_or_null(value):
     return value
 
 
+_UNWRITTEN: dict[str, str] = {}  # summaries this process could not write, and why (their last try)
+
+
 def save_summary(path: str, data: dict) -> None:
-    """A summary that cannot be written costs one line, not the variants still to run."""
+    """A summary that cannot be written costs one line, not the variants still to run; the run's
+    end says so again (``unwritten``) unless a later write of it succeeded."""
     try:
         write_json(path, data)
+        _UNWRITTEN.pop(path, None)
     except OSError as exc:
-        print(f"warning: cannot write {path} ({exc.strerror}); the run goes on", file=sys.stderr, flush=True)
+        _UNWRITTEN[path] = exc.strerror or type(exc).__name__
+        print(f"warning: cannot write {path} ({_UNWRITTEN[path]}); the run goes on", file=sys.stderr, flush=True)
+
+
+def unwritten() -> str | None:
+    """One error line for the summaries that could not be written, or None."""
+    if not _UNWRITTEN:
+        return None
+    return "error: could not write " + "; ".join(f"{p} ({why})" for p, why in _UNWRITTEN.items()) + \
+        "; the results so far are in the files that were written"

@@ -26,8 +26,9 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from fsdp2bench.cli import Stopped, survive_closed_output
 from fsdp2bench.names import TRACE_KEYS
-from fsdp2bench.starting import child_context, one_rank_env
+from fsdp2bench.starting import check_launcher_env, child_context, one_rank_env
 
 STORE_TIMEOUT = timedelta(minutes=30)
 POLL_S = 0.25
@@ -53,9 +54,9 @@ class StoreKeys:
 
 
 def launcher_env() -> tuple[int, int]:
-    """Rank and world size from torchrun / accelerate launch; plain ``python`` is one rank."""
+    """Rank and world size from torchrun / accelerate launch, checked; plain ``python`` is one rank."""
     one_rank_env()
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return check_launcher_env()
 
 
 def set_first(store: dist.TCPStore, key: str, value: str) -> None:
@@ -69,16 +70,18 @@ def connect_store() -> dist.TCPStore:
 
 
 def describe(exc: BaseException) -> str:
-    """One line for a failure; out-of-memory named as such."""
+    """One line for a failure; out-of-memory, and a file that cannot be written (a full disk), named as such."""
     first = (str(exc).strip().splitlines() or [""])[0][:300]
     if isinstance(exc, torch.OutOfMemoryError):
         return f"out of memory ({first})"
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"cannot write {exc.filename} ({exc.strerror})"
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 # --------------------------------------------------------------------------- main process side
 
-class Interrupted(Exception):
+class Interrupted(Stopped):
     """SIGINT or SIGTERM reached this rank's main process."""
 
 
@@ -273,10 +276,16 @@ class Finisher:
         self._finished = False
 
     def finish(self, extra: dict):
-        """Success: write it, and from now on ignore a late abort."""
+        """Success: write it, and from now on ignore a late abort. A write that fails (a full disk)
+        is this rank's failure, given to the others as any other is."""
         self._writer.acquire()
+        try:
+            data = self._write("ok", extra)
+        except OSError:
+            self._writer.release()
+            raise
         self._finished = True
-        return self._write("ok", extra)
+        return data
 
     def _claim(self) -> bool:
         """Whether this thread writes a failure. If another thread is already writing one, wait
@@ -361,6 +370,7 @@ def launcher_keeps_to_one_thread() -> None:
 
 def run_child(finisher: Finisher, work: Callable[[dist.TCPStore], None]) -> None:
     """Body of every forked child: watch for aborts, do the work, report any failure."""
+    survive_closed_output()  # a child of the fork server starts with streams of its own
     if _launcher_threads is not None:  # forked from the launcher, not from the fork server
         torch.set_num_threads(_launcher_threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides what an interrupt means

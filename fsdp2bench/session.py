@@ -6,13 +6,14 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from fsdp2bench.cli import check_replaceable, lock_output_dir, pick_device, prepare_output_dir
-from fsdp2bench.isolation import StoreKeys, catch_interrupts, launcher_env, wait_for_keys
+from fsdp2bench.cli import UserError, check_replaceable, lock_output_dir, one_line, pick_device, prepare_output_dir
+from fsdp2bench.isolation import STORE_TIMEOUT, StoreKeys, catch_interrupts, launcher_env, wait_for_keys
 from fsdp2bench.memory_model import model_bytes, param_shapes
 from fsdp2bench.model import build_meta_model, check_units_own_their_parameters, layer_class_names, load_config
 from fsdp2bench.starting import start_child_server
@@ -62,8 +63,10 @@ def open_session(facts: ModelFacts, device_choice: str, output_dir: str, summary
     """Meet the other ranks, once the command line and the model were checked (one line, before anything
     runs). ``summary_file`` is the file rank 0 will keep rewriting in ``output_dir``.
 
-    From here on SIGINT and SIGTERM raise ``isolation.Interrupted`` in the main process.
+    From here on SIGINT and SIGTERM raise ``isolation.Interrupted`` in the main process (before the
+    first file is written: an interrupt then still releases the output directory's lock).
     """
+    catch_interrupts()
     device = pick_device(device_choice)
     rank, world_size = launcher_env()
     start_child_server(device.type)  # if the entry script has not: its imports overlap the set-up below
@@ -71,10 +74,26 @@ def open_session(facts: ModelFacts, device_choice: str, output_dir: str, summary
     if rank == 0:
         lock_output_dir(output_dir)
         check_replaceable(os.path.join(output_dir, summary_file))
-    store, _, _ = next(dist.rendezvous("env://"))
-    catch_interrupts()
+    store = meet_peers(rank, world_size)
     return Session(device, rank, world_size, facts.config, facts.shapes, facts.layer_classes, store,
                    agree_on_run_id(store, rank))
+
+
+PEER_WAIT_S = float(os.environ.get("FSDP2_BENCH_PEER_WAIT_S", 15))  # torchrun's ranks meet in well under 1 s
+
+
+def meet_peers(rank: int, world_size: int) -> dist.TCPStore:
+    """The launcher's store with every rank in it. A wait for ranks that never come (launcher
+    variables set by hand) is bounded, and says what it waited for."""
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=PEER_WAIT_S)))
+    except (dist.DistError, RuntimeError) as exc:
+        raise UserError(f"rank {rank}: the {world_size} rank(s) of WORLD_SIZE={world_size} did not all meet at "
+                        f"{where} within {PEER_WAIT_S:g} s ({one_line(exc)}); start every rank with the same "
+                        f"WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torchrun does), or raise FSDP2_BENCH_PEER_WAIT_S")
+    store.set_timeout(STORE_TIMEOUT)  # from here on a wait is for work, not for a rank to appear
+    return store
 
 
 def agree_on_run_id(store: dist.TCPStore, rank: int) -> str:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.context
 import os
+import signal
 import socket
+import sys
 import time
 
-from fsdp2bench.cli import UserError, process_running
+from fsdp2bench.cli import UserError, process_running, survive_closed_output
 
 # The children's targets live in this package; transformers and accelerate are imported lazily by
 # the children, so importing them once in the server is what saves the time.
@@ -52,8 +54,56 @@ def start_child_server(device_type: str) -> None:
 
 def start_before_imports(argv: list[str]) -> None:
     """An entry script's first step, so that the fork server's imports overlap the script's own."""
+    survive_closed_output()
+    signal.signal(signal.SIGINT, _interrupted_while_starting)  # until the session catches interrupts itself
     one_rank_env()  # the server's children inherit its environment, not the one set later
     start_child_server(likely_device_type(argv))
+
+
+def _interrupted_while_starting(signum, _frame) -> None:
+    """Ctrl-C during the imports and checks, before anything is written (the session takes over
+    before it writes): one line, from the first rank, and the exit code of an interrupt. At once:
+    an exception raised into a half-done import would surface at the interpreter's exit."""
+    if os.environ.get("RANK", "0") == "0":
+        print("Interrupted while starting; nothing ran", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+MAX_RANKS = 1 << 20
+
+
+def check_launcher_env() -> tuple[int, int]:
+    """The launcher's variables, each checked and all checked together, before anything starts: rank
+    and world size. Plain ``python`` (no RANK) is one rank (``one_rank_env``); a launcher sets every one."""
+    if "RANK" not in os.environ:
+        return 0, 1
+    env = {name: os.environ.get(name, "").strip() for name in LAUNCHER_VARS}
+    missing = [name for name, value in env.items() if not value]
+    if missing:
+        raise UserError(f"{missing[0]} is not set in the environment but RANK is: a launcher sets all of "
+                        f"{', '.join(LAUNCHER_VARS)} (torchrun, accelerate launch); set them all, or none")
+    numbers = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        if not env[name].isdigit() or int(env[name]) > MAX_RANKS:
+            raise UserError(f"{name}={env[name]!r} in the environment is not an integer in [0, {MAX_RANKS}]")
+        numbers[name] = int(env[name])
+    rank, world, local_rank, local_world, port = numbers.values()
+    for ok, line in ((world >= 1, f"WORLD_SIZE={world} in the environment: a world has at least one rank"),
+                     (rank < world, f"RANK={rank} in the environment is not a rank of WORLD_SIZE={world}"),
+                     (1 <= local_world <= world, f"LOCAL_WORLD_SIZE={local_world} in the environment is not in "
+                                                 f"[1, WORLD_SIZE={world}]"),
+                     (local_rank < local_world, f"LOCAL_RANK={local_rank} in the environment is not a rank of "
+                                                f"LOCAL_WORLD_SIZE={local_world}"),
+                     (1 <= port <= 65535, f"MASTER_PORT={port} in the environment is not a port (1 to 65535)")):
+        if not ok:
+            raise UserError(line)
+    try:
+        socket.getaddrinfo(env["MASTER_ADDR"], port)
+    except OSError as exc:
+        raise UserError(f"MASTER_ADDR={env['MASTER_ADDR']!r} in the environment: no such host ({exc.strerror})") \
+            from None
+    return rank, world
 
 
 def one_rank_env() -> None:

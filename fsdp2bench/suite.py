@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 from fsdp2bench import report, simulation
-from fsdp2bench.cli import save_summary
+from fsdp2bench.cli import save_summary, unwritten
 from fsdp2bench.isolation import (Interrupted, Piece, StoreKeys, StoreLost, gather_records, has_keys, leave_together,
                                   run_isolated, wait_for_keys)
 from fsdp2bench.memory_model import PROJECTION_WORLD_SIZES
@@ -209,8 +209,12 @@ def finish(suite: Suite, print_results, any_failed: bool) -> int:
         wait_for_keys(s.store, [done])
         return 1 if any_failed else 0
     print_results(suite.summary)
-    print(f"Wrote per-rank traces and summary.json to {suite.output_dir}/; draw the plots with:\n"
-          f"    python3 visualize.py --dir {shlex.quote(suite.output_dir)}", flush=True)
+    missing = unwritten()
+    if missing:
+        print(missing, file=sys.stderr, flush=True)
+    else:
+        print(f"Wrote per-rank traces and summary.json to {suite.output_dir}/; draw the plots with:\n"
+              f"    python3 visualize.py --dir {shlex.quote(suite.output_dir)}", flush=True)
     s.store.set(done, "yes")
     failed = any_failed or any(v["status"] != "ok" for v in suite.summary.get("variants", {}).values())
-    return 1 if failed or not report.checks_passed(suite.summary["checks"]) else 0
+    return 1 if failed or missing or not report.checks_passed(suite.summary["checks"]) else 0

@@ -1,0 +1,131 @@
+"""Nothing lost, nothing claimed: a reader that goes away, a full disk, two runs racing for one
+directory, launcher variables set by hand, and Ctrl-C while the run starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+from conftest import TINY, VARIANTS, load, run_script, start_script
+
+SHORT = [*TINY, "--max_steps", "3"]
+
+
+def statuses(directory) -> dict[str, str]:
+    return {name: v["status"] for name, v in load(directory / "summary.json")["variants"].items()}
+
+
+@pytest.mark.parametrize("nproc", [None, 2])
+def test_a_reader_that_stops_after_one_line_leaves_a_complete_run(tmp_path, nproc):
+    """``main.py | head -1``: the rest of the output goes nowhere, the run goes on to its end."""
+    proc = start_script(["main.py", *SHORT, "--output_dir", str(tmp_path)], nproc=nproc)
+    assert proc.stdout.readline()
+    proc.stdout.close()  # as head does once it has its line
+    proc.wait(timeout=300)
+    stderr = proc.stderr.read()
+    assert proc.returncode == 0, stderr
+    assert "BrokenPipeError" not in stderr and "Traceback" not in stderr
+    assert statuses(tmp_path) == dict.fromkeys(VARIANTS, "ok")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A file system of 16 KiB: room for a trace or two, not for a run."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_ends_in_an_error_line_and_what_was_written_is_valid(small_disk):
+    out = small_disk / "out"
+    proc = run_script(["main.py", *SHORT, "--output_dir", str(out), "--quiet"], nproc=None)
+    assert proc.returncode == 1
+    assert "Wrote per-rank traces" not in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == f"error: could not write {out}/summary.json (No space left on device); the results so far are " \
+                   "in the files that were written"
+    assert "FAILED: rank 0: cannot write " in proc.stderr and "(No space left on device)" in proc.stderr
+    written = [p for p in out.iterdir() if p.suffix == ".json"]
+    assert written
+    for path in written:  # each whole: written under a temporary name, then renamed
+        json.loads(path.read_text())
+
+
+def test_an_empty_lock_is_not_taken_for_a_stale_one(tmp_path):
+    """What a run whose write of the lock was slow would leave for a moment: refused, not taken over."""
+    lock = tmp_path / ".fsdp2bench.lock"
+    lock.write_text("")
+    proc = run_script(["main.py", *SHORT, "--output_dir", str(tmp_path)], nproc=None)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: --output_dir {tmp_path}: {lock} is there but does not name a run; remove " \
+                                  "it if no run is writing there"
+    assert not (tmp_path / "summary.json").exists() and lock.read_text() == ""
+
+
+def test_two_runs_racing_for_one_directory_run_one(tmp_path):
+    args = ["main.py", *SHORT, "--variants", VARIANTS[0], "--output_dir", str(tmp_path), "--quiet"]
+    procs = [start_script(args, nproc=None) for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    refused = next(err for code, err in results if code == 2)
+    assert "another run (process" in refused and "is writing there" in refused
+    assert statuses(tmp_path) == {VARIANTS[0]: "ok"}
+    assert not (tmp_path / ".fsdp2bench.lock").exists()
+
+
+LAUNCHER = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+
+
+@pytest.mark.parametrize("env, line", [
+    ({"WORLD_SIZE": "abc"}, None),  # no RANK: plain python, one rank, whatever else is set
+    ({**LAUNCHER, "WORLD_SIZE": "abc"}, "error: WORLD_SIZE='abc' in the environment is not an integer in [0, 1048576]"),
+    ({**LAUNCHER, "WORLD_SIZE": "0"}, "error: WORLD_SIZE=0 in the environment: a world has at least one rank"),
+    ({**LAUNCHER, "RANK": "3", "WORLD_SIZE": "2"}, "error: RANK=3 in the environment is not a rank of WORLD_SIZE=2"),
+    ({**LAUNCHER, "RANK": "-1"}, "error: RANK='-1' in the environment is not an integer in [0, 1048576]"),
+    ({**LAUNCHER, "LOCAL_WORLD_SIZE": "4"}, "error: LOCAL_WORLD_SIZE=4 in the environment is not in [1, WORLD_SIZE=1]"),
+    ({**LAUNCHER, "LOCAL_RANK": "1"}, "error: LOCAL_RANK=1 in the environment is not a rank of LOCAL_WORLD_SIZE=1"),
+    ({**LAUNCHER, "MASTER_PORT": "99999"}, "error: MASTER_PORT=99999 in the environment is not a port (1 to 65535)"),
+    ({**LAUNCHER, "MASTER_ADDR": "nohost.invalid"}, "error: MASTER_ADDR='nohost.invalid' in the environment: no such "
+                                                    "host"),
+    ({"RANK": "0"}, "error: WORLD_SIZE is not set in the environment but RANK is"),
+    ({**LAUNCHER, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, "error: rank 0: the 2 rank(s) of WORLD_SIZE=2 did not "
+                                                               "all meet at 127.0.0.1:"),
+])
+def test_launcher_variables_set_by_hand_give_one_line_or_a_clean_run(tmp_path, env, line):
+    """Each within 30 s (a hang fails the test): the wait for ranks that never come is 15 s."""
+    env = {"MASTER_PORT": str(free_port()), **env}
+    proc = run_script(["main.py", *SHORT, "--variants", VARIANTS[0], "--output_dir", str(tmp_path / "out")],
+                      nproc=None, timeout=30, **env)
+    if line is None:
+        assert proc.returncode == 0, proc.stderr
+        return
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(line), proc.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("after_s", [0.3, 1.5, 3.0])
+def test_ctrl_c_while_starting_gives_one_line_and_no_traceback(tmp_path, after_s):
+    """During the imports, the checks of the command line and the model, or the set-up."""
+    proc = start_script(["main.py", *SHORT, "--output_dir", str(tmp_path / "out")], nproc=None)
+    time.sleep(after_s)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert stderr.startswith("Interrupted"), stderr
+    assert not (tmp_path / "out" / ".fsdp2bench.lock").exists()
