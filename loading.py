@@ -115,7 +115,10 @@ def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[st
     pick_device(args.device)
     check_output_dir(args.output_dir, "loading_summary.json")
     checkpoint = Checkpoint(args.checkpoint) if args.checkpoint else None
-    return args, modes, model_facts(args.model or args.checkpoint or "qwen2.5-1.5b", args.seed), checkpoint
+    facts = model_facts(args.model or args.checkpoint or "qwen2.5-1.5b", args.seed)
+    if checkpoint is not None:
+        checkpoint.check_against(facts.named_shapes)
+    return args, modes, facts, checkpoint
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -52,14 +52,17 @@ def same_work_as_upstream(summary: dict) -> bool:
 
 
 def launch_phases(timeline: dict, launched: float, wall: float) -> dict:
-    """Rank 0's main process, from the launch to the exit, in seconds."""
-    return {
+    """Rank 0's main process, from the launch to the exit, in seconds. A process's creation time is
+    known to the kernel's clock tick (10 ms) only, so a phase it bounds can come out a little below
+    zero: such a phase is 0."""
+    phases_s = {
         "launcher_start_s": timeline["process_created"] - launched,  # torchrun starting the rank processes
         "imports_s": timeline["main_started"] - timeline["process_created"],
         "setup_s": timeline["variants_started"] - timeline["main_started"],  # config, data, rendezvous
         "variants_s": timeline["variants_finished"] - timeline["variants_started"],
         "report_and_exit_s": launched + wall - timeline["variants_finished"],
     }
+    return {name: max(0.0, seconds) for name, seconds in phases_s.items()}
 
 
 def launcher(nproc: int, tree: str, main_args: list[str]) -> list[str]:
@@ -135,6 +138,21 @@ def against_baseline(ours: dict, theirs: dict) -> dict:
             if with_losses else None}
 
 
+def baseline_did_the_same_work(summary: dict, runs: dict, baseline: dict) -> dict | str:
+    """The comparison of the two versions' runs, or why the baseline's wall time is no comparison: it
+    wrote no summary, or it ran other steps, ranks or variants."""
+    theirs = read_summary(baseline["output_dir"])
+    if theirs is None or "meta" not in theirs or not ("variants" in theirs or "simulated" in theirs):
+        return f"its run wrote no readable {baseline['output_dir']}/summary.json"
+    for key in ("steps_per_variant", "world_size"):
+        if theirs["meta"].get(key) != summary["meta"][key]:
+            return f"its run's {key} was {theirs['meta'].get(key)}, this run's {summary['meta'][key]}"
+    same = against_baseline(runs, finished_runs(theirs, baseline["output_dir"]))
+    if same["runs_only_in_one"] or not same["runs_compared"]:
+        return f"the two runs did not finish the same variants ({', '.join(same['runs_only_in_one']) or 'none'})"
+    return same
+
+
 def main(argv: list[str] | None = None) -> int:
     args, extra = validate(argv)
     try:
@@ -171,10 +189,11 @@ def timed(args: argparse.Namespace, extra: list[str]) -> int:
               "tracker_overhead_ratio": None}
     runs = finished_runs(summary, args.output_dir)
     if baseline:
-        theirs = read_summary(baseline["output_dir"])
-        result.update(baseline={**baseline, "same_work": against_baseline(
-                          runs, finished_runs(theirs, baseline["output_dir"])) if theirs else None},
-                      wall_ratio_to_baseline=wall / baseline["suite_wall_s"])
+        same = baseline_did_the_same_work(summary, runs, baseline)
+        if isinstance(same, str):
+            print(f"error: --baseline {args.baseline}: {same}; no ratio is recorded", file=sys.stderr)
+            return 2
+        result.update(baseline={**baseline, "same_work": same}, wall_ratio_to_baseline=wall / baseline["suite_wall_s"])
     ratios = {}
     for name, (v, trace_path) in runs.items():
         if trace_path is not None:

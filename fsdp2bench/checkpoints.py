@@ -54,22 +54,33 @@ def mapped_bin(file: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def bin_files(path: str) -> list[str]:
-    """The ``.bin`` files of a checkpoint directory: those its index names, or the single file."""
-    index = os.path.join(path, BIN_INDEX)
+SAFETENSORS_NAME, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def indexed_files(path: str, index_name: str, pattern: str) -> tuple[list[str], dict[str, str] | None]:
+    """The files of one format in a checkpoint directory, and its index's ``tensor -> file`` map: those
+    the index names (each must exist), or without an index every file of the format (``pattern``)."""
+    index = os.path.join(path, index_name)
     if not os.path.exists(index):
-        single = os.path.join(path, BIN_NAME)
-        return [single] if os.path.isfile(single) else []
+        return sorted(glob.glob(os.path.join(path, pattern))), None
     try:
         with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
+            weight_map = json.load(f)["weight_map"]
+        files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise UserError(f"--checkpoint: {index} is not a readable index ({one_line(exc)})") from None
-    files = [os.path.join(path, name) for name in names]
     missing = [f for f in files if not os.path.isfile(f)]
     if missing:
         raise UserError(f"--checkpoint: {index} names {missing[0]}, which does not exist")
-    return files
+    return files, {name: os.path.join(path, file) for name, file in weight_map.items()}
+
+
+def check_index(weight_map: dict[str, str] | None, found: dict[str, str]) -> None:
+    """Every tensor the index names is in the file it names."""
+    for name, file in (weight_map or {}).items():
+        if found.get(name) != file:
+            held = f"it is in {found[name]}" if name in found else "no file holds it"
+            raise UserError(f"--checkpoint: the index puts {name} in {file}, but {held}")
 
 
 class Checkpoint:
@@ -80,8 +91,10 @@ class Checkpoint:
         self.path = path
         self.files: dict[str, str] = {}  # tensor name -> file
         self._mapped: dict[str, dict[str, torch.Tensor]] = {}  # .bin file -> its mapped tensors
-        safetensors = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        bins = [] if safetensors else bin_files(path)
+        safetensors, weight_map = indexed_files(path, SAFETENSORS_INDEX, "*.safetensors")
+        bins: list[str] = []
+        if not safetensors:
+            bins, weight_map = indexed_files(path, BIN_INDEX, BIN_NAME)
         if not safetensors and not bins:
             raise UserError(f"--checkpoint {path}: no *.safetensors or {BIN_NAME} files")
         self.format = "safetensors" if safetensors else "bin"
@@ -90,6 +103,19 @@ class Checkpoint:
         for file in bins:
             self._mapped[file] = mapped_bin(file)
             self.files.update({name: file for name in self._mapped[file]})
+        check_index(weight_map, self.files)
+
+    def check_against(self, named_shapes: list[tuple[str, tuple[int, ...]]]) -> None:
+        """The model's every parameter is in the checkpoint, with its shape, in a dtype that can be read."""
+        for name, shape in named_shapes:
+            if name not in self.files:
+                raise UserError(f"--checkpoint {self.path}: no tensor {name}, which the model has")
+            found = self.meta(name)
+            if tuple(found.shape) != tuple(shape):
+                raise UserError(f"--checkpoint {self.path}: {name} has shape {tuple(found.shape)}, the model's is "
+                                f"{tuple(shape)}")
+            if not found.dtype.is_floating_point:
+                raise UserError(f"--checkpoint {self.path}: {name} is {found.dtype}, not a floating-point tensor")
 
     def __getstate__(self) -> dict:
         """Sent to a child without its mapped tensors (pickling them would copy them): it maps its own."""
@@ -127,6 +153,9 @@ class Checkpoint:
 
         with safe_open(self.files[name], framework="pt") as f:
             piece = f.get_slice(name)
+            if piece.get_dtype() not in DTYPES:
+                raise UserError(f"--checkpoint: {name} in {self.files[name]} is {piece.get_dtype()}, a dtype this "
+                                "benchmark cannot read")
             return torch.empty(piece.get_shape(), dtype=DTYPES[piece.get_dtype()], device="meta")
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:

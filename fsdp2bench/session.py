@@ -47,6 +47,7 @@ class ModelFacts:
     config: object
     shapes: list  # (shape, bytes per element) of each unique parameter
     layer_classes: list[str]  # the transformer blocks to shard one by one
+    named_shapes: list  # (name, shape) of each unique parameter, as a checkpoint names it
 
 
 def model_facts(model: str, seed: int, check_config: Callable[[object], None] = lambda config: None) -> ModelFacts:
@@ -56,7 +57,8 @@ def model_facts(model: str, seed: int, check_config: Callable[[object], None] = 
     meta_model = build_meta_model(model, config, seed)
     layer_classes = layer_class_names(meta_model)
     check_units_own_their_parameters(model, meta_model, layer_classes)
-    return ModelFacts(model, config, param_shapes(meta_model), layer_classes)
+    return ModelFacts(model, config, param_shapes(meta_model), layer_classes,
+                      [(name, tuple(p.shape)) for name, p in meta_model.named_parameters()])
 
 
 def open_session(facts: ModelFacts, device_choice: str, output_dir: str, summary_file: str) -> Session:

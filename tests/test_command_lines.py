@@ -62,31 +62,50 @@ def make_world() -> dict[str, str]:
 
 
 def make_checkpoints(paths: dict[str, str], root: str, config: str) -> None:
-    """Checkpoint directories, each with the tiny config: in both formats, and broken in every way
-    a file can be (legacy .bin, corrupt files, an index that names a missing file or is not JSON)."""
+    """Checkpoint directories, each with the tiny config: the config's model in both formats, and
+    broken in every way a checkpoint can be, in both formats alike (legacy .bin, corrupt files, an
+    index that names a missing file, is not JSON or misplaces a tensor, a tensor missing, of another
+    shape or not floating point)."""
     import torch
     from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    state = {"w": torch.zeros(4, 2)}
-    for name in ("ckpt st", "ckpt bin", "ckpt bin index", "ckpt legacy", "ckpt corrupt st", "ckpt corrupt bin",
-                 "ckpt index missing", "ckpt index bad"):
-        paths[name] = os.path.join(root, name)
-        os.makedirs(paths[name])
-        with open(os.path.join(paths[name], "config.json"), "w") as f:
-            f.write(config)
-    save_file(state, os.path.join(paths["ckpt st"], "model.safetensors"))
-    torch.save(state, os.path.join(paths["ckpt bin"], "pytorch_model.bin"))
-    torch.save(state, os.path.join(paths["ckpt bin index"], "part.bin"))
-    torch.save(state, os.path.join(paths["ckpt legacy"], "pytorch_model.bin"), _use_new_zipfile_serialization=False)
-    for name, file in (("ckpt corrupt st", "model.safetensors"), ("ckpt corrupt bin", "pytorch_model.bin")):
-        with open(os.path.join(paths[name], file), "wb") as f:
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(config)))
+    state = {name: p.detach().clone() for name, p in model.named_parameters()}  # tied ones once
+    first = next(iter(state))
+    broken = {"missing tensor": {k: v for k, v in state.items() if k != first},
+              "wrong shape": {**state, first: torch.zeros(3, 3)},
+              "int tensor": {**state, first: torch.zeros(state[first].shape, dtype=torch.int32)}}
+    writers = {"st": (lambda d, f: save_file(d, f), "model.safetensors", "model.safetensors.index.json"),
+               "bin": (lambda d, f: torch.save(d, f), "pytorch_model.bin", "pytorch_model.bin.index.json")}
+    for kind, (save, single, index) in writers.items():
+        cases = {f"ckpt {kind}": state, f"ckpt {kind} index": None, f"ckpt {kind} index missing": None,
+                 f"ckpt {kind} index bad": None, f"ckpt {kind} index wrong": None, f"ckpt corrupt {kind}": None,
+                 **{f"ckpt {kind} {what}": d for what, d in broken.items()}}
+        for name, content in cases.items():
+            paths[name] = os.path.join(root, name)
+            os.makedirs(paths[name])
+            with open(os.path.join(paths[name], "config.json"), "w") as f:
+                f.write(config)
+            if content is not None:
+                save(content, os.path.join(paths[name], single))
+        part = "part." + single.rsplit(".", 1)[1]
+        save(state, os.path.join(paths[f"ckpt {kind} index"], part))
+        save(state, os.path.join(paths[f"ckpt {kind} index wrong"], part))
+        with open(os.path.join(paths[f"ckpt corrupt {kind}"], single), "wb") as f:
             f.write(b"\x08\x00\x00\x00\x00\x00\x00\x00{not a header")
-    for name, index in (("ckpt bin index", {"weight_map": {"w": "part.bin"}}),
-                        ("ckpt index missing", {"weight_map": {"w": "gone.bin"}})):
-        with open(os.path.join(paths[name], "pytorch_model.bin.index.json"), "w") as f:
-            json.dump(index, f)
-    with open(os.path.join(paths["ckpt index bad"], "pytorch_model.bin.index.json"), "w") as f:
-        f.write("{not json")
+        for name, weight_map in ((f"ckpt {kind} index", dict.fromkeys(state, part)),
+                                 (f"ckpt {kind} index missing", dict.fromkeys(state, "gone." + part)),
+                                 (f"ckpt {kind} index wrong", {**dict.fromkeys(state, part), first: "other." + part})):
+            with open(os.path.join(paths[name], index), "w") as f:
+                json.dump({"weight_map": weight_map}, f)
+        with open(os.path.join(paths[f"ckpt {kind} index bad"], index), "w") as f:
+            f.write("{not json")
+    paths["ckpt legacy"] = os.path.join(root, "ckpt legacy")
+    os.makedirs(paths["ckpt legacy"])
+    with open(os.path.join(paths["ckpt legacy"], "config.json"), "w") as f:
+        f.write(config)
+    torch.save(state, os.path.join(paths["ckpt legacy"], "pytorch_model.bin"), _use_new_zipfile_serialization=False)
 
 
 WORLD = make_world()
@@ -234,13 +253,16 @@ def test_main_accepts_exactly_the_sane_command_lines(case):
 
 LOADING = {
     "--seed": MAIN["--seed"], "--log_interval": MAIN["--log_interval"], "--output_dir": OUTPUT_DIRS,
-    "--model": MODELS, "--device": MAIN["--device"],
+    # The checkpoints hold the model of WORLD["model"]'s config: another shape (tiny) is refused beside them.
+    "--model": (st.just(WORLD["model"]), MODELS[1]), "--device": MAIN["--device"],
     "--checkpoint_shard_size": choice(["2GB", "500MiB", "1KB"], ["2.5GB", "0GB", "x", "", "-1GB", "2TB"]),
     "--modes": choice(["naive", "naive,sharded_read"], ["nope", "naive,naive", ""]),
-    "--checkpoint": choice([WORLD["ckpt st"], WORLD["ckpt bin"], WORLD["ckpt bin index"]],
+    "--checkpoint": choice([WORLD["ckpt st"], WORLD["ckpt bin"], WORLD["ckpt st index"], WORLD["ckpt bin index"]],
                            [WORLD["missing"], WORLD["a file"], WORLD["model"], WORLD["ckpt legacy"],
-                            WORLD["ckpt corrupt st"], WORLD["ckpt corrupt bin"], WORLD["ckpt index missing"],
-                            WORLD["ckpt index bad"]]),
+                            *(WORLD[f"ckpt {kind} {what}"] for kind in ("st", "bin")
+                              for what in ("index missing", "index bad", "index wrong", "missing tensor",
+                                           "wrong shape", "int tensor")),
+                            WORLD["ckpt corrupt st"], WORLD["ckpt corrupt bin"]]),
     "--checkpoint_dtype": choice(["bfloat16", "float32"], ["int4", ""]),
     "--checkpoint_format": choice(["safetensors", "bin"], ["pt", "", "BIN"]),
     "--simulate_world_size": choice(["2", "8,32", "3,128"], ["0", "-2", "x", "2,2", "65537", ""]),

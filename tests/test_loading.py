@@ -185,3 +185,60 @@ def test_the_transformers_report_reproduction_prints_each_ranks_host_memory(load
     assert all("added" in line and "MiB on the host" in line for line in lines)
     usage = run_script(["examples/cpu_ram_efficient_loading.py"], nproc=None)
     assert usage.returncode == 1 and usage.stderr.strip().splitlines()[-1].startswith("usage: torchrun")
+
+
+FORMATS = {"safetensors": ("model.safetensors", "model.safetensors.index.json"),
+           "bin": ("pytorch_model.bin", "pytorch_model.bin.index.json")}
+
+
+def write_state(state: dict, path, kind: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    save_file(state, str(path)) if kind == "safetensors" else torch.save(state, str(path))
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("index names a missing shard", "names {dir}/gone.{ext}, which does not exist"),
+    ("index is not JSON", "is not a readable index"),
+    ("index misplaces a tensor", "the index puts {first} in {dir}/other.{ext}, but it is in {dir}/part.{ext}"),
+    ("a tensor is missing", "no tensor {first}, which the model has"),
+    ("a tensor has another shape", "{first} has shape (3, 3), the model's is"),
+    ("a tensor is not floating point", "{first} is torch.int32, not a floating-point tensor"),
+])
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_both_formats_are_checked_alike_before_any_mode_runs(tmp_path, kind, fault, message):
+    """Index, shards, names, shapes against the model, dtypes: one line, exit 2, no mode run."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_CONFIG))
+    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    first = next(iter(state))
+    single, index = FORMATS[kind]
+    ext = single.rsplit(".", 1)[1]
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(TINY_CONFIG))
+    if fault.startswith("index"):
+        write_state(state, ckpt / f"part.{ext}", kind)
+        weight_map = {"index names a missing shard": dict.fromkeys(state, f"gone.{ext}"),
+                      "index misplaces a tensor": {**dict.fromkeys(state, f"part.{ext}"), first: f"other.{ext}"}}
+        if fault == "index misplaces a tensor":  # other.* exists, but part.* holds the tensor
+            write_state({"unrelated": torch.zeros(1)}, ckpt / f"other.{ext}", kind)
+        (ckpt / index).write_text("{not json" if fault == "index is not JSON" else json.dumps({"weight_map":
+                                                                                              weight_map[fault]}))
+    else:
+        broken = {"a tensor is missing": {k: v for k, v in state.items() if k != first},
+                  "a tensor has another shape": {**state, first: torch.zeros(3, 3)},
+                  "a tensor is not floating point": {**state, first: torch.zeros(state[first].shape,
+                                                                                 dtype=torch.int32)}}[fault]
+        write_state(broken, ckpt / single, kind)
+    out = tmp_path / "out"
+    proc = run_script(["loading.py", "--checkpoint", str(ckpt), "--device", "cpu", "--output_dir", str(out)],
+                      nproc=None)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --checkpoint"), proc.stderr
+    assert message.format(dir=ckpt, ext=ext, first=first) in lines[0], lines[0]
+    assert not out.exists()

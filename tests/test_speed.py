@@ -69,3 +69,18 @@ def test_an_interrupt_ends_speed_in_one_line_and_keeps_what_the_run_wrote(tmp_pa
     assert stderr.strip().splitlines()[-1] == f"Interrupted; what the runs wrote is in {out}; {record} was not written"
     assert load(out / "summary.json")["variants"]["torch_optimizer_after_fsdp"]["status"] == "interrupted"
     assert not record.exists()
+
+
+def test_a_baseline_that_did_other_work_gives_no_ratio(tmp_path):
+    """A tree whose main.py runs and writes nothing (or another configuration): refused, not recorded."""
+    tree, record = tmp_path / "tree", tmp_path / "speed.json"
+    tree.mkdir()
+    (tree / "main.py").write_text("print('not the benchmark')\n")
+    proc = run_script(["speed.py", "--nproc_per_node", "1", "--json", str(record), "--output_dir",
+                       str(tmp_path / "run"), "--baseline", str(tree), "--", *TINY, "--max_steps", "2",
+                       "--variants", VARIANTS[0]], nproc=None)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: --baseline {tree}: its run wrote no readable {tmp_path}/run_baseline/summary.json; no ratio is "
+        "recorded")
+    assert not record.exists()
