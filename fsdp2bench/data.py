@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import torch
@@ -32,18 +33,21 @@ BUILTIN_TOKENS = 160 * 2 * 128 * 8
 
 
 def load_tokens(dataset: str | None, tokenizer: str | None, vocab_size: int) -> torch.Tensor:
-    """Token ids of the built-in text or of a local file: its bytes as they are, unless a tokenizer
-    is given. Ids the model's embedding cannot hold are refused here, not as an IndexError mid-run."""
-    raw = builtin_text(BUILTIN_TOKENS).encode("utf-8")[:BUILTIN_TOKENS] if dataset is None else read_bytes(dataset)
+    """Token ids of the built-in text or of a local file: its bytes as they are (one byte each in
+    memory: ``rank_batches`` widens only the batches it keeps), unless a tokenizer is given (tokenized
+    a piece at a time, int64). Ids the model's embedding cannot hold are refused here, not as an
+    IndexError mid-run."""
+    raw = bytearray(builtin_text(BUILTIN_TOKENS).encode("utf-8")[:BUILTIN_TOKENS]) if dataset is None else \
+        read_bytes(dataset)
     if tokenizer is None:
-        ids = torch.tensor(list(raw), dtype=torch.long)
+        ids = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         source = "--dataset's bytes" if dataset else "the built-in text's bytes"
     else:
         tok = load_tokenizer(tokenizer)
         if len(tok) > vocab_size:
             raise UserError(f"--tokenizer {tokenizer}: its vocabulary has {len(tok)} tokens, the model's "
                             f"{vocab_size}")
-        ids = torch.tensor(tok(raw.decode("utf-8", errors="replace"))["input_ids"], dtype=torch.long)
+        ids = tokenize_in_pieces(tok, raw)
         source = f"--tokenizer {tokenizer}"
     if ids.numel() and int(ids.max()) >= vocab_size:
         raise UserError(f"{source} give token ids up to {int(ids.max())}, but the model's vocabulary has "
@@ -51,10 +55,31 @@ def load_tokens(dataset: str | None, tokenizer: str | None, vocab_size: int) -> 
     return ids
 
 
-def read_bytes(dataset: str) -> bytes:
+TOKENIZE_PIECE = 1 << 20  # bytes of text tokenized at a time: its Python lists are the transient cost
+
+
+def tokenize_in_pieces(tok, raw: bytearray) -> torch.Tensor:
+    """The text's token ids, tokenized a piece of about ``TOKENIZE_PIECE`` bytes at a time, each cut at
+    a line's end (so that no word is split), as one int64 tensor."""
+    pieces, start = [], 0
+    while start < len(raw):
+        stop = min(len(raw), start + TOKENIZE_PIECE)
+        if stop < len(raw):
+            newline = raw.find(b"\n", stop)
+            stop = len(raw) if newline < 0 else newline + 1
+        text = raw[start:stop].decode("utf-8", errors="replace")
+        pieces.append(torch.tensor(tok(text)["input_ids"], dtype=torch.long))
+        start = stop
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
+
+
+def read_bytes(dataset: str) -> bytearray:
+    """The file's bytes, read into one buffer of their size."""
     try:
         with open(dataset, "rb") as f:
-            return f.read()
+            buffer = bytearray(os.fstat(f.fileno()).st_size)
+            read = f.readinto(buffer)
+        return buffer[:read] if read < len(buffer) else buffer
     except OSError as exc:
         raise UserError(f"--dataset {dataset}: cannot read it ({exc.strerror})") from None
 
@@ -87,4 +112,5 @@ def rank_batches(tokens: torch.Tensor, block_size: int, batch_size: int, fractio
                         f"few for one step on {world_size} rank(s)")
     blocks = tokens[: n_blocks * block_size].view(n_blocks, block_size)
     mine = blocks[rank::world_size]
-    return [mine[i * per_step:(i + 1) * per_step] for i in range(steps)]
+    # int64 copies of the batches kept alone: the rest of the data is freed with ``tokens``.
+    return [mine[i * per_step:(i + 1) * per_step].to(torch.long) for i in range(steps)]

@@ -11,7 +11,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import TINY, VARIANTS, load, run_script, start_script
+from conftest import ROOT, TINY, VARIANTS, load, run_script, start_script
 
 SHORT = [*TINY, "--max_steps", "3"]
 
@@ -129,3 +129,28 @@ def test_ctrl_c_while_starting_gives_one_line_and_no_traceback(tmp_path, after_s
     assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert stderr.startswith("Interrupted"), stderr
     assert not (tmp_path / "out" / ".fsdp2bench.lock").exists()
+
+
+def max_rss_mib(args: list[str]) -> float:
+    """The largest resident set of any process of one launch, in MiB (the kernel's own peak, not polled)."""
+    import sys
+
+    code = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, check=True); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    proc = subprocess.run([sys.executable, "-c", code, sys.executable, *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return int(proc.stdout.strip()) / 1024
+
+
+def test_a_dataset_costs_its_size_in_memory_not_twenty_times_it(tmp_path):
+    """docs/reliability.md's bound: peak RSS rises by the file's size (its bytes, read once) plus 8 bytes
+    a token of the batches kept, here a few KiB."""
+    dataset = tmp_path / "data.txt"
+    line = b"the quick brown fox jumps over the lazy dog and counts 42 barrels of salt by the river\n"
+    dataset.write_bytes(line * (40 * 2**20 // len(line)))
+    size_mib = dataset.stat().st_size / 2**20
+    run = ["main.py", *SHORT, "--variants", VARIANTS[0], "--quiet"]
+    without = max_rss_mib([*run, "--output_dir", str(tmp_path / "a")])
+    with_data = max_rss_mib([*run, "--dataset", str(dataset), "--output_dir", str(tmp_path / "b")])
+    assert with_data - without <= 1.25 * size_mib + 16, (without, with_data, size_mib)
