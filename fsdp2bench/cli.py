@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import faulthandler
+import io
 import json
 import math
 import os
+import signal
 import socket
 import sys
 from typing import Callable
@@ -63,8 +66,12 @@ class SurvivingStream:
         return getattr(self._stream, name)
 
 
-def survive_closed_output() -> None:
-    """Standard output and error that outlive their reader (each process calls it once, first)."""
+def set_up_standard_streams() -> None:
+    """Standard output and error that outlive their reader (each process calls it once, first), and
+    ``kill -USR1 <pid>`` printing every thread's Python stack to standard error, for a process that
+    seems stuck."""
+    with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):  # no SIGUSR1, or no stderr
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if stream is not None and not isinstance(stream, SurvivingStream):
@@ -79,7 +86,7 @@ def exit_with(run: Callable[[], int]) -> None:
     handlers still run (the output directory's lock), and every file was closed before. A refused
     start keeps the ordinary exit: under torchrun the first rank to exit makes it stop the others,
     and the teardown's seconds let them print their own line first."""
-    survive_closed_output()
+    set_up_standard_streams()
     try:
         code = run()
     except UserError as exc:

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from fsdp2bench.cli import Stopped, survive_closed_output
+from fsdp2bench.cli import Stopped, set_up_standard_streams
 from fsdp2bench.names import TRACE_KEYS
 from fsdp2bench.starting import check_launcher_env, child_context, one_rank_env
 
@@ -370,7 +370,7 @@ def launcher_keeps_to_one_thread() -> None:
 
 def run_child(finisher: Finisher, work: Callable[[dist.TCPStore], None]) -> None:
     """Body of every forked child: watch for aborts, do the work, report any failure."""
-    survive_closed_output()  # a child of the fork server starts with streams of its own
+    set_up_standard_streams()  # a child of the fork server starts with streams of its own
     if _launcher_threads is not None:  # forked from the launcher, not from the fork server
         torch.set_num_threads(_launcher_threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides what an interrupt means

@@ -15,7 +15,7 @@ import socket
 import sys
 import time
 
-from fsdp2bench.cli import UserError, process_running, survive_closed_output
+from fsdp2bench.cli import UserError, process_running, set_up_standard_streams
 
 # The children's targets live in this package; transformers and accelerate are imported lazily by
 # the children, so importing them once in the server is what saves the time.
@@ -54,7 +54,7 @@ def start_child_server(device_type: str) -> None:
 
 def start_before_imports(argv: list[str]) -> None:
     """An entry script's first step, so that the fork server's imports overlap the script's own."""
-    survive_closed_output()
+    set_up_standard_streams()
     signal.signal(signal.SIGINT, _interrupted_while_starting)  # until the session catches interrupts itself
     one_rank_env()  # the server's children inherit its environment, not the one set later
     start_child_server(likely_device_type(argv))
