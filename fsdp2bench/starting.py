@@ -12,6 +12,7 @@ import multiprocessing.context
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -108,14 +109,36 @@ def check_launcher_env() -> tuple[int, int]:
 
 def one_rank_env() -> None:
     """Without torchrun or accelerate launch (plain ``python``) this process is the only rank: the
-    launcher's variables, with a free port for the store."""
+    launcher's variables, and the launcher's store in a process of its own, as torchrun's agent holds
+    it. Not in this process: it forks the children, and a store's server is a thread (libuv's loop);
+    a fork taken while that thread holds a lock leaves the child the lock and no thread to release
+    it, so that the child can hang before its first step."""
     if "RANK" in os.environ:
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    subprocess.Popen([sys.executable, "-c", STORE_HOST, str(port), str(os.getpid())], stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+
+
+# The store's process: it ignores Ctrl-C (the run it serves decides what an interrupt means, and needs
+# the store to say so) and ends with the process that started it.
+STORE_HOST = """
+import ctypes, os, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+port, parent = int(sys.argv[1]), int(sys.argv[2])
+try:
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+from torch.distributed import TCPStore
+store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+while os.getppid() == parent:
+    time.sleep(0.2)
+"""
 
 
 def likely_device_type(argv: list[str]) -> str:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import time
 
+import psutil
 import pytest
 from conftest import ROOT, TINY, VARIANTS, load, run_script, start_script
 
@@ -154,3 +155,21 @@ def test_a_dataset_costs_its_size_in_memory_not_twenty_times_it(tmp_path):
     without = max_rss_mib([*run, "--output_dir", str(tmp_path / "a")])
     with_data = max_rss_mib([*run, "--dataset", str(dataset), "--output_dir", str(tmp_path / "b")])
     assert with_data - without <= 1.25 * size_mib + 16, (without, with_data, size_mib)
+
+
+@pytest.mark.parametrize("nproc", [None, 2])
+def test_the_process_that_forks_the_variants_runs_no_other_thread(tmp_path, nproc):
+    """A fork copies only the thread that calls it: a lock another thread held then (the store's
+    libuv server thread, `pt_tcpstore_uv`, hosted in plain python's own process before) stays locked
+    in the child forever, which can hang a variant before its first step. Plain python now holds
+    the store in a process of its own, as torchrun's agent does."""
+    proc = start_script(["main.py", *TINY, "--output_dir", str(tmp_path)], nproc=nproc)
+    for line in proc.stdout:
+        if line.startswith("[torch_optimizer_after_fsdp]"):
+            break
+    launcher = psutil.Process(proc.pid)
+    ranks = [launcher] if nproc is None else [p for p in launcher.children() if "main.py" in " ".join(p.cmdline())]
+    threads = {p.pid: [t.id for t in p.threads()] for p in ranks}  # while its variant's children train
+    proc.communicate(timeout=300)
+    assert proc.returncode == 0
+    assert len(threads) == (nproc or 1) and all(len(ids) == 1 for ids in threads.values()), threads
