@@ -9,10 +9,16 @@ with a row per (option set, variant, N). Every other option goes to main.py unch
 
 from __future__ import annotations
 
+import sys
+
+from fsdp2bench.starting import interrupts_raise, quiet_while_starting
+
+if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them is one line
+    quiet_while_starting()
+
 import argparse
 import dataclasses
 import os
-import sys
 
 import main as benchmark
 from fsdp2bench import matrix, options
@@ -71,6 +77,7 @@ def sweep_sizes(args: argparse.Namespace) -> list[int]:
 
 
 def run(args: argparse.Namespace, forwarded: list[str]) -> int:
+    interrupts_raise()  # the launches' loop passes a Ctrl-C on (matrix.Launches)
     sets = check(args, forwarded)
     prepare_output_dir(args.output_dir)
     meta = matrix.meta_of(sets, args.simulate_world_size, args.sweep_steps, args.nproc_per_node, forwarded)

@@ -9,12 +9,18 @@ and splits each variant's time into phases from rank 0's phase marks.
 
 from __future__ import annotations
 
+import sys
+
+from fsdp2bench.starting import interrupts_raise, quiet_while_starting
+
+if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them is one line
+    quiet_while_starting()
+
 import argparse
 import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 
 from fsdp2bench.cli import OneLineParser, UserError, check_ranges, check_writable_file, exit_with, write_json
@@ -154,6 +160,7 @@ def baseline_did_the_same_work(summary: dict, runs: dict, baseline: dict) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
+    interrupts_raise()  # the timed launch is told of a Ctrl-C (wait_passing_interrupt)
     args, extra = validate(argv)
     try:
         return timed(args, extra)

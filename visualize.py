@@ -6,11 +6,17 @@ The figures themselves are drawn in ``fsdp2bench/plots.py``.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 
-from fsdp2bench.cli import OneLineParser, UserError, check_ranges
+from fsdp2bench.starting import interrupts_raise, quiet_while_starting
+
+if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them is one line
+    quiet_while_starting()
+
+import argparse
+import os
+
+from fsdp2bench.cli import OneLineParser, UserError, check_ranges, exit_with
 from fsdp2bench.names import VARIANTS, simulated_dir_name
 from fsdp2bench.plots import (InputError, latest_run, load_traces, loading_stems, plot_loading, plot_loading_sweep,
                               plot_matrix, plot_sweep, plot_training, read_json, reading)
@@ -90,6 +96,7 @@ def plot(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    interrupts_raise()  # a Ctrl-C while drawing: one line (cli.exit_with); each figure is saved whole
     try:
         problems = plot(validate(argv))
     except (UserError, InputError) as exc:
@@ -101,4 +108,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

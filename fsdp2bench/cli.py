@@ -92,9 +92,9 @@ def exit_with(run: Callable[[], int]) -> None:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except (KeyboardInterrupt, Stopped) as exc:  # before a run's own handling of interrupts took over
+    except (KeyboardInterrupt, Stopped) as exc:  # outside a run's own handling of interrupts
         if os.environ.get("RANK", "0") == "0":
-            print(f"Interrupted ({exc or 'SIGINT'}) before the run started; nothing ran", file=sys.stderr)
+            print(f"Interrupted ({exc or 'SIGINT'}); what was written is whole, nothing more is", file=sys.stderr)
         sys.exit(130)
     except OSError as exc:  # a file the command writes (a full disk, a directory gone); each is written whole
         if exc.filename is None:

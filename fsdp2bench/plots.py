@@ -155,10 +155,19 @@ def filtered(times: list[float], values: list, threshold: float, partition: floa
 
 
 def save(fig, path: str, dpi: int = 110, rect: tuple = (0, 0, 1, 1)) -> None:
-    """``rect``: the part of the figure the axes may take (the rest holds a figure legend)."""
+    """``rect``: the part of the figure the axes may take (the rest holds a figure legend). Written
+    under a temporary name, then renamed: a full disk or a Ctrl-C never leaves half a figure."""
     fig.tight_layout(rect=rect)
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        fig.savefig(tmp, dpi=dpi, format=os.path.splitext(path)[1][1:] or "png")
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, path) from None
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def nan_if_none(value):

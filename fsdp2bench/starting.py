@@ -55,10 +55,21 @@ def start_child_server(device_type: str) -> None:
 
 def start_before_imports(argv: list[str]) -> None:
     """An entry script's first step, so that the fork server's imports overlap the script's own."""
-    set_up_standard_streams()
-    signal.signal(signal.SIGINT, _interrupted_while_starting)  # until the session catches interrupts itself
+    quiet_while_starting()  # until the session catches interrupts itself
     one_rank_env()  # the server's children inherit its environment, not the one set later
     start_child_server(likely_device_type(argv))
+
+
+def quiet_while_starting() -> None:
+    """Every entry script's first step: its streams set up, and a Ctrl-C during its imports and checks
+    one line, not a traceback (until the script handles interrupts itself: ``interrupts_raise``)."""
+    set_up_standard_streams()
+    signal.signal(signal.SIGINT, _interrupted_while_starting)
+
+
+def interrupts_raise() -> None:
+    """From here on a Ctrl-C raises KeyboardInterrupt, which the script handles."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _interrupted_while_starting(signum, _frame) -> None:
