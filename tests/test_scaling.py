@@ -138,7 +138,9 @@ def test_matrix_sets_run_only_where_their_shards_divide_n():
     (["--gradient_accumulation_steps", "60000", "--max_steps", "1"], "1", "too few for one step"),
 ])
 def test_a_bad_combination_is_refused_in_one_line_before_anything_runs(monkeypatch, tmp_path, flags, world, message):
-    monkeypatch.setenv("WORLD_SIZE", world)
+    for name, value in {"RANK": "0", "WORLD_SIZE": world, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": world,
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():  # rank 0 of a launch of ``world``
+        monkeypatch.setenv(name, value)
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
         main.validate(["--device", "cpu", "--model", "tiny", *flags, "--output_dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
