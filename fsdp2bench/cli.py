@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 from typing import Callable
 
 
@@ -171,8 +172,8 @@ def lock_output_dir(path: str) -> None:
     then hard-linked into place, which fails if a lock is there); one left by a process that is gone
     is taken over."""
     lock, me = os.path.join(path, LOCK_FILE), f"{socket.gethostname()} {os.getpid()}"
-    mine = f"{lock}.{os.getpid()}"
-    with open(mine, "w") as f:
+    fd, mine = tempfile.mkstemp(prefix=f"{LOCK_FILE}.", dir=path)
+    with os.fdopen(fd, "w") as f:
         f.write(me)
     try:
         for _ in range(2):

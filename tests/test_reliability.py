@@ -173,3 +173,41 @@ def test_the_process_that_forks_the_variants_runs_no_other_thread(tmp_path, npro
     proc.communicate(timeout=300)
     assert proc.returncode == 0
     assert len(threads) == (nproc or 1) and all(len(ids) == 1 for ids in threads.values()), threads
+
+
+def test_a_slow_write_of_the_lock_loses_the_race_and_is_refused(tmp_path, monkeypatch):
+    """The slow writer of the old race, forced: one launch writes its lock slowly while another takes
+    the directory. The lock appears only when whole (a hard link), so the slow one finds the other's
+    lock, alive, and is refused; the fast one keeps it."""
+    import threading
+
+    from fsdp2bench import cli
+
+    real_link, slow_started = os.link, threading.Event()
+
+    def slow_link(src, dst):
+        if threading.current_thread().name == "slow":
+            slow_started.set()
+            time.sleep(1.0)  # its lock's content is written; the link that makes it visible comes late
+        return real_link(src, dst)
+
+    monkeypatch.setattr(os, "link", slow_link)
+    monkeypatch.setattr(cli.atexit, "register", lambda *a: None)  # this test process is both launches
+    outcome = {}
+
+    def launch(name: str) -> None:
+        try:
+            cli.lock_output_dir(str(tmp_path))
+            outcome[name] = "took it"
+        except cli.UserError as exc:
+            outcome[name] = str(exc)
+
+    slow = threading.Thread(target=launch, args=("slow",), name="slow")
+    slow.start()
+    slow_started.wait(5)
+    launch("fast")
+    slow.join()
+    assert outcome["fast"] == "took it"
+    assert outcome["slow"].startswith(f"--output_dir {tmp_path}: another run (process {os.getpid()}")
+    assert (tmp_path / ".fsdp2bench.lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".fsdp2bench.lock"]  # no temporary lock left
