@@ -159,9 +159,9 @@ NUMBER_RANGES = {"batch_size": (1, 1 << 16), "block_size": (2, 1 << 20), "max_st
                  "learning_rate": (1e-12, 10.0), "seed": (0, 2**32 - 1), "log_interval": (0.001, 60.0)}
 
 
-def check_args(args: argparse.Namespace, world_size: int | None = None) -> tuple[list[str], options.FsdpOptions]:
+def check_args(args: argparse.Namespace, world_size: int) -> tuple[list[str], options.FsdpOptions]:
     """Refuse what cannot work before any process or model exists; return the variants and options.
-    ``world_size``: that of the launch checked (default: this one's, from the launcher)."""
+    ``world_size``: that of the launch checked (a sweep's own N are checked instead)."""
     for flag in ("batch_size", "block_size"):
         if getattr(args, flag) <= 0:
             raise UserError(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
@@ -189,15 +189,9 @@ def check_args(args: argparse.Namespace, world_size: int | None = None) -> tuple
         simulation.check_fake_group_available()
         if args.max_steps is None:
             args.max_steps = simulation.DEFAULT_STEPS
-    for n in simulation.parse_world_sizes(args.simulate_world_size) if args.simulate_world_size else \
-            [world_size or launcher_world_size()]:
+    for n in simulation.parse_world_sizes(args.simulate_world_size) if args.simulate_world_size else [world_size]:
         fsdp_options.mesh_shape(n)  # refuses a replicate or shard size that does not divide N
     return names, fsdp_options
-
-
-def launcher_world_size() -> int:
-    """This launch's world size, as torchrun or accelerate launch set it (plain python: one)."""
-    return check_launcher_env()[1]
 
 
 def played_ranks(args: argparse.Namespace) -> set[int]:
@@ -302,8 +296,8 @@ def validate(argv: list[str] | None = None) -> Checked:
     in-process with hostile command lines)."""
     launcher_keeps_to_one_thread()  # before this process computes anything: it forks the children
     args = parse_args(argv)
-    check_launcher_env()
-    names, fsdp_options = check_args(args)
+    launch_rank, launch_world = check_launcher_env()
+    names, fsdp_options = check_args(args, launch_world)
     device_type = pick_device(args.device).type
     args.model = args.model or default_model(device_type)
     if args.init_device == "cuda" and device_type != "cuda":
@@ -311,7 +305,7 @@ def validate(argv: list[str] | None = None) -> Checked:
     check_output_dir(args.output_dir, "summary.json")
     facts = model_facts(args.model, args.seed, lambda config: check_positions(args.block_size, config))
     # A simulated rank has no peers to share the data with: every run takes the batches of a world of one.
-    rank, world = (0, 1) if args.simulate_world_size else check_launcher_env()
+    rank, world = (0, 1) if args.simulate_world_size else (launch_rank, launch_world)
     tokens = load_tokens(args.dataset, args.tokenizer, facts.config.vocab_size)
     batches = rank_batches(tokens, args.block_size, args.batch_size, args.dataset_fraction, rank, world,
                            args.max_steps, fsdp_options.gradient_accumulation_steps)

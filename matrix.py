@@ -67,7 +67,7 @@ def check(args: argparse.Namespace, forwarded: list[str]) -> list[str]:
                               forwarded)
     for _, _, main_args in plan:  # every launch's command line, as main.py will check it
         launch = benchmark.parse_args(main_args)
-        benchmark.check_args(launch, world_size=None if launch.simulate_world_size else max(1, args.nproc_per_node))
+        benchmark.check_args(launch, max(1, args.nproc_per_node))
     return sets
 
 

@@ -19,7 +19,7 @@ import tempfile
 import time
 
 from fsdp2bench.cli import write_json
-from fsdp2bench.names import INTENDED, MIB, PEAK_PHASES, STATE_KEYS, UNFIXED, state_bytes
+from fsdp2bench.names import INTENDED, MIB, UNFIXED, step_peak_state
 from fsdp2bench.options import OPTION_SETS
 from fsdp2bench.starting import CANCELLED, GO, START_GATE, open_gate
 
@@ -133,14 +133,6 @@ def _max(figure: dict | None):
     return figure.get("max") if isinstance(figure, dict) else None
 
 
-def _state_at_peak(entry: dict) -> dict:
-    """State bytes at the step peak on the rank and moment that held the most (the real run's ranks, or
-    one simulated rank; after the optimizer step, or between microbatches under accumulation)."""
-    held = [r[phase] for r in entry["accounting"] for phase in PEAK_PHASES if phase in r]
-    worst = max(held, key=state_bytes)
-    return {k: worst.get(k, 0) for k in STATE_KEYS}
-
-
 def row(option_set: str, variant: str, world_size: int, simulated: bool, rank: int | None, entry: dict) -> dict:
     """One (option set, variant, N) of matrix.json: the peaks, the state and, for a real run, the losses."""
     base = {"option_set": option_set, "variant": variant, "world_size": world_size, "simulated": simulated,
@@ -153,7 +145,7 @@ def row(option_set: str, variant: str, world_size: int, simulated: bool, rank: i
             "training_peak_allocated_mib": _max(entry["training_peak_allocated_mib"]),
             "training_peak_reserved_mib": _max(entry["training_peak_reserved_mib"]),
             "peak_rss_mib": _max(entry["peak_rss_mib"]),
-            "state_at_step_peak_bytes": _state_at_peak(entry),
+            "state_at_step_peak_bytes": step_peak_state(entry),
             "device_bytes_at_step_peak": max(r["before_zero_grad"] for r in entry["device_bytes"]),
             "accounting_matches_expected": entry["accounting_matches_expected"],
             "final_loss": entry.get("final_loss"), "loss_drop": entry.get("loss_drop")}

@@ -182,7 +182,7 @@ def expected_state(shapes, world_size: int, rank: int, variant: str, phase: str,
     """
     shards = options.mesh_shape(world_size)[1]
     if phase == MICROBATCH_PHASE:
-        return _between_microbatches(shapes, world_size, rank % shards, variant, options, steps > 1)
+        return _between_microbatches(shapes, world_size, shards, rank % shards, variant, options, steps > 1)
     padded, local, full = _shard_bytes(shapes, shards, rank % shards)
     unfixed = variant == UNFIXED
     trained = phase != "end_of_setup"
@@ -197,12 +197,11 @@ def expected_state(shapes, world_size: int, rank: int, variant: str, phase: str,
     }
 
 
-def _between_microbatches(shapes, world_size: int, shard: int, variant: str, options: FsdpOptions,
+def _between_microbatches(shapes, world_size: int, shards: int, shard: int, variant: str, options: FsdpOptions,
                           stepped: bool) -> dict:
-    """The state after the last step's first microbatch on the rank holding shard ``shard`` (see the
-    module text); ``stepped``: an optimizer step came before it. The unfixed variant's sharded
-    gradients are never cleared."""
-    shards = options.mesh_shape(world_size)[1]
+    """The state after the last step's first microbatch on the rank holding shard ``shard`` of
+    ``shards`` (see the module text); ``stepped``: an optimizer step came before it. The unfixed
+    variant's sharded gradients are never cleared."""
     padded, local, full = _shard_bytes(shapes, shards, shard)
     padded_items, _, full_items = _shard_bytes([(shape, 1) for shape, _ in shapes], shards, shard)
     unfixed = variant == UNFIXED

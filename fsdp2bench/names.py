@@ -26,6 +26,14 @@ def state_bytes(held: dict) -> int:
     return sum(held.get(k, 0) for k in STATE_KEYS)
 
 
+def step_peak_state(entry: dict) -> dict:
+    """A summary entry's state at the step peak, per key: the rank and moment (after the optimizer step,
+    or between microbatches under accumulation) that held the most."""
+    held = [rank[phase] for rank in entry["accounting"] for phase in PEAK_PHASES if phase in rank]
+    worst = max(held, key=state_bytes)
+    return {k: worst.get(k, 0) for k in STATE_KEYS}
+
+
 def phases(accumulates: bool) -> tuple[str, ...]:
     """The moments at which a variant's state is counted."""
     return PHASES + (MICROBATCH_PHASE,) if accumulates else PHASES

@@ -8,7 +8,8 @@ import statistics
 from fsdp2bench import snapshots
 from fsdp2bench.memory_model import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_state,
                                      first_world_size_where_unfixed_costs_more, projection)
-from fsdp2bench.names import GIB, INTENDED, MIB, MICROBATCH_PHASE, PEAK_PHASES, PHASES, STATE_KEYS, UNFIXED, phases, state_bytes
+from fsdp2bench.names import (GIB, INTENDED, MIB, MICROBATCH_PHASE, PEAK_PHASES, PHASES, STATE_KEYS, UNFIXED, phases,
+                              state_bytes, step_peak_state)
 from fsdp2bench.options import FsdpOptions
 # Losses are compared step by step. On CPU the intended variants are bit-identical; on GPUs
 # accelerate groups its parameters differently, which may change bf16 rounding a little.
@@ -138,7 +139,7 @@ def _held_state(entry: dict, phase: str) -> int:
 
 def _held_at_step_peak(entry: dict) -> int:
     """State bytes at the larger of a step's two peaks: after its optimizer step, or between microbatches."""
-    return max(_held_state(entry, phase) for phase in PEAK_PHASES if phase in entry["accounting"][0])
+    return state_bytes(step_peak_state(entry))
 
 
 def projection_summary(shapes, variants: dict, world_size: int) -> dict:
