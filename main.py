@@ -87,6 +87,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tracker_overhead", action="store_true",
                    help="pause memory polling on every other step, to measure what polling costs")
     p.add_argument("--quiet", action="store_true", help="no progress lines while the variants train")
+    p.add_argument("--gpu_memory", type=float, default=None, metavar="GIB",
+                   help="train as on a GPU of GIB GiB: PyTorch's allocator gets GIB less the CUDA context a process "
+                        "holds (measured here), and a step that needs more runs out of memory (CUDA only; "
+                        "default: the whole GPU)")
     p.add_argument("--init_device", choices=["cpu", "cuda"], default="cpu",
                    help="where the model is built: cpu (the upstream's path: fully_shard moves each rank's shard "
                         "to the GPU; the weights are drawn once per rank on its share of the host's cores) or cuda (built on "
@@ -156,7 +160,8 @@ def add_scaling_options(p: argparse.ArgumentParser) -> None:
 NUMBER_RANGES = {"batch_size": (1, 1 << 16), "block_size": (2, 1 << 20), "max_steps": (1, 10_000_000),
                  "gradient_accumulation_steps": (1, 1 << 16), "dp_replicate_size": (1, 1 << 16),
                  "dp_shard_size": (1, 1 << 16),
-                 "learning_rate": (1e-12, 10.0), "seed": (0, 2**32 - 1), "log_interval": (0.001, 60.0)}
+                 "learning_rate": (1e-12, 10.0), "seed": (0, 2**32 - 1), "log_interval": (0.001, 60.0),
+                 "gpu_memory": (0.001, 1 << 20)}
 
 
 def check_args(args: argparse.Namespace, world_size: int) -> tuple[list[str], options.FsdpOptions]:
@@ -234,7 +239,7 @@ def check_positions(block_size: int, config) -> None:
 
 
 def variants_at_once(args: argparse.Namespace, session: Session, names: list[str],
-                     fsdp_options: options.FsdpOptions) -> int:
+                     fsdp_options: options.FsdpOptions, cap: concurrency.GpuCap | None) -> int:
     """``--concurrent_variants``: a number as given; auto decided by rank 0 for every rank. A sweep's
     runs are sized by its smallest N, whose runs hold the most."""
     if args.concurrent_variants != "auto":
@@ -242,7 +247,7 @@ def variants_at_once(args: argparse.Namespace, session: Session, names: list[str
     sizes = simulation.parse_world_sizes(args.simulate_world_size) if args.simulate_world_size else None
     world, pieces = (min(sizes), len(names) * len(sizes)) if sizes else (session.world_size, len(names))
     decision = concurrency.decide(session.shapes, world, names, args.init_device, session.device.type, fsdp_options,
-                                  pieces, logits_bytes(args, session.config)) if session.rank == 0 else None
+                                  pieces, logits_bytes(args, session.config), cap) if session.rank == 0 else None
     k, reason = concurrency.agree(session.store, session.rank, decision)
     if session.rank == 0 and session.device.type == "cuda":
         print(f"{'Runs' if sizes else 'Variants'} at a time: {reason} (--concurrent_variants K chooses)", flush=True)
@@ -289,6 +294,7 @@ class Checked:
     fsdp_options: options.FsdpOptions
     facts: ModelFacts
     batches: list  # this rank's
+    cap: concurrency.GpuCap | None  # --gpu_memory
 
 
 def validate(argv: list[str] | None = None) -> Checked:
@@ -302,6 +308,8 @@ def validate(argv: list[str] | None = None) -> Checked:
     args.model = args.model or default_model(device_type)
     if args.init_device == "cuda" and device_type != "cuda":
         raise UserError("--init_device cuda needs a GPU (this run is on the CPU)")
+    if args.gpu_memory is not None and device_type != "cuda":
+        raise UserError("--gpu_memory needs a GPU (this run is on the CPU)")
     check_output_dir(args.output_dir, "summary.json")
     facts = model_facts(args.model, args.seed, lambda config: check_positions(args.block_size, config))
     # A simulated rank has no peers to share the data with: every run takes the batches of a world of one.
@@ -315,7 +323,8 @@ def validate(argv: list[str] | None = None) -> Checked:
     fit_world = simulation.parse_world_sizes(args.simulate_world_size)[0] if args.simulate_world_size else world
     concurrency.check_fits(facts.shapes, fit_world, names, args.init_device if device_type == "cuda" else "cpu",
                            device_type, fsdp_options, logits_bytes(args, facts.config))
-    return Checked(args, names, fsdp_options, facts, batches)
+    cap = None if args.gpu_memory is None else concurrency.gpu_cap(args.gpu_memory, pick_device(args.device).index)
+    return Checked(args, names, fsdp_options, facts, batches, cap)
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -337,8 +346,9 @@ def run(argv: list[str] | None = None) -> int:
             "model": args.model, "model_type": session.config.model_type, "num_parameters": session.num_parameters,
             "steps_per_variant": len(batches), "fsdp_options": dataclasses.asdict(fsdp_options),
             "per_optimizer_step": per_optimizer_step(args, fsdp_options, session.world_size),
+            "gpu_memory": checked.cap.as_dict() if checked.cap else None,
             "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()}}
-    concurrent = variants_at_once(args, session, names, fsdp_options)
+    concurrent = variants_at_once(args, session, names, fsdp_options, checked.cap)
     cores = build_threads()
     meta["concurrent_variants"] = concurrent
     meta["threads_per_variant"] = max(1, cores // concurrent)
@@ -346,7 +356,7 @@ def run(argv: list[str] | None = None) -> int:
                         args.tracker_overhead, args.inject_failure, args.init_device, cores,
                         meta["threads_per_variant"],
                         weights.create() if args.init_device == "cpu" else None, args.quiet,
-                        fsdp_options)
+                        fsdp_options, checked.cap.allocator_bytes if checked.cap else None)
     suite = Suite(session, names, train, batches, meta, args.output_dir, concurrent,
                   {"meta": {**meta, "timeline": timeline}})
     if session.rank == 0 and session.device.type == "cpu":

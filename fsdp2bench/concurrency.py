@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+from dataclasses import dataclass
 
 import psutil
 import torch.distributed as dist
 
 from fsdp2bench.isolation import StoreKeys, wait_for_keys
 from fsdp2bench.memory_model import expected_device_bytes, expected_state, model_bytes
-from fsdp2bench.names import GIB, PEAK_PHASES, UNFIXED, phases
+from fsdp2bench.names import GIB, MIB, PEAK_PHASES, UNFIXED, phases
 from fsdp2bench.options import AUTOCAST, FsdpOptions
 from fsdp2bench.starting import started_ahead
 
@@ -29,6 +31,11 @@ FIXED_MARGIN = 1 * GIB  # the CUDA context and cuBLAS workspaces
 # fp32 gradient reduction, 0.3 P more under CPU offload; test_memory_model checks every row.
 BEYOND_STATE, NO_RESHARD, FP32_REDUCE, OFFLOADED = 0.7, 0.5, 0.2, 0.3
 LOGITS_COPIES = 3  # the fp32 logits, their gradient and the bf16 ones
+# What a token adds to a step's peak on one rank, beyond the logits: per block, bf16 activations of
+# about 16 hidden and 4 intermediate widths (4 hidden widths under activation checkpointing, the
+# blocks' inputs; none kept on the GPU when they are offloaded). Fitted to the allocated peaks of
+# plan.py's probes of the 1.5B model (one H200), then raised by ACTIVATION_MARGIN: an aim, not a limit.
+HIDDEN_WIDTHS, INTERMEDIATE_WIDTHS, CHECKPOINT_WIDTHS, ACTIVATION_MARGIN = 16, 4, 4, 1.1
 HOST_RUNTIME = 2 * GIB  # one variant's process without its model (torch, transformers, accelerate)
 # Measured under cpu_offload (1.5B, one H200): RSS 29.2 GiB for 23.0 GiB of state on the host at N = 1,
 # 15.0 for 11.5 at N = 2: pinned buffers and the offload's staging come on top of the state.
@@ -60,6 +67,18 @@ def variant_need(shapes, world_size: int, name: str, options: FsdpOptions, logit
     fraction = BEYOND_STATE + (0 if options.reshard_after_forward else NO_RESHARD) + \
         (FP32_REDUCE if options.mixed_precision_policy != AUTOCAST else 0) + (OFFLOADED if options.cpu_offload else 0)
     return state + temporaries + int(model_bytes(shapes) * fraction) + LOGITS_COPIES * logits_bytes + FIXED_MARGIN
+
+
+def activation_bytes_per_token(config, options: FsdpOptions) -> int:
+    """What one more token per microbatch adds to a step's peak on the GPU (``HIDDEN_WIDTHS``)."""
+    if options.activation_checkpointing_offload:
+        per_block = 0
+    elif options.activation_checkpointing:
+        per_block = 2 * CHECKPOINT_WIDTHS * config.hidden_size
+    else:
+        per_block = 2 * (HIDDEN_WIDTHS * config.hidden_size + INTERMEDIATE_WIDTHS * config.intermediate_size)
+    logits = LOGITS_COPIES * 4 * config.vocab_size
+    return int(ACTIVATION_MARGIN * (logits + config.num_hidden_layers * per_block))
 
 
 def gpu_need(shapes, world_size: int, names: list[str], init_device: str, options: FsdpOptions,
@@ -96,21 +115,78 @@ def gpu_memory() -> int | None:
 
 
 def decide(shapes, world_size: int, names: list[str], init_device: str, device_type: str,
-           options: FsdpOptions, pieces: int, logits_bytes: int) -> tuple[int, str]:
+           options: FsdpOptions, pieces: int, logits_bytes: int, cap: GpuCap | None = None) -> tuple[int, str]:
     """How many of ``pieces`` (variants, or a sweep's runs at world size ``world_size`` or more) to
-    run at once on this node, and why."""
+    run at once on this node, and why; under a cap a variant takes at most the cap's memory."""
     if device_type != "cuda":
         return 1, "a CPU run: variants would only share the same cores"
     total = gpu_memory()
     if total is None:
         return 1, "nvidia-smi did not report the GPUs' memory"
     need = gpu_need(shapes, world_size, names, init_device, options, logits_bytes)
+    need = need if cap is None else min(need, cap.process_bytes)
     per_process = host_bytes(shapes, world_size, names, init_device, options, device_type)
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     by_gpu, by_host = total // need, psutil.virtual_memory().available // (per_process * processes)
     k = max(1, min(pieces, by_gpu, by_host))
     return k, (f"{k} at a time: about {need / GIB:.1f} GiB per variant on a {total / GIB:.0f} GiB GPU, "
                f"{per_process / GIB:.1f} GiB of host RAM per process")
+
+
+@dataclass(frozen=True)
+class GpuCap:
+    """``--gpu_memory``: a GPU of ``gib`` GiB made real on a larger one. A process there holds its CUDA
+    context outside PyTorch's allocator, so the allocator is given the rest
+    (``torch.cuda.set_per_process_memory_fraction``), as it would be on that GPU."""
+    gib: float
+    total: int  # this GPU's memory, as torch reports it
+    context: int  # GPU memory in use once a fresh process has made its CUDA context
+
+    @property
+    def process_bytes(self) -> int:
+        return int(self.gib * GIB)
+
+    @property
+    def allocator_bytes(self) -> int:
+        return self.process_bytes - self.context
+
+    def as_dict(self) -> dict:
+        return {"gib": self.gib, "gpu_total_mib": self.total / MIB, "cuda_context_mib": self.context / MIB,
+                "allocator_limit_mib": self.allocator_bytes / MIB}
+
+
+MIN_ALLOCATOR = 256 * MIB  # less than this beside the context could not hold one block of any model
+
+
+def measure_gpu(index: int) -> tuple[int, int]:
+    """(total, in use) bytes of GPU ``index``, read by a fresh process once it has made its CUDA context
+    (the process asking never makes one: its children would inherit a broken one). With nothing else
+    on the GPU, what is in use is that context."""
+    code = f"import torch; free, total = torch.cuda.mem_get_info({index}); print(total, total - free)"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+        total, used = (int(x) for x in out.stdout.split())
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        from fsdp2bench.cli import UserError
+
+        raise UserError(f"--gpu_memory: could not read GPU {index}'s memory ({type(exc).__name__})") from None
+    return total, used
+
+
+def gpu_cap(gib: float | None, index: int) -> GpuCap:
+    """``--gpu_memory GIB`` on GPU ``index`` (None: the whole GPU), refused in one line where it cannot
+    be made real here."""
+    from fsdp2bench.cli import UserError
+
+    total, context = measure_gpu(index)
+    cap = GpuCap(total / GIB if gib is None else gib, total, context)
+    if cap.process_bytes > total:
+        raise UserError(f"--gpu_memory {gib:g}: more than this GPU's {total / GIB:.1f} GiB")
+    if cap.allocator_bytes < MIN_ALLOCATOR:
+        raise UserError(f"--gpu_memory {gib:g}: under the {context / MIB:.0f} MiB that a process's CUDA context "
+                        f"holds on this GPU, plus {MIN_ALLOCATOR / MIB:.0f} MiB for PyTorch; give at least "
+                        f"{(context + MIN_ALLOCATOR) / GIB:.2f}")
+    return cap
 
 
 def check_fits(shapes, world_size: int, names: list[str], init_device: str, device_type: str,

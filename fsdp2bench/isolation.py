@@ -168,17 +168,17 @@ def run_isolated(pieces: list[Piece], rank: int, participants: Sequence[int], st
     return failures
 
 
-def run_rolling(pieces: list[Piece], at_once: int, rank: int, store: dist.TCPStore, device: torch.device,
-                started: Callable[[int], None], ended: Callable[[int, str | None], None]) -> None:
-    """Run pieces that need no peer (simulated ranks), each in its own child, at most ``at_once`` at
-    a time, starting the next as soon as one ends, so that a long piece holds up no other.
-    ``started(i)`` and ``ended(i, failure)`` are told as each piece starts and ends."""
+def run_rolling(pieces: list[Piece], room: Callable[[int, list[int]], bool], rank: int, store: dist.TCPStore,
+                device: torch.device, started: Callable[[int], None], ended: Callable[[int, str | None], None]) -> None:
+    """Run pieces that need no peer (simulated ranks), each in its own child, in order, starting the
+    next as soon as ``room(next, running)`` allows (always when none runs), so that a long piece holds
+    up no other. ``started(i)`` and ``ended(i, failure)`` are told as each piece starts and ends."""
     _register(pieces)
     context = child_context(device.type)
     waiting, running = list(range(len(pieces))), {}
     try:
         while waiting or running:
-            while waiting and len(running) < at_once:
+            while waiting and (not running or room(waiting[0], list(running))):
                 i = waiting.pop(0)
                 running[i] = context.Process(target=pieces[i].target, args=pieces[i].args)
                 running[i].start()

@@ -109,6 +109,7 @@ OPTION_SETS: dict[str, FsdpOptions] = {
                                         sync_each_batch=True, requires_all_reduce=False),
 }
 EACH = "each"  # --option_sets each: every set above
+PLUGIN_SETS = [name for name, o in OPTION_SETS.items() if not o.accumulates and not o.hsdp]  # the plugin's options
 
 
 def parse_bool(text: str) -> bool:

@@ -52,6 +52,7 @@ class TrainConfig:
     weights: SharedWeights | None  # where this rank's variants share the weights of a CPU build (weights.py)
     quiet: bool  # no progress lines
     options: FsdpOptions = FsdpOptions()  # the FSDP2 options every variant applies
+    allocator_limit: int | None = None  # bytes PyTorch may reserve on the GPU (--gpu_memory), None: all
 
 
 @dataclass
@@ -278,11 +279,20 @@ def records_history(job: Job) -> bool:
     return job.train.save_memory_snapshot and job.device.type == "cuda"
 
 
+def limit_allocator(device: torch.device, limit: int) -> None:
+    """A smaller GPU made real: the allocator reserves at most ``limit`` bytes, and a step that needs
+    more raises torch's out-of-memory error, as it would there."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+
+
 def variant_process(job: Job) -> None:
     """Entry point of the child process: one variant on one rank."""
     # Processes side by side that each take every core spin against one another: under CPU offload
     # four AdamW steps on the host took 31-48 s a step instead of a few (1.5B, 16 cores, one H200).
     torch.set_num_threads(job.train.compute_threads)
+    if job.train.allocator_limit is not None and job.device.type == "cuda":
+        limit_allocator(job.device, job.train.allocator_limit)
     deterministic(job.device)
     child = TracedChild(job.keys, job.rank, job.device, job.train.log_interval,
                         os.path.join(job.output_dir, rank_file(job.name, "memory_usage.json", job.rank)),

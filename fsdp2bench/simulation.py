@@ -70,13 +70,13 @@ def _integers(text: str, flag: str, allow_last: bool = False) -> list:
 MAX_WORLD_SIZE = 1 << 16  # the device mesh of a simulated rank lists every rank
 
 
-def parse_world_sizes(text: str) -> list[int]:
+def parse_world_sizes(text: str, flag: str = "--simulate_world_size") -> list[int]:
     """The world sizes of a sweep, smallest first."""
-    sizes = _integers(text, "--simulate_world_size")
+    sizes = _integers(text, flag)
     if any(n < 1 for n in sizes):
-        raise UserError(f"--simulate_world_size: every N must be at least 1, got {text}")
+        raise UserError(f"{flag}: every N must be at least 1, got {text}")
     if max(sizes) > MAX_WORLD_SIZE:
-        raise UserError(f"--simulate_world_size: N = {max(sizes)} is more than the {MAX_WORLD_SIZE} ranks a "
+        raise UserError(f"{flag}: N = {max(sizes)} is more than the {MAX_WORLD_SIZE} ranks a "
                         "simulated run can play")
     return sorted(sizes)
 
@@ -158,8 +158,8 @@ def run_share(runs: list[SimulatedRun], make_job: Callable[[SimulatedRun], objec
             print(f"[process {rank}] {mine[i].variant} ({mine[i].label}) FAILED: {failure}", flush=True)
 
     try:
-        run_rolling([Piece(target, (make_job(r),), r.keys) for r in mine], at_once, rank, store, device,
-                    started, ended)
+        run_rolling([Piece(target, (make_job(r),), r.keys) for r in mine], lambda _, running: len(running) < at_once,
+                    rank, store, device, started, ended)
     except Interrupted:
         for i, r in enumerate(mine):  # so that rank 0 need not wait for runs that will never end
             if i not in outcomes:

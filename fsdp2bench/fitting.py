@@ -1,0 +1,314 @@
+"""What fits: the search for the largest batch (or block) that trains under a memory cap.
+
+Pure logic, no torch: a ``Search`` proposes the values to probe next and takes back what each probe
+found; ``run_searches`` drives many of them at once, a round at a time, through any probe runner
+(plan.py's runs real simulated ranks; the tests give a function with a known edge).
+
+The aim: a step's peak grows close to linearly with the batch beyond the state it holds anyway, so
+the line through the largest value that fits, with the slope of the two largest (or the memory
+model's estimate of a sequence's activations), says where the cap is crossed. The probes then confirm the edge from both
+sides. Where the line is no help (no peaks on a CPU run, or it was wrong) the search doubles until a
+value fails, then halves the gap.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Hashable
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one probe found: it trained (``fits``), or ran out of memory; ``peak_mib`` is its peak
+    allocated (at a failure, up to it), None where the device has no allocator."""
+    value: int
+    fits: bool
+    peak_mib: float | None = None
+    detail: dict = field(default_factory=dict, compare=False)  # the probe's own record, for plan.json
+
+
+STEP_BACK = 0.85  # after the first aim fails, the next probe is this far from the largest fit to it
+
+
+class Search:
+    """The largest value in [lower, upper] whose probe fits, assuming a larger value never fits where a
+    smaller one does not (near the cap the allocator's luck can break that: ``largest_fit``).
+
+    ``limit_mib``: the allocator's limit; ``aim``: the share of it a step's peak allocated is aimed
+    at (blocks free in the cache but in the wrong places cost the rest); ``slope_mib``: the memory
+    model's estimate of what one more unit of the searched value adds to a step's peak. Without them
+    the search doubles and halves.
+    """
+
+    def __init__(self, lower: int, upper: int, limit_mib: float | None = None, aim: float = 1.0,
+                 slope_mib: float | None = None):
+        if not 1 <= lower <= upper:
+            raise ValueError(f"a search needs 1 <= lower <= upper, got {lower}, {upper}")
+        self.lower, self.upper, self.limit_mib, self.slope_mib = lower, upper, limit_mib, slope_mib
+        self.target_mib = None if limit_mib is None else aim * limit_mib
+        self.outcomes: list[Outcome] = []
+        self.error: str | None = None  # a probe failed for a reason other than memory
+
+    def record(self, outcome: Outcome) -> None:
+        self.outcomes.append(outcome)
+
+    def stop(self, error: str) -> None:
+        self.error = error
+
+    @property
+    def smallest_failure(self) -> int | None:
+        return min((o.value for o in self.outcomes if not o.fits), default=None)
+
+    @property
+    def largest_fit(self) -> int | None:
+        """The largest value that fits below every failure. Near the cap the allocator's luck can let
+        a value fit above one that failed (its blocks happened to pack); the edge is the first failure."""
+        hi = self.smallest_failure
+        return max((o.value for o in self.outcomes if o.fits and (hi is None or o.value < hi)), default=None)
+
+    @property
+    def fits_above_edge(self) -> list[int]:
+        hi = self.smallest_failure
+        return sorted(o.value for o in self.outcomes if o.fits and hi is not None and o.value > hi)
+
+    @property
+    def done(self) -> bool:
+        lo, hi = self.largest_fit, self.smallest_failure
+        return self.error is not None or hi == self.lower or lo == self.upper or \
+            (lo is not None and hi is not None and hi == lo + 1)
+
+    def next_values(self) -> list[int]:
+        """The values to probe next (two where the aim is close: the edge's both sides at once); none
+        once the edge is known. Each lies strictly between the largest fit and the smallest failure,
+        so a search always ends."""
+        if self.done:
+            return []
+        lo, hi = self.largest_fit, self.smallest_failure
+        if lo is None:
+            return [self.lower]
+        ceiling = self.upper if hi is None else hi - 1
+        guess, close = self.aim()
+        failures = sum(1 for o in self.outcomes if not o.fits)
+        if guess is not None and hi is not None and guess >= hi and failures == 1:
+            # The first aim was too high, most often by a little: step back by as much, not by half.
+            return [min(ceiling, max(lo + 1, lo + math.floor((hi - lo) * STEP_BACK)))]
+        if guess is None or (hi is not None and guess >= hi):  # no line, or it was wrong above
+            return [min(ceiling, 2 * lo) if hi is None else (lo + hi) // 2]
+        if guess <= lo:  # the line puts the edge at the largest fit: its next value decides
+            return [lo + 1]
+        value = min(guess, ceiling)
+        return [value, value + 1] if close and value + 1 <= ceiling else [value]
+
+    def line(self) -> tuple[float, float, float] | None:
+        """(value, peak, slope) of the line that aims: through the largest value that fits, with the
+        slope between it and the next largest where that one is near it (further down, a step's peak
+        is the optimizer's, not the activations', so the line bends), else the model's slope."""
+        lo = self.largest_fit
+        points = sorted((o.value, o.peak_mib) for o in self.outcomes
+                        if o.fits and o.peak_mib is not None and lo is not None and o.value <= lo)
+        if not points:
+            return None
+        x2, y2 = points[-1]
+        if len(points) >= 2 and points[-2][0] >= x2 / 2 and points[-1][1] > points[-2][1]:
+            (x1, y1) = points[-2]
+            return x2, y2, (y2 - y1) / (x2 - x1)
+        return (x2, y2, self.slope_mib) if self.slope_mib else None
+
+    def aim(self) -> tuple[int | None, bool]:
+        """The largest value the line keeps under the target, and whether it is close to the value the
+        line starts from (then the line holds, and both sides of the edge are probed at once)."""
+        line = self.line() if self.target_mib is not None else None
+        if line is None:
+            return None, False
+        x, y, slope = line
+        guess = x + math.floor((self.target_mib - y) / slope)
+        return guess, abs(guess - x) <= max(2, x // 4)
+
+    def predicted_peak(self, value: int) -> float | None:
+        """The line's peak at ``value``: what a probe is expected to hold, so that probes that will
+        stay well under the cap can share the GPU."""
+        line = self.line()
+        if line is None:
+            return None
+        x, y, slope = line
+        return y + slope * (value - x)
+
+    def answer(self) -> dict:
+        """The largest value that fits and what happened just above it, for plan.json and the table."""
+        lo, hi = self.largest_fit, self.smallest_failure
+        above = next((o for o in self.outcomes if o.value == hi), None)
+        best = next((o for o in self.outcomes if o.value == lo and o.fits), None)
+        return {"largest": lo, "fit": _said(best), "above": _said(above), "fits_above_edge": self.fits_above_edge,
+                "at_upper_bound": lo == self.upper, "probes": len(self.outcomes), "error": self.error,
+                "smallest_peak_mib": min((o.peak_mib for o in self.outcomes if o.peak_mib is not None), default=None)}
+
+
+def _said(outcome: Outcome | None) -> dict | None:
+    return None if outcome is None else {"value": outcome.value, "fits": outcome.fits, "peak_mib": outcome.peak_mib,
+                                         **outcome.detail}
+
+
+# A round's probes, (search key, value) each, and what each found; a key's probe that failed for a
+# reason other than memory comes back as a string.
+RoundRunner = Callable[[list[tuple[Hashable, int]]], dict[tuple[Hashable, int], "Outcome | str"]]
+
+
+def edge_peak(search: Search) -> float | None:
+    """Where a finished search's edge lies in peak allocated: between its largest fit's peak and the
+    line's peak one value above it. None until both sides are known."""
+    lo, hi = search.largest_fit, search.smallest_failure
+    line = search.line()
+    if lo is None or hi != lo + 1 or line is None:
+        return None
+    x, y, slope = line
+    return y + slope / 2
+
+
+def share_edges(searches: dict[Hashable, Search], limit_mib: float) -> None:
+    """Aim every unfinished search at the edges the finished ones found under the same cap (how much
+    of it a step can use depends on the allocator, not on the option set): the median edge."""
+    edges = sorted(e for e in (edge_peak(s) for s in searches.values() if s.done) if e is not None)
+    if not edges:
+        return
+    target = edges[len(edges) // 2] / limit_mib
+    for search in searches.values():
+        if not search.done and search.target_mib is not None:
+            search.target_mib = target * search.limit_mib
+
+
+def run_searches(searches: dict[Hashable, Search], run_round: RoundRunner,
+                 after_round: Callable[[int], None] = lambda rounds: None) -> int:
+    """Every search to its end, the probes they want next run a round at a time (a runner may run a
+    round's probes side by side), ``after_round(rounds so far)`` told after each; returns the rounds.
+    Each round's finished searches aim the others (``share_edges``)."""
+    rounds = 0
+    while True:
+        wanted = [(key, value) for key, search in searches.items() for value in search.next_values()]
+        if not wanted:
+            return rounds
+        rounds += 1
+        for (key, value), found in run_round(wanted).items():
+            if isinstance(found, str):
+                searches[key].stop(found)
+            else:
+                searches[key].record(found)
+        limits = {s.limit_mib for s in searches.values() if s.limit_mib is not None}
+        if len(limits) == 1:
+            share_edges(searches, limits.pop())
+        after_round(rounds)
+
+
+# --------------------------------------------------------------------------- plan.json and the console
+
+def plan_record(meta: dict, questions: dict, searches: dict[Hashable, Search], probes: list,
+                interrupted: bool = False) -> dict:
+    """plan.json: an answer per question with every probe it took, the counts, and the findings."""
+    limit = (meta.get("gpu_memory") or {}).get("allocator_limit_mib")
+    answers = [answer_of(questions[key], search, limit) for key, search in searches.items()]
+    reruns = sum(1 for p in probes if p.attempt)
+    meta = {**meta, "probes": len(probes), "probes_run_again_alone": reruns, "interrupted": interrupted,
+            "probes_per_answer": len(probes) / len(answers) if answers else None}
+    return {"meta": meta, "answers": answers, "findings": findings(answers, meta["variants"][0])}
+
+
+def answer_of(question, search: Search, limit_mib: float | None) -> dict:
+    found = search.answer()
+    largest, fit = found["largest"], found["fit"]
+    reserved = (fit or {}).get("peak_reserved_mib")
+    headroom = limit_mib - reserved if limit_mib is not None and reserved is not None else None
+    return {**{k: getattr(question, k) for k in ("option_set", "world_size", "rank", "variant", "searched", "fixed")},
+            **found, "headroom_mib": headroom,
+            "tokens_per_rank_per_step": question.tokens_per_rank_per_step(largest) if largest else None,
+            "outcomes": [_said(o) for o in sorted(search.outcomes, key=lambda o: o.value)]}
+
+
+def findings(answers: list[dict], reference: str) -> list[str]:
+    """Per N (and fixed value): the cheapest set that fits more tokens per step than the default, by its
+    probe's time per token; or, where nothing fits, the smallest peak seen."""
+    out = []
+    for n, fixed in sorted({(a["world_size"], a["fixed"]) for a in answers}):
+        cell = [a for a in answers if a["world_size"] == n and a["fixed"] == fixed and a["variant"] == reference
+                and not a["error"]]
+        where = f"N = {n}{_fixed_said(cell[0] if cell else None)}"
+        fitting_ones = [a for a in cell if a["largest"]]
+        if cell and not fitting_ones:
+            smallest = min((a for a in cell if a["smallest_peak_mib"] is not None),
+                           key=lambda a: a["smallest_peak_mib"], default=None)
+            seen = f"; the smallest peak allocated was {smallest['smallest_peak_mib']:.0f} MiB " \
+                f"({smallest['option_set']})" \
+                if smallest else ""
+            out.append(f"{where}: 1 does not fit under any set{seen}.")
+            continue
+        default = next((a for a in cell if a["option_set"] == "default"), None)
+        out.append(_cheapest_beyond(where, default, fitting_ones))
+    return out
+
+
+def _fixed_said(answer: dict | None) -> str:
+    if answer is None:
+        return ""
+    return f", block {answer['fixed']}" if answer["searched"] == "batch_size" else f", batch {answer['fixed']}"
+
+
+def _time_per_token(answer: dict) -> float | None:
+    step = (answer["fit"] or {}).get("median_step_time_s")
+    return step / answer["tokens_per_rank_per_step"] if step else None
+
+
+def _cheapest_beyond(where: str, default: dict | None, fitting_ones: list[dict]) -> str:
+    if default is None or not default["largest"]:
+        best = max(fitting_ones, key=lambda a: a["tokens_per_rank_per_step"])
+        return f"{where}: the default fits nothing; {best['option_set']} fits the most, {_fit_said(best)}."
+    more = [a for a in fitting_ones if a["tokens_per_rank_per_step"] > default["tokens_per_rank_per_step"]
+            and _time_per_token(a) is not None]
+    said = f"{where}: the default fits {_fit_said(default)}"
+    if not more:
+        return f"{said}; no other set fits more."
+    cheapest = min(more, key=_time_per_token)
+    return (f"{said}; the cheapest set that fits more is {cheapest['option_set']}, {_fit_said(cheapest)}, at "
+            f"{_time_per_token(cheapest) * 1e6:.1f} us per token in its probe (the default "
+            f"{_time_per_token(default) * 1e6:.1f}; probes beside one another share the GPU, so these are rough)")
+
+
+def _fit_said(answer: dict) -> str:
+    name = "B" if answer["searched"] == "batch_size" else "L"
+    return f"{answer['tokens_per_rank_per_step']:,} tokens per rank per step ({name} = {answer['largest']})"
+
+
+def _above_said(answer: dict) -> str:
+    above = answer["above"]
+    if answer["error"]:
+        return f"failed: {answer['error'][:60]}"
+    if answer["at_upper_bound"]:
+        return "the upper bound"
+    if above is None:
+        return "-"
+    failed = above.get("failed_allocation_mib")
+    return f"{above['value']}: out of memory after {above.get('phase')}" + \
+        (f" ({failed:.0f} MiB failed)" if failed is not None else "")
+
+
+def _mib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:,.0f}"
+
+
+def print_plan(plan: dict) -> None:
+    """A table per option set and N: the largest value, its tokens and peak, and what failed above it."""
+    meta = plan["meta"]
+    name = "B_max" if meta["find"] == "batch_size" else "L_max"
+    print(f"\n{'option set':20} {'N':>5} {'variant':26} {name:>6} {'tokens/rank/step':>16} {'reserved MiB':>12} "
+          f"{'headroom':>8} {'probes':>6}  above it")
+    for a in plan["answers"]:
+        fit = a["fit"] or {}
+        print(f"{a['option_set']:20} {a['world_size']:>5} {a['variant'][:26]:26} {str(a['largest'] or '-'):>6} "
+              f"{_mib(a['tokens_per_rank_per_step']):>16} {_mib(fit.get('peak_reserved_mib')):>12} {_mib(a['headroom_mib']):>8} "
+              f"{a['probes']:>6}  {_above_said(a)}")
+    cap = meta.get("gpu_memory")
+    said = f"reserved: the probe's peak at the largest value; headroom: the allocator's limit of " \
+        f"{cap['allocator_limit_mib']:,.0f} MiB less it." if cap else "A CPU run: no allocator, no cap."
+    print(f"{said} {meta['probes']} probes "
+          f"({meta['probes_per_answer']:.1f} per answer, {meta['probes_run_again_alone']} run again alone) in "
+          f"{meta['rounds']} rounds.")
+    for line in plan["findings"]:
+        print(line)

@@ -1,0 +1,254 @@
+"""A probe: one simulated rank, in a fresh process, trained a few steps at one batch and block under
+the memory cap; it fits when it completes. plan.py's searches (fitting.py) ask for probes a round at
+a time; this module runs each round's probes side by side where the GPU holds them together.
+
+A probe that is expected to stay well under the cap (the line of its search says so) is given the
+room of that expectation plus a margin, so that several share the GPU; one that may reach the cap is
+given the whole cap. A probe that ran out of memory beside one that outgrew its room may have been
+crowded out, not capped: it is run again alone, and only what it finds then counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from fsdp2bench import report
+from fsdp2bench.concurrency import GpuCap, activation_bytes_per_token, host_bytes, variant_need
+from fsdp2bench.data import rank_batches
+from fsdp2bench.fitting import Outcome, Search
+from fsdp2bench.isolation import Piece, StoreKeys, gather_records, has_keys, run_rolling
+from fsdp2bench.memory_model import expected_state
+from fsdp2bench.names import MIB, PEAK_PHASES, phases
+from fsdp2bench.options import OPTION_SETS, FsdpOptions
+from fsdp2bench.runner import FailureSpec, Job, TrainConfig, variant_process
+from fsdp2bench.session import Session
+
+PROBE_STEPS = 2  # the first creates AdamW's state; the second's step runs with it
+ROOM_MARGIN = 1.15  # on the line's peak, for a probe that shares the GPU
+# The peak allocated aimed at: on one H200 the probes of the 1.5B model failed from 85-87% of a 24 GiB
+# limit (the largest blocks, the logits, find no free stretch of their size beyond it).
+AIM_FRACTION = 0.86
+BATCH, BLOCK = "batch_size", "block_size"
+
+
+@dataclass(frozen=True)
+class Question:
+    """One answer to find: the largest ``searched`` value for a variant, playing ``rank`` of a world
+    of ``world_size`` under an option set, the other of batch and block held fixed."""
+    option_set: str
+    world_size: int
+    rank: int
+    variant: str
+    searched: str  # BATCH or BLOCK
+    fixed: int  # the block size while the batch is searched, the batch size while the block is
+
+    @property
+    def options(self) -> FsdpOptions:
+        return OPTION_SETS[self.option_set]
+
+    def batch_and_block(self, value: int) -> tuple[int, int]:
+        return (value, self.fixed) if self.searched == BATCH else (self.fixed, value)
+
+    def tokens_per_rank_per_step(self, value: int) -> int:
+        batch, block = self.batch_and_block(value)
+        return self.options.gradient_accumulation_steps * batch * block
+
+    def label(self, value: int) -> str:
+        batch, block = self.batch_and_block(value)
+        return f"{self.option_set} N={self.world_size} {self.variant} B={batch} L={block}"
+
+
+def heaviest_rank(shapes, world_size: int, variant: str, options: FsdpOptions) -> int:
+    """Rank 0, or the last rank where the sharding rule gives it more at a peak (it never does for
+    torch's even chunks, but a model whose rows do not divide N can)."""
+    def held(rank: int) -> int:
+        return max(sum(expected_state(shapes, world_size, rank, variant, phase, options).values())
+                   for phase in PEAK_PHASES if phase in phases(options.accumulates))
+    return world_size - 1 if held(world_size - 1) > held(0) else 0
+
+
+def search_for(question: Question, lower: int, upper: int, cap: GpuCap | None, config) -> Search:
+    """A search aimed under the cap, at what the memory model says one more unit of the value adds
+    (no aim on a CPU run: no cap, no allocator)."""
+    if cap is None:
+        return Search(lower, upper)
+    per_unit = activation_bytes_per_token(config, question.options) * question.fixed  # the other of batch, block
+    return Search(lower, upper, cap.allocator_bytes / MIB, AIM_FRACTION, per_unit / MIB)
+
+
+def probe_batches(tokens: torch.Tensor, batch: int, block: int, microbatches: int) -> list[torch.Tensor]:
+    """``PROBE_STEPS`` steps of data at any batch and block: the built-in text repeated as often as it
+    takes (a simulated rank's losses mean nothing, its memory is the same for any tokens)."""
+    need = PROBE_STEPS * microbatches * batch * block
+    repeated = tokens.repeat(max(1, math.ceil(need / max(1, tokens.numel()))))
+    return rank_batches(repeated, block, batch, 1.0, 0, 1, PROBE_STEPS, microbatches)
+
+
+@dataclass
+class Probe:
+    question_key: object
+    question: Question
+    value: int
+    attempt: int  # 0, or 1 when run again alone
+    room: int  # bytes of GPU it was given beside others (0 on a CPU run)
+    started: float = 0.0
+    ended: float = 0.0
+    found: Outcome | str | None = None
+
+    def overlaps(self, other: Probe) -> bool:
+        return other is not self and self.started < other.ended and other.started < self.ended
+
+
+@dataclass
+class ProbeRunner:
+    """Runs the rounds of plan.py's searches on this process's device (callable as a
+    ``fitting.RoundRunner``). ``inject_oom_above``: a test option, every probe above that value
+    raises torch's out-of-memory error at its first step."""
+    session: Session
+    train: TrainConfig  # every probe's, less its options and injected failure
+    tokens: torch.Tensor
+    questions: dict
+    searches: dict[object, Search]
+    cap: GpuCap | None
+    output_dir: str
+    inject_oom_above: int | None = None
+    probes: list[Probe] = dataclasses.field(default_factory=list)
+
+    def __call__(self, wanted: list[tuple[object, int]]) -> dict:
+        first = [Probe(key, self.questions[key], value, 0, self.room(key, value)) for key, value in wanted]
+        self.run(first, alone=False)
+        again = [Probe(p.question_key, p.question, p.value, 1, 0) for p in first if self.crowded_out(p, first)]
+        self.run(again, alone=True)
+        for probe in first + again:
+            if isinstance(probe.found, Outcome):
+                probe.found.detail["ran_beside"] = sum(probe.overlaps(other) for other in first)
+        kept = {(p.question_key, p.value): p.found for p in first}
+        kept.update({(p.question_key, p.value): p.found for p in again})
+        return kept
+
+    # ----------------------------------------------------------------- room on the GPU and the host
+
+    def room(self, key, value: int) -> int:
+        """Bytes of GPU a probe is given: the cap, or less where its search expects it to stay well
+        under (the line's peak with a margin, or the calibrated estimate for a first probe)."""
+        if self.cap is None or self.session.device.type != "cuda":
+            return 0
+        question, search = self.questions[key], self.searches[key]
+        predicted = search.predicted_peak(value)
+        if predicted is not None:
+            expected = int(predicted * MIB * ROOM_MARGIN) + self.cap.context
+        else:
+            batch, block = question.batch_and_block(value)
+            logits = 4 * batch * block * self.session.config.vocab_size
+            expected = variant_need(self.session.shapes, question.world_size, question.variant, question.options,
+                                    logits)
+        return min(self.cap.process_bytes, expected)
+
+    def fits_beside(self, probe: Probe, running: list[Probe]) -> bool:
+        if self.session.device.type != "cuda" or self.cap is None:
+            return False  # a CPU run: probes beside one another would only share the cores
+        gpu = sum(p.room for p in running) + probe.room <= self.cap.total
+        host = (len(running) + 1) * host_bytes(self.session.shapes, probe.question.world_size, [probe.question.variant],
+                                               self.train.init_device, probe.question.options, "cuda")
+        return gpu and host <= psutil.virtual_memory().available and len(running) < self.train.build_threads
+
+    def crowded_out(self, probe: Probe, round_probes: list[Probe]) -> bool:
+        """Ran out of memory beside a probe that may have held more than its room."""
+        if not isinstance(probe.found, Outcome) or probe.found.fits:
+            return False
+        return any(probe.overlaps(other) and not self.kept_to_room(other) for other in round_probes)
+
+    def kept_to_room(self, probe: Probe) -> bool:
+        if self.cap is None:
+            return True
+        if probe.room >= self.cap.process_bytes:
+            return True  # the cap itself holds it there
+        found = probe.found
+        return isinstance(found, Outcome) and found.fits and found.peak_mib is not None and \
+            found.peak_mib * MIB + self.cap.context <= probe.room
+
+    # ----------------------------------------------------------------- running
+
+    def run(self, probes: list[Probe], alone: bool) -> None:
+        if not probes:
+            return
+        jobs = [self.job(p) for p in probes]
+        pieces = [Piece(variant_process, (job,), job.keys) for job in jobs]
+
+        def room(i: int, running: list[int]) -> bool:
+            return not alone and self.fits_beside(probes[i], [probes[r] for r in running])
+
+        def started(i: int) -> None:
+            probes[i].started = time.monotonic()
+
+        def ended(i: int, failure: str | None) -> None:
+            probes[i].ended = time.monotonic()
+            probes[i].found = self.outcome(probes[i], jobs[i], failure)
+            self.probes.append(probes[i])
+            self.say(probes[i])
+
+        run_rolling(pieces, room, 0, self.session.store, self.session.device, started, ended)
+
+    def job(self, probe: Probe) -> Job:
+        q = probe.question
+        batch, block = q.batch_and_block(probe.value)
+        name = f"{q.option_set}_N{q.world_size}_{q.variant}_B{batch}_L{block}" + ("_alone" if probe.attempt else "")
+        directory = os.path.join(self.output_dir, "probes", name)
+        os.makedirs(directory, exist_ok=True)
+        inject = FailureSpec(q.variant, 0, q.rank, "oom") if self.inject_oom_above is not None and \
+            probe.value > self.inject_oom_above else None
+        train = dataclasses.replace(self.train, options=q.options, inject_failure=inject)
+        meta = {"run_id": self.session.run_id, "rank": q.rank, "world_size": q.world_size, "simulated": True,
+                "probe": {**dataclasses.asdict(q), "batch_size": batch, "block_size": block}}
+        s = self.session
+        return Job(q.variant, train, s.device, s.config,
+                   probe_batches(self.tokens, batch, block, q.options.gradient_accumulation_steps), s.layer_classes,
+                   meta, q.rank, q.world_size, StoreKeys(f"probe/{name}"), directory, simulated=True)
+
+    def outcome(self, probe: Probe, job: Job, failure: str | None) -> Outcome | str:
+        """Fits, with its peaks; out of memory, with where it stood; or the other failure, as a string."""
+        q, store = probe.question, self.session.store
+        common = {"attempt": probe.attempt, "room_mib": probe.room / MIB, "wall_s": probe.ended - probe.started}
+        if failure is None:
+            record, = gather_records(store, job.keys, [q.rank])
+            summary = report.memory_summary(q.variant, [record], self.session.shapes, q.world_size, [q.rank],
+                                            q.options, self.session.device.type)
+            return Outcome(probe.value, True, summary["peak_allocated_mib"]["max"], {
+                **common, "peak_reserved_mib": summary["peak_reserved_mib"]["max"],
+                "peak_allocated_mib": summary["peak_allocated_mib"]["max"],
+                "training_peak_reserved_mib": summary["training_peak_reserved_mib"]["max"],
+                "training_peak_allocated_mib": summary["training_peak_allocated_mib"]["max"],
+                "peak_rss_mib": summary["peak_rss_mib"]["max"], "median_step_time_s": summary["median_step_time_s"],
+                "accounting_matches_expected": summary["accounting_matches_expected"],
+                "train_wall_s": record["wall_s"], "build_s": _event(record, "model_built").get("build_s")})
+        if "out of memory" not in failure:
+            return f"{q.label(probe.value)}: {failure}"
+        where = {}
+        if has_keys(store, [job.keys.record(q.rank)]):
+            where = gather_records(store, job.keys, [q.rank])[0].get("failure", {})
+        return Outcome(probe.value, False, where.get("peak_allocated_mib_so_far"), {
+            **common, "error": failure, "phase": where.get("last_event"), "steps_done": where.get("steps_done"),
+            "failed_allocation_mib": where.get("failed_allocation_mib")})
+
+    def say(self, probe: Probe) -> None:
+        found = probe.found
+        if isinstance(found, str):
+            what = f"FAILED: {found}"
+        elif found.fits:
+            what = "fits" + (f", {found.detail['peak_reserved_mib']:.0f} MiB reserved, {found.peak_mib:.0f} "
+                             f"allocated" if found.peak_mib is not None else "")
+        else:
+            what = f"out of memory (after {found.detail.get('phase')})"
+        alone = " (again, alone)" if probe.attempt else ""
+        print(f"[probe] {probe.question.label(probe.value)}{alone}: {what}", flush=True)
+
+
+def _event(record: dict, name: str) -> dict:
+    return next((e for e in record["events"] if e["name"] == name), {})

@@ -1,0 +1,243 @@
+"""What fits: the largest batch (or block) per option set at N ranks on a GPU of M GiB, measured.
+
+Each answer comes from probes: one simulated rank of N (the most loaded one), in a fresh process,
+trained two steps under the cap (``torch.cuda.set_per_process_memory_fraction``); it fits when it
+completes. The memory model and the first probes' peaks aim the search, and the probes on both sides
+of the edge confirm it. ``python3 plan.py --model qwen2.5-1.5b --world_size 8,64 --gpu_memory 80``
+writes ``<output_dir>/plan.json`` with every probe; ``python3 visualize.py --dir <output_dir>`` draws
+peak reserved against batch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from fsdp2bench.starting import check_launcher_env, start_before_imports
+
+if __name__ == "__main__":  # ahead of the imports below: the fork server's overlap them
+    start_before_imports(sys.argv[1:])
+
+import argparse
+import os
+import time
+from dataclasses import dataclass
+
+import main as benchmark
+from fsdp2bench import concurrency, fitting, options, weights
+from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with, parse_names,
+                            pick_device, save_summary)
+from fsdp2bench.data import load_tokens
+from fsdp2bench.isolation import Interrupted, launcher_keeps_to_one_thread
+from fsdp2bench.matrix import fitting_sizes
+from fsdp2bench.model import max_positions
+from fsdp2bench.names import INTENDED, MIB, VARIANTS
+from fsdp2bench.probes import BATCH, BLOCK, PROBE_STEPS, ProbeRunner, Question, heaviest_rank, search_for
+from fsdp2bench.runner import TrainConfig
+from fsdp2bench.session import ModelFacts, model_facts, open_session, say_interrupted
+from fsdp2bench.simulation import check_fake_group_available, parse_world_sizes
+
+DEFAULT_VARIANTS = f"{INTENDED[0]},accelerate"
+SEED = 421  # main.py's: the weights are drawn the same way
+DEFAULT_UPPER = {BATCH: 4096, BLOCK: 1 << 20}  # the block's is lowered to the model's positions
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = OneLineParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None,
+                   help=f"a preset or a local directory with config.json (default: {benchmark.GPU_DEFAULT_MODEL} "
+                        f"on a GPU, {benchmark.CPU_DEFAULT_MODEL} on a CPU run)")
+    p.add_argument("--world_size", default="8", metavar="N[,N...]",
+                   help="the world sizes to plan for, each played by one simulated rank (default: 8)")
+    p.add_argument("--gpu_memory", type=float, default=None, metavar="GIB",
+                   help="the GPU's memory in GiB, made real on this one: the probes' allocator gets it less the "
+                        "CUDA context (default: this GPU's)")
+    p.add_argument("--sets", default=",".join(options.PLUGIN_SETS),
+                   help=f"comma-separated option sets of matrix.py ({', '.join(options.OPTION_SETS)}), or "
+                        f"{options.EACH} for all of them (default: {','.join(options.PLUGIN_SETS)})")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS,
+                   help=f"comma-separated variants ({', '.join(VARIANTS)}) (default: {DEFAULT_VARIANTS})")
+    p.add_argument("--find", choices=[BATCH, BLOCK], default=BATCH,
+                   help=f"what to find the largest of: {BATCH} at each --block_size, or {BLOCK} at the fixed "
+                        f"--batch_size (default: {BATCH})")
+    p.add_argument("--block_size", default="128", metavar="L[,L...]",
+                   help=f"tokens per sequence, a list allowed; with --find {BLOCK} the search's lower bound "
+                        f"(default: 128)")
+    p.add_argument("--batch_size", type=int, default=1,
+                   help=f"sequences per microbatch with --find {BLOCK} (default: 1)")
+    p.add_argument("--upper_bound", type=int, default=None,
+                   help=f"the largest value tried (default: {DEFAULT_UPPER[BATCH]} for a batch, the model's "
+                        f"positions for a block)")
+    p.add_argument("--init_device", choices=["cpu", "cuda"], default="cpu",
+                   help="where each probe builds its model, as main.py's option (default: cpu)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="auto: CUDA when a GPU is present; on a CPU run probes have no cap and run one at a "
+                        "time (default: auto)")
+    p.add_argument("--output_dir", default="out_plan",
+                   help="plan.json here, each probe's trace in <output_dir>/probes/ (default: out_plan)")
+    p.add_argument("--inject_oom_above", type=int, default=None, metavar="V",
+                   help="test option: every probe above V runs out of memory at its first step (default: off)")
+    return p.parse_args(argv)
+
+
+NUMBER_RANGES = {"batch_size": (1, 1 << 16), "upper_bound": (1, 1 << 20), "gpu_memory": (0.001, 1 << 20),
+                 "inject_oom_above": (0, 1 << 20)}
+
+
+@dataclass
+class Checked:
+    """A plan that can run: what to search, on which model, under which cap."""
+    args: argparse.Namespace
+    sets: list[str]
+    sizes: list[int]
+    variants: list[str]
+    blocks: list[int]
+    upper: int
+    facts: ModelFacts
+    cap: concurrency.GpuCap | None
+    skipped: list[str]
+
+
+def validate(argv: list[str] | None = None) -> Checked:
+    """Everything plan.py refuses, in one line, before any probe runs."""
+    launcher_keeps_to_one_thread()
+    args = parse_args(argv)
+    if check_launcher_env()[1] != 1:
+        raise UserError("plan.py is one process that plays every rank: run it with python3, not a launcher")
+    check_ranges(args, NUMBER_RANGES)
+    sets = options.parse_sets(args.sets)
+    sizes = parse_world_sizes(args.world_size, "--world_size")
+    variants = parse_names(args.variants, "--variants", VARIANTS)
+    blocks = sorted(set(parse_block_sizes(args.block_size)))
+    check_fake_group_available()
+    device = pick_device(args.device)
+    if device.type != "cuda" and args.gpu_memory is not None:
+        raise UserError("--gpu_memory needs a GPU (this run is on the CPU, where a probe has no cap)")
+    if args.init_device == "cuda" and device.type != "cuda":
+        raise UserError("--init_device cuda needs a GPU (this run is on the CPU)")
+    if args.find == BATCH and args.batch_size != 1:
+        raise UserError(f"--batch_size is the fixed batch of --find {BLOCK}; with --find {BATCH} it is searched")
+    check_output_dir(args.output_dir, "plan.json")
+    args.model = args.model or benchmark.default_model(device.type)
+    facts = model_facts(args.model, SEED, lambda config: check_blocks(blocks, config))
+    upper = search_upper(args, facts.config, blocks)
+    cap = concurrency.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
+    skipped = [f"{name}: not planned at N = {', '.join(str(n) for n in sizes if n not in fitting_sizes(name, sizes))} "
+               "(its shard size does not divide N)" for name in sets if fitting_sizes(name, sizes) != sizes]
+    if not any(fitting_sizes(name, sizes) for name in sets):
+        raise UserError(f"--sets {args.sets}: none can run at --world_size {args.world_size} (an HSDP set's "
+                        f"{options.NODE_RANKS} shards must divide N)")
+    return Checked(args, sets, sizes, variants, blocks, upper, facts, cap, skipped)
+
+
+def parse_block_sizes(text: str) -> list[int]:
+    try:
+        blocks = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UserError(f"--block_size: expected comma-separated integers, got {text!r}") from None
+    low, high = benchmark.NUMBER_RANGES["block_size"]
+    bad = [b for b in blocks if not low <= b <= high]
+    if bad:
+        raise UserError(f"--block_size must be in [{low}, {high}], got {bad[0]}")
+    return blocks
+
+
+def check_blocks(blocks: list[int], config) -> None:
+    for block in blocks:
+        benchmark.check_positions(block, config)
+
+
+def search_upper(args: argparse.Namespace, config, blocks: list[int]) -> int:
+    """The largest value a search tries: given, or the default (a block never beyond the model's positions)."""
+    positions = max_positions(config) or DEFAULT_UPPER[BLOCK]
+    upper = args.upper_bound if args.upper_bound is not None else \
+        DEFAULT_UPPER[BATCH] if args.find == BATCH else min(DEFAULT_UPPER[BLOCK], positions)
+    if args.find == BLOCK and upper > positions:
+        raise UserError(f"--upper_bound {upper} exceeds the model's {positions} positions")
+    if args.find == BLOCK and upper < max(blocks):
+        raise UserError(f"--upper_bound {upper} is below --block_size {max(blocks)}, where the search starts")
+    return upper
+
+
+def questions_of(checked: Checked) -> tuple[dict, dict]:
+    """Every (option set, N, variant, block or batch) to answer, and a search for each."""
+    questions, searches = {}, {}
+    shapes = checked.facts.shapes
+    fixed_values = checked.blocks if checked.args.find == BATCH else [checked.args.batch_size]
+    for name in checked.sets:
+        for n in fitting_sizes(name, checked.sizes):
+            for variant in checked.variants:
+                for fixed in fixed_values:
+                    rank = heaviest_rank(shapes, n, variant, options.OPTION_SETS[name])
+                    q = Question(name, n, rank, variant, checked.args.find, fixed)
+                    lower = 1 if checked.args.find == BATCH else min(checked.blocks)
+                    key = (name, n, variant, fixed)
+                    questions[key] = q
+                    searches[key] = search_for(q, lower, checked.upper, checked.cap, checked.facts.config)
+    return questions, searches
+
+
+def run(argv: list[str] | None = None) -> int:
+    started = time.time()
+    checked = validate(argv)
+    args = checked.args
+    session = open_session(checked.facts, args.device, args.output_dir, "plan.json")
+    questions, searches = questions_of(checked)
+    cores = benchmark.build_threads()
+    train = TrainConfig(SEED, 3e-5, 0.01, False, False, None, args.init_device if session.device.type == "cuda"
+                        else "cpu", cores, max(1, cores // 4), weights.create() if args.init_device == "cpu" else None,
+                        True, allocator_limit=checked.cap.allocator_bytes if checked.cap else None)
+    tokens = load_tokens(None, None, session.config.vocab_size)
+    runner = ProbeRunner(session, train, tokens, questions, searches, checked.cap, args.output_dir,
+                         args.inject_oom_above)
+    meta = plan_meta(checked, session, started)
+    meta["rounds"] = 0
+    for note in checked.skipped:
+        print(f"Skipped: {note}", flush=True)
+    print(f"Planning {len(searches)} answers ({args.find} per option set, N and variant), each probe "
+          f"{PROBE_STEPS} steps of one simulated rank{cap_said(checked.cap)}...", flush=True)
+    def save(rounds: int, interrupted: bool = False) -> dict:
+        """plan.json as it stands: after every round, so that an interrupt or a failure loses no probe."""
+        meta.update(rounds=rounds, wall_s=time.time() - started)
+        plan = fitting.plan_record(meta, questions, searches, runner.probes, interrupted)
+        save_summary(plan_path(args), plan)
+        return plan
+
+    try:
+        rounds = fitting.run_searches(searches, runner, save)
+    except Interrupted as exc:
+        save(meta.get("rounds", 0), interrupted=True)
+        return say_interrupted(session, exc, f"; the probes that ended are in {plan_path(args)}")
+    plan = save(rounds)
+    fitting.print_plan(plan)
+    print(f"Wrote {plan_path(args)}; draw it with:\n    python3 visualize.py --dir {args.output_dir}")
+    return 1 if any(a["error"] for a in plan["answers"]) else 0
+
+
+def plan_path(args: argparse.Namespace) -> str:
+    return os.path.join(args.output_dir, "plan.json")
+
+
+def cap_said(cap: concurrency.GpuCap | None) -> str:
+    if cap is None:
+        return " (a CPU run: no cap, the probes find only the out-of-memory errors injected or raised)"
+    return (f" under a cap of {cap.gib:g} GiB (the allocator gets {cap.allocator_bytes / MIB:.0f} MiB beside "
+            f"{cap.context / MIB:.0f} MiB of CUDA context)")
+
+
+def plan_meta(checked: Checked, session, started: float) -> dict:
+    args = checked.args
+    return {"command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+            "model": args.model, "num_parameters": session.num_parameters, "device": session.device.type,
+            "versions": benchmark.versions(), "find": args.find, "sets": checked.sets, "world_sizes": checked.sizes,
+            "variants": checked.variants, "block_sizes": checked.blocks, "batch_size": args.batch_size,
+            "upper_bound": checked.upper, "probe_steps": PROBE_STEPS, "init_device": args.init_device,
+            "gpu_memory": checked.cap.as_dict() if checked.cap else None, "skipped": checked.skipped,
+            "option_sets": {name: options.OPTION_SETS[name].changed() for name in checked.sets}}
+
+
+def main() -> None:
+    exit_with(run)
+
+
+if __name__ == "__main__":
+    main()
