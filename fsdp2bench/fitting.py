@@ -35,20 +35,25 @@ class Search:
     """The largest value in [lower, upper] whose probe fits, assuming a larger value never fits where a
     smaller one does not (near the cap the allocator's luck can break that: ``largest_fit``).
 
-    ``limit_mib``: the allocator's limit; ``aim``: the share of it a step's peak allocated is aimed
-    at (blocks free in the cache but in the wrong places cost the rest); ``slope_mib``: the memory
-    model's estimate of what one more unit of the searched value adds to a step's peak. Without them
-    the search doubles and halves.
+    ``limit_mib``: the allocator's limit; ``slope_mib``: the memory model's estimate of what one more
+    unit of the searched value adds to a step's peak allocated; ``block_mib``: what it adds to the
+    step's largest allocation (the logits). Near the cap a step fails once its peak leaves no free
+    stretch of the largest block's size: the aim is a peak of the limit less ``block_share`` of that
+    block. Without them the search doubles and halves.
     """
 
-    def __init__(self, lower: int, upper: int, limit_mib: float | None = None, aim: float = 1.0,
-                 slope_mib: float | None = None):
+    def __init__(self, lower: int, upper: int, limit_mib: float | None = None, slope_mib: float | None = None,
+                 block_mib: float = 0.0, block_share: float = 0.0):
         if not 1 <= lower <= upper:
             raise ValueError(f"a search needs 1 <= lower <= upper, got {lower}, {upper}")
         self.lower, self.upper, self.limit_mib, self.slope_mib = lower, upper, limit_mib, slope_mib
-        self.target_mib = None if limit_mib is None else aim * limit_mib
+        self.block_mib, self.block_share = block_mib, block_share
         self.outcomes: list[Outcome] = []
         self.error: str | None = None  # a probe failed for a reason other than memory
+
+    def target_mib(self, value: int) -> float:
+        """The peak allocated aimed at for ``value``."""
+        return self.limit_mib - self.block_share * self.block_mib * value
 
     def record(self, outcome: Outcome) -> None:
         self.outcomes.append(outcome)
@@ -95,8 +100,8 @@ class Search:
             return [min(ceiling, max(lo + 1, lo + math.floor((hi - lo) * STEP_BACK)))]
         if guess is None or (hi is not None and guess >= hi):  # no line, or it was wrong above
             return [min(ceiling, 2 * lo) if hi is None else (lo + hi) // 2]
-        if guess <= lo:  # the line puts the edge at the largest fit: its next value decides
-            return [lo + 1]
+        if guess <= lo:  # the line puts the edge at the largest fit: its next value decides, unless
+            return [min(ceiling, lo + self.step_up())]  # the fits went past the aim
         value = min(guess, ceiling)
         return [value, value + 1] if close and value + 1 <= ceiling else [value]
 
@@ -115,14 +120,26 @@ class Search:
             return x2, y2, (y2 - y1) / (x2 - x1)
         return (x2, y2, self.slope_mib) if self.slope_mib else None
 
+    def step_up(self) -> int:
+        """1, or where the largest fit already holds more than the aim (a cap whose largest blocks are
+        small beside it lets a step use more of it), half the way to where the line meets the limit,
+        or to the smallest failure."""
+        x, y, slope = self.line()
+        if y < self.target_mib(x):
+            return 1
+        hi = self.smallest_failure
+        if hi is not None:
+            return max(1, (hi - x) // 2)
+        return max(1, math.floor((self.limit_mib - y) / slope) // 2)
+
     def aim(self) -> tuple[int | None, bool]:
         """The largest value the line keeps under the target, and whether it is close to the value the
         line starts from (then the line holds, and both sides of the edge are probed at once)."""
-        line = self.line() if self.target_mib is not None else None
+        line = self.line() if self.limit_mib is not None else None
         if line is None:
             return None, False
-        x, y, slope = line
-        guess = x + math.floor((self.target_mib - y) / slope)
+        x, y, slope = line  # the peak y + slope (v - x) meets the target at v:
+        guess = math.floor((self.limit_mib - y + slope * x) / (slope + self.block_share * self.block_mib))
         return guess, abs(guess - x) <= max(2, x // 4)
 
     def predicted_peak(self, value: int) -> float | None:
@@ -154,27 +171,24 @@ def _said(outcome: Outcome | None) -> dict | None:
 RoundRunner = Callable[[list[tuple[Hashable, int]]], dict[tuple[Hashable, int], "Outcome | str"]]
 
 
-def edge_peak(search: Search) -> float | None:
-    """Where a finished search's edge lies in peak allocated: between its largest fit's peak and the
-    line's peak one value above it. None until both sides are known."""
-    lo, hi = search.largest_fit, search.smallest_failure
-    line = search.line()
-    if lo is None or hi != lo + 1 or line is None:
+def edge_share(search: Search) -> float | None:
+    """The share of its largest block that a finished search's edge left free: from the midpoint
+    between its largest fit's peak and the line's peak one value above. None until both are known."""
+    lo, hi, line = search.largest_fit, search.smallest_failure, search.line()
+    if lo is None or hi != lo + 1 or line is None or not search.block_mib:
         return None
     x, y, slope = line
-    return y + slope / 2
+    return max(0.0, (search.limit_mib - y - slope / 2) / (search.block_mib * (lo + 0.5)))
 
 
-def share_edges(searches: dict[Hashable, Search], limit_mib: float) -> None:
-    """Aim every unfinished search at the edges the finished ones found under the same cap (how much
-    of it a step can use depends on the allocator, not on the option set): the median edge."""
-    edges = sorted(e for e in (edge_peak(s) for s in searches.values() if s.done) if e is not None)
-    if not edges:
-        return
-    target = edges[len(edges) // 2] / limit_mib
-    for search in searches.values():
-        if not search.done and search.target_mib is not None:
-            search.target_mib = target * search.limit_mib
+def share_edges(searches: dict[Hashable, Search]) -> None:
+    """Aim every unfinished search with the edges the finished ones found under the same cap: the
+    median share of the largest block they left free."""
+    shares = sorted(e for e in (edge_share(s) for s in searches.values() if s.done) if e is not None)
+    if shares:
+        for search in searches.values():
+            if not search.done:
+                search.block_share = shares[len(shares) // 2]
 
 
 def run_searches(searches: dict[Hashable, Search], run_round: RoundRunner,
@@ -182,9 +196,13 @@ def run_searches(searches: dict[Hashable, Search], run_round: RoundRunner,
     """Every search to its end, the probes they want next run a round at a time (a runner may run a
     round's probes side by side), ``after_round(rounds so far)`` told after each; returns the rounds.
     Each round's finished searches aim the others (``share_edges``)."""
-    rounds = 0
+    rounds, pilot = 0, next(iter(searches), None)
     while True:
-        wanted = [(key, value) for key, search in searches.items() for value in search.next_values()]
+        # Until one search has found its edge (the first, the pilot), the others take only their
+        # first probe: the edge the pilot finds aims them (``share_edges``).
+        held = not any(s.done for s in searches.values())
+        wanted = [(key, value) for key, search in searches.items()
+                  if not (held and key != pilot and search.outcomes) for value in search.next_values()]
         if not wanted:
             return rounds
         rounds += 1
@@ -193,9 +211,7 @@ def run_searches(searches: dict[Hashable, Search], run_round: RoundRunner,
                 searches[key].stop(found)
             else:
                 searches[key].record(found)
-        limits = {s.limit_mib for s in searches.values() if s.limit_mib is not None}
-        if len(limits) == 1:
-            share_edges(searches, limits.pop())
+        share_edges(searches)
         after_round(rounds)
 
 

@@ -32,9 +32,10 @@ from fsdp2bench.session import Session
 
 PROBE_STEPS = 2  # the first creates AdamW's state; the second's step runs with it
 ROOM_MARGIN = 1.15  # on the line's peak, for a probe that shares the GPU
-# The peak allocated aimed at: on one H200 the probes of the 1.5B model failed from 85-87% of a 24 GiB
-# limit (the largest blocks, the logits, find no free stretch of their size beyond it).
-AIM_FRACTION = 0.86
+# The share of a step's largest block (the fp32 logits) the edge leaves free under the limit: on one
+# H200 the 1.5B model's probes under 24 GiB left 0.7-1.5 of it (fitting.Search; a plan's finished
+# answers then aim the others with what they found).
+BLOCK_SHARE = 1.0
 BATCH, BLOCK = "batch_size", "block_size"
 
 
@@ -80,7 +81,8 @@ def search_for(question: Question, lower: int, upper: int, cap: GpuCap | None, c
     if cap is None:
         return Search(lower, upper)
     per_unit = activation_bytes_per_token(config, question.options) * question.fixed  # the other of batch, block
-    return Search(lower, upper, cap.allocator_bytes / MIB, AIM_FRACTION, per_unit / MIB)
+    logits = 4 * config.vocab_size * question.fixed  # fp32 logits: a step's largest allocation
+    return Search(lower, upper, cap.allocator_bytes / MIB, per_unit / MIB, logits / MIB, BLOCK_SHARE)
 
 
 def probe_batches(tokens: torch.Tensor, batch: int, block: int, microbatches: int) -> list[torch.Tensor]:
@@ -124,7 +126,8 @@ class ProbeRunner:
     def __call__(self, wanted: list[tuple[object, int]]) -> dict:
         first = [Probe(key, self.questions[key], value, 0, self.room(key, value)) for key, value in wanted]
         self.run(first, alone=False)
-        again = [Probe(p.question_key, p.question, p.value, 1, 0) for p in first if self.crowded_out(p, first)]
+        alone = self.cap.process_bytes if self.cap else 0
+        again = [Probe(p.question_key, p.question, p.value, 1, alone) for p in first if self.crowded_out(p, first)]
         self.run(again, alone=True)
         for probe in first + again:
             if isinstance(probe.found, Outcome):
@@ -160,10 +163,12 @@ class ProbeRunner:
         return gpu and host <= psutil.virtual_memory().available and len(running) < self.train.build_threads
 
     def crowded_out(self, probe: Probe, round_probes: list[Probe]) -> bool:
-        """Ran out of memory beside a probe that may have held more than its room."""
+        """Ran out of memory beside others where it may have found the GPU full before its cap: its
+        room was less than the cap, or a probe beside it may have held more than its own room."""
         if not isinstance(probe.found, Outcome) or probe.found.fits:
             return False
-        return any(probe.overlaps(other) and not self.kept_to_room(other) for other in round_probes)
+        beside = [other for other in round_probes if probe.overlaps(other)]
+        return bool(beside) and (not self.kept_to_room(probe) or not all(self.kept_to_room(o) for o in beside))
 
     def kept_to_room(self, probe: Probe) -> bool:
         if self.cap is None:
@@ -171,8 +176,8 @@ class ProbeRunner:
         if probe.room >= self.cap.process_bytes:
             return True  # the cap itself holds it there
         found = probe.found
-        return isinstance(found, Outcome) and found.fits and found.peak_mib is not None and \
-            found.peak_mib * MIB + self.cap.context <= probe.room
+        return isinstance(found, Outcome) and found.fits and found.detail.get("peak_reserved_mib") is not None and \
+            found.detail["peak_reserved_mib"] * MIB + self.cap.context <= probe.room
 
     # ----------------------------------------------------------------- running
 
