@@ -1,6 +1,6 @@
-"""Plot a benchmark run: memory over time per variant, loss per step, memory against world size, a matrix.
+"""Plot a benchmark run: memory over time per variant, loss per step, memory against world size, a matrix, a plan.
 
-Reads only the JSON files main.py (or loading.py) wrote: ``python3 visualize.py --dir out``.
+Reads only the JSON files main.py (or loading.py, matrix.py, plan.py) wrote: ``python3 visualize.py --dir out``.
 The figures themselves are drawn in ``fsdp2bench/plots.py``.
 """
 
@@ -19,7 +19,7 @@ import os
 from fsdp2bench.cli import OneLineParser, UserError, check_ranges, exit_with
 from fsdp2bench.names import VARIANTS, simulated_dir_name
 from fsdp2bench.plots import (InputError, latest_run, load_traces, loading_stems, plot_loading, plot_loading_sweep,
-                              plot_matrix, plot_sweep, plot_training, read_json, reading)
+                              plot_matrix, plot_plan, plot_sweep, plot_training, read_json, reading)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,6 +48,12 @@ def validate(argv: list[str] | None = None) -> argparse.Namespace:
 def plot(args: argparse.Namespace) -> list[str]:
     """Whatever the directory holds: a sweep, a benchmark run, loading runs. Returns the files it
     had to leave out, each with its reason."""
+    plan_path = os.path.join(args.dir, "plan.json")
+    if os.path.exists(plan_path):
+        with reading(plan_path):
+            plot_plan(read_json(plan_path), os.path.join(args.dir, "plan.png"))
+        print(f"wrote {os.path.join(args.dir, 'plan.png')}")
+        return []
     matrix_path = os.path.join(args.dir, "matrix.json")
     if os.path.exists(matrix_path):
         with reading(matrix_path):

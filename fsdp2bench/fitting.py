@@ -156,7 +156,8 @@ class Search:
         lo, hi = self.largest_fit, self.smallest_failure
         above = next((o for o in self.outcomes if o.value == hi), None)
         best = next((o for o in self.outcomes if o.value == lo and o.fits), None)
-        return {"largest": lo, "fit": _said(best), "above": _said(above), "fits_above_edge": self.fits_above_edge,
+        return {"largest": lo, "finished": self.done, "fit": _said(best), "above": _said(above),
+                "fits_above_edge": self.fits_above_edge,
                 "at_upper_bound": lo == self.upper, "probes": len(self.outcomes), "error": self.error,
                 "smallest_peak_mib": min((o.peak_mib for o in self.outcomes if o.peak_mib is not None), default=None)}
 
@@ -298,6 +299,8 @@ def _above_said(answer: dict) -> str:
         return f"failed: {answer['error'][:60]}"
     if answer["at_upper_bound"]:
         return "the upper bound"
+    if not answer["finished"]:
+        return "not searched to the end (interrupted)"
     if above is None:
         return "-"
     failed = above.get("failed_allocation_mib")

@@ -490,3 +490,65 @@ def plot_matrix(matrix: dict, path: str) -> None:
     wide = len(columns) >= 3  # room for the legend on one row
     fig.legend(loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=5 if wide else 2, fontsize=8)
     save(fig, path, rect=(0, 0.1 if wide else 0.2, 1, 0.97))
+
+
+# --------------------------------------------------------------------------- a plan of what fits
+
+def plan_figure(answer: dict) -> str:
+    """The peak drawn: the allocator's reserved peak, or on a CPU run (no allocator) the host RSS."""
+    fits = [o for o in answer["outcomes"] if o["fits"]]
+    return "peak_reserved_mib" if any(o.get("peak_reserved_mib") is not None for o in fits) else "peak_rss_mib"
+
+
+def plot_plan(plan: dict, path: str) -> None:
+    """plan.png: per variant (rows) and N (columns) a panel; per option set the peak of every probe
+    that fit against its value, the edge (the largest value that fits) ringed, the probes that ran out
+    of memory as crosses on the cap, and the cap itself as a line."""
+    answers = plan["answers"]
+    if not any(o["fits"] for a in answers for o in a["outcomes"]):
+        raise InputError("plan.json has no probe that fit: nothing to draw")
+    variants = list(dict.fromkeys(a["variant"] for a in answers))
+    columns = sorted({(a["world_size"], a["fixed"]) for a in answers})
+    sets = list(dict.fromkeys(a["option_set"] for a in answers))
+    cap = plan["meta"].get("gpu_memory")
+    figure = plan_figure(answers[0])
+    fig, axes = plt.subplots(len(variants), len(columns), figsize=(4.6 * len(columns), 3.6 * len(variants)),
+                             squeeze=False, sharey=True)
+    for row, variant in enumerate(variants):
+        for col, (n, fixed) in enumerate(columns):
+            ax = axes[row][col]
+            for i, name in enumerate(sets):
+                answer = next((a for a in answers if (a["variant"], a["world_size"], a["fixed"], a["option_set"])
+                               == (variant, n, fixed, name)), None)
+                if answer is not None:
+                    _plan_answer(ax, answer, figure, f"C{i % 10}", cap)
+            if cap:
+                ax.axhline(cap["allocator_limit_mib"] / 1024, color="black", ls="--", lw=1)
+            other = "block" if answers[0]["searched"] == "batch_size" else "batch"
+            ax.set_title(f"{variant}\nN = {n}, {other} {fixed}", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.set_ylim(bottom=0)
+        axes[row][0].set_ylabel("GiB " + ("reserved (peak)" if figure == "peak_reserved_mib" else "host RSS (peak)"))
+    for ax in axes[-1]:
+        ax.set_xlabel(answers[0]["searched"].replace("_", " "))
+    handles = [plt.Line2D([], [], color=f"C{i % 10}", marker="o", label=name) for i, name in enumerate(sets)]
+    handles += [plt.Line2D([], [], color="gray", marker="o", ms=11, mfc="none", ls="", label="the largest that fits"),
+                plt.Line2D([], [], color="gray", marker="x", ls="", label="ran out of memory (drawn on the cap)")]
+    if cap:
+        handles.append(plt.Line2D([], [], color="black", ls="--",
+                                  label=f"the allocator's limit ({cap['gib']:g} GiB less the CUDA context)"))
+    fig.legend(handles=handles, loc="lower center", ncol=min(5, len(handles)), fontsize=8)
+    rows_of_legend = -(-len(handles) // 5)
+    save(fig, path, rect=(0, 0.04 + 0.05 * rows_of_legend / len(variants), 1, 1))
+
+
+def _plan_answer(ax, answer: dict, figure: str, color: str, cap: dict | None) -> None:
+    fits = sorted((o["value"], o[figure] / 1024) for o in answer["outcomes"] if o["fits"] and o.get(figure) is not None)
+    if fits:
+        ax.plot(*zip(*fits), color=color, marker="o", ms=3, lw=1)
+    best = next((y for x, y in fits if x == answer["largest"]), None)
+    if best is not None:
+        ax.plot([answer["largest"]], [best], color=color, marker="o", ms=11, mfc="none", ls="")
+    failed = [o["value"] for o in answer["outcomes"] if not o["fits"]]
+    if failed and cap:
+        ax.plot(failed, [cap["allocator_limit_mib"] / 1024] * len(failed), color=color, marker="x", ls="")
