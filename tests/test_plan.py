@@ -1,0 +1,172 @@
+"""What fits (plan.py): the search against probes with a known edge, the refusals, and a real CPU
+plan of the tiny model whose probes run out of memory above a chosen batch."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import load, run_script
+
+import plan
+from fsdp2bench import concurrency, fitting
+from fsdp2bench.cli import UserError
+from fsdp2bench.fitting import Outcome, Search, run_searches
+from fsdp2bench.names import MIB
+
+LIMIT = 24049.0  # MiB: a 24 GiB cap less the CUDA context, as on one H200
+STATE, PER_SEQUENCE = 4800.0, 640.0  # MiB: a 1.5B rank's peak at batch 0 and what a sequence adds
+
+
+def probes_with_edge(edge: int | None, upper: int = 4096, noise: float = 0.0):
+    """A probe runner whose values fit up to ``edge`` (None: none fits), with linear peaks."""
+    def run(wanted):
+        return {(key, v): Outcome(v, edge is not None and v <= edge, STATE + PER_SEQUENCE * v + noise * (v % 3))
+                for key, v in wanted}
+    return run
+
+
+def answer(search: Search, run) -> dict:
+    rounds = run_searches({"q": search}, run)
+    assert rounds >= 1
+    return search.answer()
+
+
+@pytest.mark.parametrize("edge", [1, 2, 17, 29, 113, 4095])
+def test_the_search_finds_the_edge_in_few_probes(edge):
+    limit = STATE + PER_SEQUENCE * (edge + 0.5)  # the cap between the edge and the next value
+    found = answer(Search(1, 4096, limit, PER_SEQUENCE * 1.1), probes_with_edge(edge))
+    assert found["largest"] == edge and found["finished"]
+    assert found["above"]["value"] == edge + 1 and not found["above"]["fits"]
+    assert found["probes"] <= 6, found  # B = 1, the first aim (the slope 10% high), then the edge
+
+
+def test_an_edge_at_the_upper_bound_says_so():
+    found = answer(Search(1, 64, LIMIT, PER_SEQUENCE), probes_with_edge(10_000))
+    assert found["largest"] == 64 and found["at_upper_bound"] and found["above"] is None
+
+
+def test_nothing_fits_gives_none_and_the_smallest_peak_seen():
+    found = answer(Search(1, 4096, LIMIT, PER_SEQUENCE), probes_with_edge(None))
+    assert found["largest"] is None and found["probes"] == 1
+    assert found["smallest_peak_mib"] == STATE + PER_SEQUENCE
+
+
+@pytest.mark.parametrize("edge", [1, 5, 77, 300])
+def test_without_peaks_the_search_doubles_then_halves(edge):
+    def run(wanted):  # a CPU run: no allocator, fits or out of memory only
+        return {(key, v): Outcome(v, v <= edge) for key, v in wanted}
+    found = answer(Search(1, 4096), run)
+    assert found["largest"] == edge and found["above"]["value"] == edge + 1
+    assert found["probes"] <= 2 * (edge.bit_length() + 1)
+
+
+def test_a_fit_above_a_failure_does_not_move_the_edge():
+    """Near the cap the allocator's packing can let 69 fit where 68 did not: the edge is 68's."""
+    search = Search(1, 4096)
+    for value, fits in [(1, True), (62, True), (69, True), (68, False)]:
+        search.record(Outcome(value, fits))
+    assert search.largest_fit == 62 and search.fits_above_edge == [69]
+    assert all(62 < v < 68 for v in search.next_values())
+
+
+def test_a_probe_failing_for_another_reason_ends_its_search_with_that_reason():
+    searches = {"a": Search(1, 8), "b": Search(1, 8)}
+    run_searches(searches, lambda wanted: {(k, v): ("a: ValueError: boom" if k == "a" else Outcome(v, v <= 3))
+                                           for k, v in wanted})
+    assert searches["a"].error == "a: ValueError: boom" and searches["b"].answer()["largest"] == 3
+
+
+def test_finished_searches_aim_the_others_with_the_edge_they_found():
+    searches = {k: Search(1, 4096, LIMIT, PER_SEQUENCE, 74.0, 1.0) for k in "abc"}
+    run = probes_with_edge(29)
+    run_searches(searches, run)
+    shares = {s.block_share for s in searches.values()}
+    assert all(s.answer()["largest"] == 29 for s in searches.values())
+    assert shares != {1.0}  # the pilot's edge reached the others
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sets", "nonesuch"], "option set"),
+    (["--world_size", "0"], "--world_size: every N must be at least 1"),
+    (["--world_size", "8,x"], "--world_size: expected comma-separated integers"),
+    (["--world_size", "70000"], "more than the 65536 ranks"),
+    (["--world_size", "4", "--sets", "hsdp"], "none can run at --world_size 4"),
+    (["--gpu_memory", "24"], "--gpu_memory needs a GPU"),
+    (["--gpu_memory", "nan"], "--gpu_memory must be in"),
+    (["--gpu_memory", "inf"], "--gpu_memory must be in"),
+    (["--gpu_memory", "-1"], "--gpu_memory must be in"),
+    (["--variants", "nonesuch"], "--variants"),
+    (["--batch_size", "4"], "--batch_size is the fixed batch of --find block_size"),
+    (["--find", "block_size", "--block_size", "128", "--upper_bound", "64"], "below --block_size 128"),
+    (["--find", "block_size", "--upper_bound", "100000"], "exceeds the model's"),
+    (["--block_size", "1"], "--block_size must be in"),
+    (["--upper_bound", "0"], "--upper_bound must be in"),
+])
+def test_bad_input_is_refused_before_any_probe(argv, message, tmp_path):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace("+", r"\+")):
+        plan.validate(["--device", "cpu", "--output_dir", str(tmp_path / "out"), *argv])
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("gib, total, message", [
+    (200, 139.8, "more than this GPU's 139.8 GiB"),
+    (0.5, 139.8, "under the 527 MiB that a process's CUDA context holds"),
+])
+def test_a_cap_the_gpu_cannot_make_real_is_refused(monkeypatch, gib, total, message):
+    monkeypatch.setattr(concurrency, "measure_gpu", lambda index: (int(total * 1024 * MIB), 527 * MIB))
+    with pytest.raises(UserError, match=message):
+        concurrency.gpu_cap(gib, 0)
+
+
+def test_a_cap_becomes_the_allocator_limit_less_the_context(monkeypatch):
+    monkeypatch.setattr(concurrency, "measure_gpu", lambda index: (int(139.8 * 1024 * MIB), 527 * MIB))
+    cap = concurrency.gpu_cap(24, 0)
+    assert cap.allocator_bytes == 24 * 1024 * MIB - 527 * MIB
+    assert concurrency.gpu_cap(None, 0).process_bytes == int(139.8 * 1024 * MIB)
+
+
+def test_a_launch_with_a_bad_flag_ends_in_one_line(tmp_path):
+    proc = run_script(["plan.py", "--device", "cpu", "--world_size", "0", "--output_dir", str(tmp_path)], nproc=None)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == \
+        ["error: --world_size: every N must be at least 1, got 0"], proc.stderr
+
+
+def test_a_cpu_plan_of_tiny_finds_the_injected_edge_and_draws_it(tmp_path):
+    out = tmp_path / "plan"
+    proc = run_script(["plan.py", "--device", "cpu", "--world_size", "2,4", "--sets", "default,ac",
+                       "--variants", "torch_optimizer_after_fsdp", "--inject_oom_above", "3",
+                       "--output_dir", str(out)], nproc=None, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = load(out / "plan.json")
+    assert len(result["answers"]) == 4
+    for a in result["answers"]:
+        assert a["largest"] == 3 and a["finished"] and a["tokens_per_rank_per_step"] == 3 * 128
+        assert a["above"]["value"] == 4 and a["above"]["error"].startswith("rank 0: out of memory")
+        assert a["above"]["phase"] == "training_started" and a["above"]["failed_allocation_mib"] == 1024
+        assert [o["value"] for o in a["outcomes"] if o["fits"]] == [1, 2, 3]
+    assert result["meta"]["probes"] == sum(a["probes"] for a in result["answers"])
+    assert "N = 2, block 128: the default fits 384 tokens per rank per step (B = 3)" in proc.stdout
+    drawn = run_script(["visualize.py", "--dir", str(out)], nproc=None)
+    assert drawn.returncode == 0 and (out / "plan.png").stat().st_size > 10_000, drawn.stderr
+
+
+def test_main_refuses_a_cap_on_the_cpu(tmp_path):
+    import main
+
+    with pytest.raises(UserError, match="--gpu_memory needs a GPU"):
+        main.validate(["--device", "cpu", "--model", "tiny", "--gpu_memory", "8", "--output_dir", str(tmp_path)])
+
+
+def test_the_findings_name_the_cheapest_set_that_fits_more_than_the_default():
+    def answer_of(name, largest, step_s):
+        return {"option_set": name, "world_size": 8, "fixed": 128, "variant": "v", "searched": "batch_size",
+                "error": None, "largest": largest, "tokens_per_rank_per_step": largest * 128,
+                "fit": {"median_step_time_s": step_s}, "smallest_peak_mib": 100.0}
+    lines = fitting.findings([answer_of("default", 29, 0.5), answer_of("ac", 65, 1.5), answer_of("cpu_offload", 40, 3.0)],
+                             "v")
+    assert lines == ["N = 8, block 128: the default fits 3,712 tokens per rank per step (B = 29); the cheapest set "
+                     "that fits more is ac, 8,320 tokens per rank per step (B = 65), at 180.3 us per token in its "
+                     "probe (the default 134.7; probes beside one another share the GPU, so these are rough)"]
+    nothing = fitting.findings([{**answer_of("default", 1, 0.5), "largest": None, "tokens_per_rank_per_step": None}],
+                               "v")
+    assert nothing == ["N = 8, block 128: 1 does not fit under any set; the smallest peak allocated was 100 MiB "
+                       "(default)."]
