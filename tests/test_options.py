@@ -18,7 +18,7 @@ from fsdp2bench.memory_model import STEP_BYTES, expected_device_bytes, expected_
 INTENDED = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_fixed", "accelerate"]
 UNFIXED = "torch_optimizer_before_fsdp_not_fixed"
 # The plugin's option sets (accumulation and HSDP have their own tests, test_scaling.py).
-PLUGIN_SETS = [n for n, o in options.OPTION_SETS.items() if not o.accumulates and not o.hsdp]
+PLUGIN_SETS = options.PLUGIN_SETS
 
 
 @pytest.fixture(scope="module")
