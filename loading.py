@@ -30,7 +30,7 @@ from fsdp2bench import simulation, weights
 from fsdp2bench.checkpoints import FORMATS, Checkpoint
 from fsdp2bench.loading import (CHECKPOINT_DTYPES, MODES, NEEDS_PEERS, SIMULABLE, LoadConfig, LoadJob, load_process,
                                 print_simulated, print_table, summarise, write_checkpoint_process)
-from fsdp2bench.model import PRESETS
+from fsdp2bench.model import PRESETS, default_model
 from fsdp2bench.session import ModelFacts, Session, model_facts, open_session, say_interrupted
 
 
@@ -38,22 +38,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None,
                    help=f"preset ({', '.join(PRESETS)}), local directory with config.json, or Hub id "
-                        "(default: the --checkpoint directory's config, else qwen2.5-1.5b)")
+                        "(default: the --checkpoint directory's config, else qwen2.5-1.5b on a GPU, tiny on a CPU "
+                        "run)")
     p.add_argument("--checkpoint", default=None, help="directory of a checkpoint, safetensors or pytorch_model.bin "
                    "(default: rank 0 writes one of --model's shape into --output_dir first)")
     p.add_argument("--checkpoint_format", choices=list(FORMATS), default="safetensors",
                    help="format of a checkpoint written here (default: safetensors)")
     p.add_argument("--checkpoint_dtype", choices=list(CHECKPOINT_DTYPES), default="bfloat16",
                    help="dtype of a checkpoint written here (default: bfloat16, as published checkpoints)")
-    p.add_argument("--checkpoint_shard_size", default="2GB", help="max file size of a written checkpoint")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated loading modes (default: all)")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--output_dir", default="out")
-    p.add_argument("--seed", type=int, default=421, help="seed of a written checkpoint's random weights")
-    p.add_argument("--log_interval", type=float, default=0.01, help="seconds between memory samples")
+    p.add_argument("--checkpoint_shard_size", default="2GB", help="max file size of a written checkpoint (default: 2GB)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated loading modes: {', '.join(MODES)} (default: all of them)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="auto: CUDA when a GPU is present, else CPU with gloo (default: auto)")
+    p.add_argument("--output_dir", default="out_loading",
+                   help="where the traces, loading_summary.json and a written checkpoint go (default: out_loading)")
+    p.add_argument("--seed", type=int, default=421, help="seed of a written checkpoint's random weights (default: 421)")
+    p.add_argument("--log_interval", type=float, default=0.01, help="seconds between memory samples (default: 0.01)")
     p.add_argument("--simulate_world_size", default=None, metavar="N[,N...]",
                    help=f"play rank 0 of each N alone, with one process ({', '.join(SIMULABLE)}; the other modes "
-                        f"need the other ranks' data and are skipped)")
+                        f"need the other ranks' data and are skipped) (default: off)")
     return p.parse_args(argv)
 
 
@@ -112,10 +115,10 @@ def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[st
     args = parse_args(argv)
     check_launcher_env()
     modes = check_args(args)
-    pick_device(args.device)
+    device_type = pick_device(args.device).type
     check_output_dir(args.output_dir, "loading_summary.json")
     checkpoint = Checkpoint(args.checkpoint) if args.checkpoint else None
-    facts = model_facts(args.model or args.checkpoint or "qwen2.5-1.5b", args.seed)
+    facts = model_facts(args.model or args.checkpoint or default_model(device_type, "loading.py"), args.seed)
     if checkpoint is not None:
         checkpoint.check_against(facts.named_shapes)
     return args, modes, facts, checkpoint

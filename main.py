@@ -32,7 +32,7 @@ from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ra
                             pick_device)
 from fsdp2bench.data import load_tokens, rank_batches
 from fsdp2bench.isolation import Interrupted, launcher_keeps_to_one_thread
-from fsdp2bench.model import PRESETS, max_positions
+from fsdp2bench.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS, default_model, max_positions
 from fsdp2bench.names import VARIANTS
 from fsdp2bench.runner import FailureSpec, TrainConfig
 from fsdp2bench.session import ModelFacts, Session, model_facts, open_session, say_interrupted
@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--output_dir", default="out", help="where the JSON files go (default: out)")
     p.add_argument("--save_memory_snapshot", action="store_true",
-                   help="also write <run>_memory_snapshot.pkl for pytorch.org/memory_viz (CUDA only)")
+                   help="also write <run>_memory_snapshot.pkl for pytorch.org/memory_viz, CUDA only (default: off)")
     p.add_argument("--batch_size", type=int, default=2, help="sequences per rank per step (default: 2)")
     p.add_argument("--block_size", type=int, default=128, help="tokens per sequence (default: 128)")
     p.add_argument("--dataset_fraction", type=float, default=1.0,
@@ -65,9 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--learning_rate", type=float, default=3e-5, help="AdamW learning rate (default: 3e-5)")
     p.add_argument("--seed", type=int, default=421, help="seed for the initial weights (default: 421)")
     p.add_argument("--max_steps", type=int, default=None, help="stop each variant after this many steps "
-                   "(default: one pass over the data)")
+                   f"(default: one pass over the data; {simulation.DEFAULT_STEPS} with --simulate_world_size)")
     p.add_argument("--variants", default=",".join(VARIANTS),
-                   help="comma-separated run names, run in the order given (default: all four)")
+                   help=f"comma-separated variants, run in the order given: {', '.join(VARIANTS)} (default: all four)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto: CUDA when a GPU is present, else CPU with gloo (default: auto)")
     p.add_argument("--model", default=None,
@@ -85,12 +85,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "runs by its smallest N); a variant that runs out of memory while sharing is run again "
                         "alone (default: auto)")
     p.add_argument("--tracker_overhead", action="store_true",
-                   help="pause memory polling on every other step, to measure what polling costs")
-    p.add_argument("--quiet", action="store_true", help="no progress lines while the variants train")
+                   help="pause memory polling on every other step, to measure what polling costs (default: off)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines while the variants train (default: off)")
     p.add_argument("--gpu_memory", type=float, default=None, metavar="GIB",
                    help="train as on a GPU of GIB GiB: PyTorch's allocator gets GIB less the CUDA context a process "
-                        "holds (measured here), and a step that needs more runs out of memory (CUDA only; "
-                        "default: the whole GPU)")
+                        "holds (measured here), and a step that needs more runs out of memory; CUDA only "
+                        "(default: the whole GPU)")
     p.add_argument("--init_device", choices=["cpu", "cuda"], default="cpu",
                    help="where the model is built: cpu (the upstream's path: fully_shard moves each rank's shard "
                         "to the GPU; the weights are drawn once per rank on its share of the host's cores) or cuda (built on "
@@ -100,15 +100,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "on a fake process group (real allocations, no communication, losses meaningless). "
                         "Several N make a sweep, shared out among this launch's processes (default: off)")
     p.add_argument("--simulate_rank", default=SIMULATE_RANK_DEFAULT, metavar="R[,R...]",
-                   help="with --simulate_world_size: the rank(s) to play, integers in [0, N) or 'last' for N-1; "
+                   help="with --simulate_world_size: the rank(s) R to play, integers in [0, N) or 'last' for N-1; "
                         "'last' is skipped where the sharding rule gives it the bytes of a rank already played "
                         "(default: 0)")
     add_fsdp_options(p)
     p.add_argument("--inject_failure", type=parse_failure, default=None,
                    metavar="VARIANT:STEP:RANK[:kill|:oom|:thread|:nan]",
-                   help="test option: raise on that rank before that step (:kill dies by SIGKILL instead, :oom raises "
+                   help="test option: VARIANT raises on RANK before STEP (:kill dies by SIGKILL instead, :oom raises "
                         "torch's out-of-memory error, :thread raises in the memory tracker's thread, :nan makes a "
-                        "parameter NaN so that the run diverges)")
+                        "parameter NaN so that the run diverges) (default: off)")
     return p.parse_args(argv)
 
 
@@ -122,12 +122,12 @@ def add_fsdp_options(p: argparse.ArgumentParser) -> None:
                         f"reduces in bf16), the upstream's; {options.POLICY}: an FSDP2 MixedPrecisionPolicy, bf16 "
                         f"parameters and fp32 gradient reduction, no autocast (default: {options.AUTOCAST})")
     g.add_argument("--activation_checkpointing", action="store_true",
-                   help="recompute each block's activations in backward instead of keeping them")
+                   help="recompute each block's activations in backward instead of keeping them (default: off)")
     g.add_argument("--activation_checkpointing_offload", action="store_true",
-                   help="with --activation_checkpointing: keep the checkpoints' saved inputs in host memory")
+                   help="with --activation_checkpointing: keep the checkpoints' saved inputs in host memory (default: off)")
     g.add_argument("--cpu_offload", action="store_true",
                    help="CPUOffloadPolicy: parameters, gradients and AdamW state on the host; the optimizer step "
-                        "runs on the CPU")
+                        "runs on the CPU (default: off)")
     add_scaling_options(p)
 
 
@@ -218,19 +218,6 @@ def check_failure_reachable(spec: FailureSpec, names: list[str], steps: int, ran
         raise UserError(f"{where}: step {spec.step} is not among this run's steps 0..{steps - 1}")
     if spec.rank not in ranks:
         raise UserError(f"{where}: rank {spec.rank} is not among the ranks played, {sorted(ranks)[:8]}")
-
-
-GPU_DEFAULT_MODEL, CPU_DEFAULT_MODEL = "qwen2.5-1.5b", "tiny"
-
-
-def default_model(device_type: str) -> str:
-    """The upstream's model on GPUs; on a CPU run a model that trains in minutes, said in one line."""
-    if device_type == "cuda":
-        return GPU_DEFAULT_MODEL
-    if os.environ.get("RANK", "0") == "0":
-        print(f"No --model given and no GPU: training the {CPU_DEFAULT_MODEL} model, a functional run of a few "
-              f"minutes. The real one on the CPU (hours): add --model {GPU_DEFAULT_MODEL}.", flush=True)
-    return CPU_DEFAULT_MODEL
 
 
 def check_positions(block_size: int, config) -> None:

@@ -34,13 +34,13 @@ OWNED = tuple(f.name for f in dataclasses.fields(options.FsdpOptions))
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--option_sets", default=options.EACH,
-                   help=f"comma-separated option sets ({', '.join(options.OPTION_SETS)}), or {options.EACH} for all "
-                        f"of them (default: {options.EACH})")
+                   help=f"comma-separated option sets ({', '.join(options.OPTION_SETS)}; the set all turns every "
+                        f"plugin option on at once), or {options.EACH} for every one of them (default: {options.EACH})")
     p.add_argument("--nproc_per_node", type=int, default=1,
                    help="ranks of the real runs: 1 runs main.py with python, more with torchrun; 0: no real runs, "
                         "only the sweeps (default: 1)")
     p.add_argument("--simulate_world_size", default=None, metavar="N[,N...]",
-                   help="also measure one rank of each of these world sizes, per option set (default: none)")
+                   help="also measure one rank of each of these world sizes N, per option set (default: none)")
     p.add_argument("--sweep_steps", type=int, default=DEFAULT_STEPS,
                    help=f"steps of each simulated run (default: {DEFAULT_STEPS})")
     p.add_argument("--output_dir", default="out_matrix",

@@ -29,7 +29,7 @@ from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ra
 from fsdp2bench.data import load_tokens
 from fsdp2bench.isolation import Interrupted, launcher_keeps_to_one_thread
 from fsdp2bench.matrix import fitting_sizes
-from fsdp2bench.model import max_positions
+from fsdp2bench.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, default_model, max_positions
 from fsdp2bench.names import INTENDED, MIB, VARIANTS
 from fsdp2bench.probes import BATCH, BLOCK, PROBE_STEPS, ProbeRunner, Question, heaviest_rank, search_for
 from fsdp2bench.runner import TrainConfig
@@ -44,23 +44,23 @@ DEFAULT_UPPER = {BATCH: 4096, BLOCK: 1 << 20}  # the block's is lowered to the m
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None,
-                   help=f"a preset or a local directory with config.json (default: {benchmark.GPU_DEFAULT_MODEL} "
-                        f"on a GPU, {benchmark.CPU_DEFAULT_MODEL} on a CPU run)")
+                   help=f"a preset or a local directory with config.json (default: {GPU_DEFAULT_MODEL} "
+                        f"on a GPU, {CPU_DEFAULT_MODEL} on a CPU run)")
     p.add_argument("--world_size", default="8", metavar="N[,N...]",
-                   help="the world sizes to plan for, each played by one simulated rank (default: 8)")
+                   help="the world sizes N to plan for, each played by one simulated rank (default: 8)")
     p.add_argument("--gpu_memory", type=float, default=None, metavar="GIB",
-                   help="the GPU's memory in GiB, made real on this one: the probes' allocator gets it less the "
+                   help="the GPU's memory, GIB GiB, made real on this one: the probes' allocator gets it less the "
                         "CUDA context (default: this GPU's)")
     p.add_argument("--sets", default=",".join(options.PLUGIN_SETS),
                    help=f"comma-separated option sets of matrix.py ({', '.join(options.OPTION_SETS)}), or "
-                        f"{options.EACH} for all of them (default: {','.join(options.PLUGIN_SETS)})")
+                        f"{options.EACH} for every one of them (default: {','.join(options.PLUGIN_SETS)})")
     p.add_argument("--variants", default=DEFAULT_VARIANTS,
                    help=f"comma-separated variants ({', '.join(VARIANTS)}) (default: {DEFAULT_VARIANTS})")
     p.add_argument("--find", choices=[BATCH, BLOCK], default=BATCH,
                    help=f"what to find the largest of: {BATCH} at each --block_size, or {BLOCK} at the fixed "
                         f"--batch_size (default: {BATCH})")
     p.add_argument("--block_size", default="128", metavar="L[,L...]",
-                   help=f"tokens per sequence, a list allowed; with --find {BLOCK} the search's lower bound "
+                   help=f"tokens per sequence L, a list allowed; with --find {BLOCK} the search's lower bound "
                         f"(default: 128)")
     p.add_argument("--batch_size", type=int, default=1,
                    help=f"sequences per microbatch with --find {BLOCK} (default: 1)")
@@ -117,7 +117,7 @@ def validate(argv: list[str] | None = None) -> Checked:
     if args.find == BATCH and args.batch_size != 1:
         raise UserError(f"--batch_size is the fixed batch of --find {BLOCK}; with --find {BATCH} it is searched")
     check_output_dir(args.output_dir, "plan.json")
-    args.model = args.model or benchmark.default_model(device.type)
+    args.model = args.model or default_model(device.type, "plan.py")
     facts = model_facts(args.model, SEED, lambda config: check_blocks(blocks, config))
     upper = search_upper(args, facts.config, blocks)
     cap = concurrency.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None

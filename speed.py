@@ -87,13 +87,15 @@ def time_baseline(tree: str, nproc: int, main_args: list[str], output_dir: str) 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nproc_per_node", type=int, default=2)
+    p.add_argument("--nproc_per_node", type=int, default=2,
+                   help="ranks of the timed launch: 1 runs main.py with python, more with torchrun (default: 2)")
     p.add_argument("--json", default="speed.json", help="where to write the result (default: speed.json)")
-    p.add_argument("--output_dir", default="out_speed", help="main.py's output directory for this run")
+    p.add_argument("--output_dir", default="out_speed", help="main.py's output directory for this run (default: out_speed)")
     p.add_argument("--baseline", default=None, metavar="DIR",
-                   help="the tree of another version (a git archive of it): its main.py runs first with the same "
-                        "arguments, in the same call, and speed.json gets both walls and their ratio")
-    p.add_argument("main_args", nargs=argparse.REMAINDER, help="arguments for main.py, after --")
+                   help="DIR holds the tree of another version (a git archive of it): its main.py runs first with "
+                        "the same arguments, in the same call, and speed.json gets both walls and their ratio "
+                        "(default: none)")
+    p.add_argument("main_args", nargs=argparse.REMAINDER, help="arguments for main.py, after -- (default: none)")
     return p.parse_args(argv)
 
 

@@ -25,10 +25,10 @@ from fsdp2bench.plots import (InputError, latest_run, load_traces, loading_stems
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default="out", help="output directory of main.py (default: out)")
-    p.add_argument("--memory_threshold", type=float, default=0.0,
-                   help="drop samples below this many MiB in the first part of each trace (default: 0)")
-    p.add_argument("--filter_partition", type=float, default=2.0,
-                   help="the first part is the first 1/K of the samples (default: K=2)")
+    p.add_argument("--memory_threshold", type=float, default=0.0, metavar="MIB",
+                   help="drop samples below MIB MiB in the first part of each trace (default: 0)")
+    p.add_argument("--filter_partition", type=float, default=2.0, metavar="K",
+                   help="the first part is the first 1/K of the samples (default: 2)")
     return p.parse_args(argv)
 
 

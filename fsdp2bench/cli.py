@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import tempfile
+import textwrap
 from typing import Callable
 
 
@@ -106,6 +107,15 @@ def exit_with(run: Callable[[], int]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+CONSOLE_WIDTH = 120
+
+
+def say(text: str, indent: str = "") -> None:
+    """A paragraph on the console, each of its lines folded at ``CONSOLE_WIDTH`` columns."""
+    print("\n".join(textwrap.fill(line, CONSOLE_WIDTH, subsequent_indent=indent, break_long_words=False,
+                                   break_on_hyphens=False) if line else "" for line in text.split("\n")))
 
 
 def check_ranges(args, ranges: dict[str, tuple[float, float]]) -> None:

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
+from fsdp2bench.cli import say
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -296,16 +298,15 @@ def _fit_said(answer: dict) -> str:
 def _above_said(answer: dict) -> str:
     above = answer["above"]
     if answer["error"]:
-        return f"failed: {answer['error'][:60]}"
+        return f"failed: {answer['error'][:40]}"
     if answer["at_upper_bound"]:
         return "the upper bound"
     if not answer["finished"]:
-        return "not searched to the end (interrupted)"
+        return "(interrupted)"
     if above is None:
         return "-"
     failed = above.get("failed_allocation_mib")
-    return f"{above['value']}: out of memory after {above.get('phase')}" + \
-        (f" ({failed:.0f} MiB failed)" if failed is not None else "")
+    return f"{above['value']}: out of memory" + (f" ({failed:.0f} MiB failed)" if failed is not None else "")
 
 
 def _mib(value: float | None) -> str:
@@ -316,18 +317,18 @@ def print_plan(plan: dict) -> None:
     """A table per option set and N: the largest value, its tokens and peak, and what failed above it."""
     meta = plan["meta"]
     name = "B_max" if meta["find"] == "batch_size" else "L_max"
-    print(f"\n{'option set':20} {'N':>5} {'variant':26} {name:>6} {'tokens/rank/step':>16} {'reserved MiB':>12} "
-          f"{'headroom':>8} {'probes':>6}  above it")
+    print(f"\n{'option set':20} {'N':>5} {'variant':26} {name:>6} {'tokens':>9} {'resv MiB':>8} {'headroom':>8} "
+          f"{'probes':>6}  above it")
     for a in plan["answers"]:
         fit = a["fit"] or {}
         print(f"{a['option_set']:20} {a['world_size']:>5} {a['variant'][:26]:26} {str(a['largest'] or '-'):>6} "
-              f"{_mib(a['tokens_per_rank_per_step']):>16} {_mib(fit.get('peak_reserved_mib')):>12} {_mib(a['headroom_mib']):>8} "
-              f"{a['probes']:>6}  {_above_said(a)}")
+              f"{_mib(a['tokens_per_rank_per_step']):>9} {_mib(fit.get('peak_reserved_mib')):>8} "
+              f"{_mib(a['headroom_mib']):>8} {a['probes']:>6}  {_above_said(a)}")
     cap = meta.get("gpu_memory")
-    said = f"reserved: the probe's peak at the largest value; headroom: the allocator's limit of " \
+    said = f"resv: the probe's peak reserved at the largest value; headroom: the allocator's limit of " \
         f"{cap['allocator_limit_mib']:,.0f} MiB less it." if cap else "A CPU run: no allocator, no cap."
-    print(f"{said} {meta['probes']} probes "
-          f"({meta['probes_per_answer']:.1f} per answer, {meta['probes_run_again_alone']} run again alone) in "
-          f"{meta['rounds']} rounds.")
+    say(f"tokens: per rank per optimizer step at the largest value. {said} {meta['probes']} probes "
+        f"({meta['probes_per_answer']:.1f} per answer, {meta['probes_run_again_alone']} run again alone) in "
+        f"{meta['rounds']} rounds; plan.json has each probe's phase and failed allocation.")
     for line in plan["findings"]:
-        print(line)
+        say(line)

@@ -373,6 +373,8 @@ def run_child(finisher: Finisher, work: Callable[[dist.TCPStore], None]) -> None
     set_up_standard_streams()  # a child of the fork server starts with streams of its own
     if _launcher_threads is not None:  # forked from the launcher, not from the fork server
         torch.set_num_threads(_launcher_threads)
+    # accelerate warns in every process that finds it unset (and sets it): the count is already chosen.
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides what an interrupt means
     store = connect_store()
     # A thread beside the work (the memory tracker) that fails ends the piece with its reason, as the

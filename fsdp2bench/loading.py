@@ -18,7 +18,7 @@ from fsdp2bench.child import TracedChild, run_traced_child
 from fsdp2bench.isolation import Finisher, StoreKeys, init_group, run_child
 from fsdp2bench.memory_model import local_tensor, shard_rows
 from fsdp2bench.model import build_model
-from fsdp2bench.names import MIB
+from fsdp2bench.names import MIB, size_said
 from measure import MemoryTracker, rss_mib
 
 CHECKPOINT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -293,8 +293,8 @@ def summarise(records: dict) -> dict:
 def loaded_what(summary: dict) -> str:
     """The model and the checkpoint a table is about."""
     checkpoint = summary["checkpoint"]
-    return (f"\nLoading {summary['model']} ({summary['model_bytes'] / MIB:.0f} MiB of fp32 parameters) from a "
-            f"{checkpoint['dtype']} {checkpoint['format']} checkpoint of {checkpoint['bytes'] / MIB:.0f} MiB")
+    return (f"\nLoading {summary['model']} ({size_said(summary['model_bytes'], 0)} of fp32 parameters) from a "
+            f"{checkpoint['dtype']} {checkpoint['format']} checkpoint of {size_said(checkpoint['bytes'], 0)}")
 
 
 def print_table(summary: dict) -> None:

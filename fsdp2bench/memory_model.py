@@ -239,10 +239,16 @@ def projection(shapes, variants: list[str], sizes: list[int] = PROJECTION_WORLD_
             for n in sizes}
 
 
-def first_world_size_where_unfixed_costs_more(table: dict, reference: str) -> int | None:
-    """Smallest projected N at which the unfixed variant's state at the step peak exceeds ``reference``'s."""
-    for n, row in table.items():
-        if UNFIXED in row and reference in row and \
-                row[UNFIXED]["before_zero_grad"] > row[reference]["before_zero_grad"]:
-            return int(n)
+CROSSOVER_SEARCH = 1 << 16  # the largest N a crossover is looked for at (the simulation's largest world)
+
+
+def unfixed_costs_more_from(shapes, reference: str) -> tuple[int, dict] | None:
+    """The exact smallest N at which the unfixed variant's state at the step peak exceeds
+    ``reference``'s, by the sharding rule at every N in turn (not only the projection's powers of
+    two), with both states there; None where it never does up to ``CROSSOVER_SEARCH``."""
+    for n in range(1, CROSSOVER_SEARCH + 1):
+        held = {name: sum(expected_state(shapes, n, 0, name, "before_zero_grad").values())
+                for name in (UNFIXED, reference)}
+        if held[UNFIXED] > held[reference]:
+            return n, held
     return None

@@ -48,3 +48,19 @@ def rank_file(name: str, suffix: str, rank: int) -> str:
 def simulated_dir_name(world_size: int) -> str:
     """Where a sweep puts the traces of every rank it played at world size N."""
     return f"simulated_N{world_size}"
+
+
+def size_unit(max_bytes: float) -> tuple[float, str]:
+    """The unit that suits the largest value: GiB from 1 GiB, MiB from 1 MiB, else KiB."""
+    for divisor, name in ((GIB, "GiB"), (MIB, "MiB")):
+        if max_bytes >= divisor:
+            return divisor, name
+    return 1024, "KiB"
+
+
+def size_said(n_bytes: float, digits: int = 2) -> str:
+    """A size in the unit that fits it ("1.50 GiB", "382 MiB", "96.50 KiB", "0 bytes")."""
+    if n_bytes < 1024:
+        return f"{n_bytes:.0f} bytes"
+    divisor, unit = size_unit(n_bytes)
+    return f"{n_bytes / divisor:.{digits}f} {unit}"

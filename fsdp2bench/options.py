@@ -108,7 +108,7 @@ OPTION_SETS: dict[str, FsdpOptions] = {
     "hsdp_all_reduce_last": FsdpOptions(dp_shard_size=NODE_RANKS, gradient_accumulation_steps=ACCUMULATION_STEPS,
                                         sync_each_batch=True, requires_all_reduce=False),
 }
-EACH = "each"  # --option_sets each: every set above
+EACH = "every_set"  # --option_sets every_set: every set above (the set named all turns every plugin option on)
 PLUGIN_SETS = [name for name, o in OPTION_SETS.items() if not o.accumulates and not o.hsdp]  # the plugin's options
 
 

@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from fsdp2bench.names import GIB, MIB, TRACE_KEYS, VARIANTS, simulated_dir_name, state_bytes  # noqa: E402
+from fsdp2bench.names import MIB, TRACE_KEYS, VARIANTS, simulated_dir_name, size_unit, state_bytes  # noqa: E402
 # The zero of every time axis: all variants are compared from the moment their model is sharded,
 # so the time each spent building the model does not offset the curves.
 ALIGN_EVENT = "sharded"
@@ -243,14 +243,6 @@ def plot_loss(runs: dict, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     save(fig, path, dpi=120)
-
-
-def size_unit(max_bytes: float) -> tuple[float, str]:
-    """The unit that suits the largest value: GiB from 1 GiB, MiB from 1 MiB, else KiB."""
-    for divisor, name in ((GIB, "GiB"), (MIB, "MiB")):
-        if max_bytes >= divisor:
-            return divisor, name
-    return 1024, "KiB"
 
 
 def plot_projection(summary: dict, path: str) -> bool:

@@ -6,10 +6,11 @@ import math
 import statistics
 
 from fsdp2bench import snapshots
+from fsdp2bench.cli import say
 from fsdp2bench.memory_model import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_state,
-                                     first_world_size_where_unfixed_costs_more, projection)
-from fsdp2bench.names import (GIB, INTENDED, MIB, MICROBATCH_PHASE, PEAK_PHASES, PHASES, STATE_KEYS, UNFIXED, phases,
-                              state_bytes, step_peak_state)
+                                     projection, unfixed_costs_more_from)
+from fsdp2bench.names import (INTENDED, MIB, MICROBATCH_PHASE, PEAK_PHASES, PHASES, STATE_KEYS, UNFIXED, phases,
+                              size_said, state_bytes, step_peak_state)
 from fsdp2bench.options import FsdpOptions
 # Losses are compared step by step. On CPU the intended variants are bit-identical; on GPUs
 # accelerate groups its parameters differently, which may change bf16 rounding a little.
@@ -121,9 +122,10 @@ def state_projection(shapes, names: list[str], sizes: list[int] = PROJECTION_WOR
     """The sharding rule's per-rank state of each variant at each world size, and where the lines cross."""
     table = projection(shapes, names, sizes)
     reference = next((n for n in INTENDED if n in names), None)
+    crossover = unfixed_costs_more_from(shapes, reference) if reference and UNFIXED in names else None
     return {"per_rank_state_bytes": table,
-            "unfixed_costs_more_from_world_size": first_world_size_where_unfixed_costs_more(table, reference)
-            if reference else None,
+            "unfixed_costs_more_from_world_size": crossover[0] if crossover else None,
+            "state_bytes_there": crossover[1] if crossover else None,
             "reference": reference}
 
 
@@ -196,7 +198,7 @@ def _mib(n_bytes: float) -> str:
 
 
 def _size(n_bytes: float) -> str:
-    return f"{n_bytes / GIB:.2f} GiB" if n_bytes >= GIB else f"{n_bytes / MIB:.2f} MiB"
+    return size_said(n_bytes)
 
 
 def _gap_bytes(v: dict) -> int:
@@ -242,7 +244,7 @@ def print_table(summary: dict) -> None:
           "     sharding rule (memory_model.py), any rank and moment. drop: fall of the loss from the first to the last\n"
           "     quarter of steps. summary.json has every figure per rank, the polled peaks and the phases.")
     for sentence in explanations(summary):
-        print(sentence)
+        say(sentence)
     print_checks(summary["checks"])
 
 
@@ -311,19 +313,23 @@ def explanations(summary: dict) -> list[str]:
     unfixed = summary["variants"].get(UNFIXED)
     if unfixed and unfixed["status"] == "ok":
         rank0 = unfixed["accounting"][0]
+        intended = [v["loss_drop"] for n, v in summary["variants"].items()
+                    if n in INTENDED and v.get("status") == "ok" and v.get("loss_drop") is not None]
+        beside = f"; the intended variants' fell {max(intended):.1%} on the same batches" if intended else ""
         out.append(f"{UNFIXED}: its optimizer still holds {_size(rank0['stale_param_bytes'])} of full parameters "
                    f"per rank that the model no longer uses; they never get gradients, so AdamW never creates "
-                   f"state ({_size(rank0['optimizer_state_bytes'])}) and the model never changes (loss drop "
-                   f"{unfixed['loss_drop']:.1%}); zero_grad() never reaches the model's sharded parameters, so "
-                   f"their {_size(rank0['grad_bytes'])} of gradients are never cleared.")
+                   f"state ({_size(rank0['optimizer_state_bytes'])}) and the model's weights never change (its loss "
+                   f"fell {unfixed['loss_drop']:.1%} from the first to the last quarter of steps only because the "
+                   f"batches differ{beside}); zero_grad() never reaches the model's sharded parameters, so their "
+                   f"{_size(rank0['grad_bytes'])} of gradients are never cleared.")
     out += accumulation_sentences(summary)
     proj = summary.get("projection") or {}
     n = proj.get("unfixed_costs_more_from_world_size")
     if n is not None:
-        row = proj["per_rank_state_bytes"][str(n)]
+        there = proj["state_bytes_there"]
         out.append(f"At the step peak the unfixed variant's state (P + 2P/N) exceeds the intended one's (4P/N) "
-                   f"from N = {n} ranks on: {_size(row[UNFIXED]['before_zero_grad'])} vs "
-                   f"{_size(row[proj['reference']]['before_zero_grad'])} per rank (projection in summary.json).")
+                   f"from N = {n} ranks on: {_size(there[UNFIXED])} vs {_size(there[proj['reference']])} per rank "
+                   f"there (the sharding rule at every N; projection in summary.json).")
     return out
 
 
@@ -411,8 +417,8 @@ def measured_crossover(simulated: dict) -> dict:
 
 def print_sweep_table(summary: dict) -> None:
     sim = summary["meta"]["simulated"]
-    print(f"\nSimulated world sizes ({summary['meta']['model']}): one process played each rank shown, on a fake "
-          f"process group (real allocations, no communication); {sim['steps']} steps per run.")
+    say(f"\nSimulated world sizes ({summary['meta']['model']}): one process played each rank shown, on a fake "
+        f"process group (real allocations, no communication); {sim['steps']} steps per run.")
     header = (f"{'N':>4} {'rank':>4} {'variant':{NAME_WIDTH}} {'train':>8} {'alloc':>8} {'resv':>6} "
               f"{'params':>7} {'grads':>7} {'optim':>7} {'stale':>7} {'gap B':>5} {'beyond':>7}")
     print(header)
@@ -427,22 +433,25 @@ def print_sweep_table(summary: dict) -> None:
               f"{_mib(state['param_bytes']):>7} {_mib(state['grad_bytes']):>7} "
               f"{_mib(state['optimizer_state_bytes']):>7} {_mib(state['stale_param_bytes']):>7} {_gap_bytes(v):>5} "
               f"{_fmt(v['training_peak_beyond_state_mib']['max']):>7}")
-    print("MiB: train = the allocator's peak over the optimizer steps; alloc = the same over the whole "
-          "run, building the model included;\n     resv = reserved by the caching allocator. Then the state "
-          "held at the step peak (after the last optimizer step): params,\n     grads, optim (AdamW state), stale "
-          "(the optimizer's old full parameters); gap B = largest difference in bytes from the FSDP2\n     sharding "
-          "rule, any moment; beyond = train minus that state (activations, gathered parameters, buffers).")
+    say("MiB: train = the allocator's peak over the optimizer steps; alloc = the same over the whole run, building "
+        "the model included; resv = reserved by the caching allocator. Then the state held at the step peak (after "
+        "the last optimizer step): params, grads, optim (AdamW state), stale (the optimizer's old full parameters); "
+        "gap B = largest difference in bytes from the FSDP2 sharding rule, any moment; beyond = train minus that "
+        "state (activations, gathered parameters, buffers).", indent="     ")
     crossover = summary["simulation_findings"]["unfixed_exceeds_intended_from_world_size"]
+    sizes = ", ".join(str(n) for n in summary["meta"]["simulated"]["world_sizes"])
+    exact = (summary.get("projection") or {}).get("unfixed_costs_more_from_world_size")
+    rule = f"; by the sharding rule from N = {exact} on" if exact else ""
     for key, n in crossover.items():
-        said = f"from simulated N = {n} on" if n is not None else "at no simulated N"
-        print(f"The unfixed variant's {MEASURED_FIGURES[key][1]} exceeds every intended variant's {said}.")
+        said = f"first at N = {n} of the simulated {sizes}" if n is not None else f"at none of the simulated {sizes}"
+        say(f"The unfixed variant's {MEASURED_FIGURES[key][1]} exceeds every intended variant's {said}{rule}.")
     print_checks(summary["checks"])
 
 
 def print_checks(checks: dict) -> None:
     for key, check in checks.items():
         verdict = "SKIPPED" if check["ok"] is None else "PASS" if check["ok"] else "FAIL"
-        print(f"check {key}: {verdict} ({', '.join(f'{k}={v}' for k, v in check.items() if k != 'ok')})")
+        say(f"check {key}: {verdict} ({', '.join(f'{k}={v}' for k, v in check.items() if k != 'ok')})", indent="  ")
 
 
 def checks_passed(checks: dict) -> bool:

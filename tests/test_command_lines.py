@@ -310,7 +310,7 @@ def test_speed_accepts_exactly_the_sane_command_lines(case, forwarded, data):
 
 
 MATRIX = {
-    "--option_sets": choice(["each", "default", "ac,cpu_offload,all"], ["fast", "ac,ac", "", "each,ac"]),
+    "--option_sets": choice(["every_set", "default", "ac,cpu_offload,all"], ["fast", "ac,ac", "", "every_set,ac", "each"]),
     "--nproc_per_node": (integers(1, 8)[0], integers(0, 4096)[1]),
     "--output_dir": OUTPUT_DIRS,
     "--batch_size": MAIN["--batch_size"], "--model": MODELS,

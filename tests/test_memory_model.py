@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from conftest import ROOT, VARIANTS, load, run_script
 
-from fsdp2bench.memory_model import expected_state, first_world_size_where_unfixed_costs_more, projection
+from fsdp2bench.memory_model import expected_state, projection, unfixed_costs_more_from
 
 INTENDED = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_fixed", "accelerate"]
 UNFIXED = "torch_optimizer_before_fsdp_not_fixed"
@@ -33,7 +33,11 @@ def test_projection_finds_where_the_unfixed_variant_starts_costing_more():
     assert table["2"][INTENDED[0]]["before_zero_grad"] == 2 * p + step
     assert table["8"][UNFIXED]["end_of_training"] == p + 2 * p // 8
     assert table["8"][INTENDED[0]]["end_of_training"] == 3 * p // 8 + step
-    assert first_world_size_where_unfixed_costs_more(table, INTENDED[0]) == 4
+    # P + 2P/N against 4P/N: more from N = 3 on, which no power of two of the projection can say.
+    n, held = unfixed_costs_more_from(shapes, INTENDED[0])
+    assert n == 3 and "3" not in table
+    rows = -(-1024 // 3)  # each rank's chunk of the 1024 rows, padded to the largest
+    assert held[UNFIXED] == p + 2 * rows * 1024 * 4 and held[INTENDED[0]] == 4 * rows * 1024 * 4 + step
 
 
 def check_accounting(summary: dict, world_size: int) -> None:
@@ -68,7 +72,8 @@ def test_accounting_equals_expectation_at_two_ranks(suite):
     check_accounting(summary, 2)
     assert "its optimizer still holds" in proc.stdout and "never cleared" in proc.stdout
     proj = summary["projection"]
-    assert proj["unfixed_costs_more_from_world_size"] == 4
+    assert proj["unfixed_costs_more_from_world_size"] == 3  # exact: the sharding rule at every N
+    assert "from N = 3 ranks on" in proc.stdout
     assert set(proj["per_rank_state_bytes"]) == {"1", "2", "4", "8", "16", "32", "64", "128"}
     measured = proj["measured"]["per_rank_state_bytes"]
     for name in VARIANTS:

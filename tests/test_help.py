@@ -1,0 +1,81 @@
+"""Every option of every script has help text, shows its default, and lists its choices."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+import loading
+import main
+import matrix
+import plan
+import speed
+import visualize
+from fsdp2bench import options
+from fsdp2bench.cli import OneLineParser
+from fsdp2bench.loading import MODES
+from fsdp2bench.names import VARIANTS
+
+SCRIPTS = {"main.py": main, "loading.py": loading, "speed.py": speed, "visualize.py": visualize,
+           "matrix.py": matrix, "plan.py": plan}
+# Options whose help must name every value a user can give (a comma-separated list of names).
+NAMED_VALUES = {("main.py", "--variants"): VARIANTS, ("loading.py", "--modes"): MODES,
+                ("matrix.py", "--option_sets"): list(options.OPTION_SETS), ("plan.py", "--sets"): list(options.OPTION_SETS),
+                ("plan.py", "--variants"): VARIANTS}
+
+
+class Captured(Exception):
+    pass
+
+
+def parser_of(module, monkeypatch) -> argparse.ArgumentParser:
+    """The script's own parser, as its parse_args builds it."""
+    found = {}
+
+    def grab(self, *args, **kwargs):
+        found["parser"] = self
+        raise Captured
+
+    monkeypatch.setattr(OneLineParser, "parse_args", grab)
+    monkeypatch.setattr(OneLineParser, "parse_known_args", grab)
+    with pytest.raises(Captured):
+        module.parse_args([])
+    return found["parser"]
+
+
+def options_of(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_option_has_help_that_shows_its_default(script, monkeypatch):
+    parser = parser_of(SCRIPTS[script], monkeypatch)
+    for action in options_of(parser):
+        name = action.option_strings[0] if action.option_strings else action.dest
+        assert action.help and action.help != argparse.SUPPRESS, f"{script} {name}: no help"
+        if action.option_strings:
+            assert "(default: " in action.help, f"{script} {name}: no default shown in {action.help!r}"
+        shown = parser.format_help()
+        for choice in action.choices or []:
+            assert str(choice) in shown, f"{script} {name}: choice {choice} not listed"
+        for value in NAMED_VALUES.get((script, name), []):
+            assert value in action.help, f"{script} {name}: {value} not named"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_metavar_is_named_in_its_help(script, monkeypatch):
+    for action in options_of(parser_of(SCRIPTS[script], monkeypatch)):
+        if isinstance(action.metavar, str) and not action.metavar.startswith("{"):  # {a,b}: the choices
+            for word in re.findall(r"[A-Z][A-Z_]*", action.metavar):
+                assert re.search(rf"\b{word}\b", action.help), f"{script} {action.option_strings}: {word} not in its help"
+
+
+def test_the_scripts_write_to_output_dirs_of_their_own(monkeypatch):
+    defaults = {}
+    for script, module in SCRIPTS.items():
+        for action in options_of(parser_of(module, monkeypatch)):
+            if action.dest == "output_dir":
+                defaults[script] = action.default
+    assert len(set(defaults.values())) == len(defaults), defaults
