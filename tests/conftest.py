@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,27 @@ def command(args: list[str], nproc: int | None = 2, launcher: list[str] | None =
 
 
 def environment(**extra: str) -> dict:
-    """One thread per process (2 cores run 2 ranks), unbuffered output, and never the Hub."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **extra}
+    """One thread per process (2 cores run 2 ranks), unbuffered output, never the Hub, and the temp
+    dir of this test run (torchrun leaves a log folder per launch there, not in the machine's)."""
+    temp = {"TMPDIR": LAUNCHES_TMP[0]} if LAUNCHES_TMP else {}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **temp, **extra}
+
+
+LAUNCHES_TMP: list[str] = []  # the temp dir of every process the tests launch
+LEFT_BY_LAUNCHERS = ("torchelastic_", "pymp-")  # torchrun's logs; multiprocessing's, when a test kills it
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_in_the_temp_dir(tmp_path_factory):
+    """A test run leaves nothing in the machine's temp dir, and the launched processes nothing of
+    this project's in theirs (pytest's own folders, removed by pytest, are not counted)."""
+    machine = tempfile.gettempdir()
+    before = set(os.listdir(machine))
+    LAUNCHES_TMP.append(str(tmp_path_factory.mktemp("launches_tmp")))
+    yield
+    left = sorted(set(os.listdir(machine)) - before)
+    ours = sorted(n for n in os.listdir(LAUNCHES_TMP[0]) if not n.startswith(LEFT_BY_LAUNCHERS))
+    assert not left and not ours, f"left in {machine}: {left}; by the launched processes: {ours}"
 
 
 def start_script(args: list[str], nproc: int | None = 2, launcher: list[str] | None = None,

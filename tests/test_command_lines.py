@@ -10,10 +10,12 @@ script (``validate``) is called in-process for the many draws; a few draws are l
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import json
 import os
+import shutil
 import tempfile
 
 import psutil
@@ -38,6 +40,7 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=
 def make_world() -> dict[str, str]:
     """Paths of every kind the strategies draw, made once: valid ones and hostile ones."""
     root = tempfile.mkdtemp(prefix="fsdp2bench cmdline ")  # a space in every path
+    atexit.register(shutil.rmtree, root, ignore_errors=True)  # made at import, for the strategies: gone at exit
     paths = {name: os.path.join(root, name) for name in
              ("a dir", "a file", "missing", "text.txt", "short.txt", "model", "bad json", "no type", "t5", "tree")}
     for name in ("a dir", "model", "bad json", "no type", "t5", "tree"):
@@ -351,7 +354,12 @@ def test_a_launch_runs_or_refuses_in_one_line_and_leaves_nothing_behind(case):
     """A few draws launched for real: exit 0 with summary.json, or exit 2 with one line and nothing
     written; never a traceback, and no process left behind."""
     argv, sane = case
-    out = tempfile.mkdtemp(prefix="fsdp2bench launch ")
+    with tempfile.TemporaryDirectory(prefix="fsdp2bench launch ") as out:
+        launch_and_check(argv, out)
+
+
+def launch_and_check(argv: list[str], out: str) -> None:
+    """One drawn command line launched with its output in ``out`` (removed after it by the caller)."""
     # The run's shape is fixed last (the last value wins) to one that shows within a dozen steps that the
     # model trains, so that a run that is accepted passes its checks; the in-process test covers the rest.
     argv = [*argv, "--max_steps", "12", "--learning_rate", "1e-3", "--batch_size", "2", "--block_size", "64",
