@@ -22,8 +22,8 @@ import json
 import os
 import socket
 
-from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with, parse_names,
-                            pick_device, save_summary, unwritten)
+from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with, expect_path,
+                            parse_names, pick_device, save_summary, unwritten)
 from fsdp2bench.isolation import (Interrupted, Piece, StoreKeys, gather_records, launcher_keeps_to_one_thread,
                                   leave_together, run_isolated, wait_for_keys)
 from fsdp2bench import simulation, weights
@@ -82,8 +82,8 @@ NUMBER_RANGES = {"seed": (0, 2**32 - 1), "log_interval": (0.001, 60.0)}  # as ma
 def check_args(args: argparse.Namespace) -> list[str]:
     """Refuse what cannot work before any process exists; return the modes."""
     modes = parse_names(args.modes, "--modes", MODES, noun="mode")
-    if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
-        raise UserError(f"--checkpoint {args.checkpoint}: no such directory")
+    if args.checkpoint is not None:
+        expect_path(args.checkpoint, "--checkpoint", "directory")
     check_ranges(args, NUMBER_RANGES)
     check_shard_size(args.checkpoint_shard_size)
     if args.simulate_world_size is not None:

@@ -28,8 +28,8 @@ import psutil
 import torch
 
 from fsdp2bench import concurrency, options, simulation, weights
-from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with, parse_names,
-                            pick_device)
+from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with, expect_path,
+                            looks_like_a_path, parse_names, pick_device)
 from fsdp2bench.data import load_tokens, rank_batches
 from fsdp2bench.isolation import Interrupted, launcher_keeps_to_one_thread
 from fsdp2bench.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS, default_model, max_positions
@@ -184,8 +184,10 @@ def check_args(args: argparse.Namespace, world_size: int) -> tuple[list[str], op
     check_ranges(args, NUMBER_RANGES)
     names = parse_names(args.variants, "--variants", VARIANTS)
     fsdp_options = options.from_args(args)
-    if args.dataset is not None and not os.path.isfile(args.dataset):
-        raise UserError(f"--dataset {args.dataset}: no such file")
+    if args.dataset is not None:
+        expect_path(args.dataset, "--dataset", "file")
+    if args.tokenizer is not None and looks_like_a_path(args.tokenizer):
+        expect_path(args.tokenizer, "--tokenizer", "directory")
     if args.simulate_world_size is None and args.simulate_rank != SIMULATE_RANK_DEFAULT:
         raise UserError("--simulate_rank needs --simulate_world_size (there is no simulated rank to play)")
     if args.simulate_world_size is not None:

@@ -23,7 +23,8 @@ import statistics
 import subprocess
 import time
 
-from fsdp2bench.cli import OneLineParser, UserError, check_ranges, check_writable_file, exit_with, write_json
+from fsdp2bench.cli import (OneLineParser, UserError, check_ranges, check_writable_file, exit_with, expect_path,
+                            write_json)
 from fsdp2bench.matrix import read_summary, wait_passing_interrupt
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -107,8 +108,8 @@ def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[st
     args = parse_args(argv)
     check_ranges(args, {"nproc_per_node": (1, 4096)})
     check_writable_file(args.json, "--json")
-    if args.baseline is not None and not args.baseline.strip():  # else the current directory's main.py
-        raise UserError("--baseline: an empty path")
+    if args.baseline is not None:  # an empty path would be the current directory's main.py
+        expect_path(args.baseline, "--baseline", "directory")
     if args.baseline is not None and not os.path.isfile(os.path.join(args.baseline, "main.py")):
         raise UserError(f"--baseline {args.baseline}: not a tree of this project (no main.py in it)")
     extra = [a for a in args.main_args if a != "--"]

@@ -16,7 +16,7 @@ if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them i
 import argparse
 import os
 
-from fsdp2bench.cli import OneLineParser, UserError, check_ranges, exit_with
+from fsdp2bench.cli import OneLineParser, UserError, check_ranges, exit_with, expect_path
 from fsdp2bench.names import VARIANTS, simulated_dir_name
 from fsdp2bench.plots import (InputError, latest_run, load_traces, loading_stems, plot_loading, plot_loading_sweep,
                               plot_matrix, plot_plan, plot_sweep, plot_training, read_json, reading)
@@ -40,8 +40,7 @@ def validate(argv: list[str] | None = None) -> argparse.Namespace:
     """Everything visualize.py refuses in one line before it reads a file."""
     args = parse_args(argv)
     check_ranges(args, NUMBER_RANGES)
-    if not os.path.isdir(args.dir):
-        raise UserError(f"--dir {args.dir}: {'not a directory' if os.path.exists(args.dir) else 'no such directory'}")
+    expect_path(args.dir, "--dir", "directory")
     return args
 
 

@@ -235,13 +235,41 @@ def _unlock(lock: str, me: str) -> None:
                 os.remove(lock)
 
 
+def path_kind(path: str) -> str:
+    """What is at ``path``, in the words of an error line."""
+    if os.path.islink(path) and not os.path.exists(path):
+        return "a broken symbolic link (what it points to does not exist)"
+    if not os.path.exists(path):
+        return "no such file or directory"
+    if os.path.isdir(path):
+        return "a directory" + ("" if os.access(path, os.R_OK | os.X_OK) else " that cannot be read")
+    if os.path.isfile(path):
+        return "a file" + ("" if os.access(path, os.R_OK) else " that cannot be read")
+    return "neither a file nor a directory"
+
+
+def looks_like_a_path(name: str) -> bool:
+    """A name that can only mean a local path (a Hub id has no leading dot or slash), or one that exists."""
+    return os.path.lexists(name) or name.startswith((".", os.sep)) or name.count(os.sep) > 1
+
+
+def expect_path(path: str, flag: str, wanted: str) -> None:
+    """Refuse, saying what is there instead, a path that is not a readable ``wanted`` ("file" or
+    "directory")."""
+    if not path.strip():
+        raise UserError(f"{flag}: an empty path")
+    kind = path_kind(path)
+    if kind != f"a {wanted}":
+        raise UserError(f"{flag} {path}: {kind}" + ("" if kind.startswith(f"a {wanted}") else f", not a {wanted}"))
+
+
 def check_output_dir(path: str, summary_file: str, flag: str = "--output_dir") -> None:
     """Whether a run can write into ``path``, told without writing anything: a file in the way, no
     writable directory above it, a summary file that is a directory."""
     if not path.strip():
         raise UserError(f"{flag}: an empty path")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UserError(f"{flag} {path}: not a directory")
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise UserError(f"{flag} {path}: {path_kind(path)}, not a directory")
     existing = path
     while not os.path.exists(existing):
         existing = os.path.dirname(existing.rstrip(os.sep)) or "."
@@ -254,8 +282,8 @@ def check_writable_file(path: str, flag: str) -> None:
     """A file the command will write: not a directory, in a directory it can write."""
     if not path.strip():
         raise UserError(f"{flag}: an empty path")
-    if os.path.isdir(path):
-        raise UserError(f"{flag} {path}: a directory; a file goes there")
+    if os.path.isdir(path) or (os.path.lexists(path) and not os.path.isfile(path)):
+        raise UserError(f"{flag} {path}: {path_kind(path)}; the script writes a file there")
     check_output_dir(os.path.dirname(path) or ".", os.path.basename(path), flag)
 
 

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from fsdp2bench.cli import UserError, one_line
+from fsdp2bench.cli import UserError, expect_path, looks_like_a_path, one_line
 from fsdp2bench.weights import SharedWeights, place
 
 # Built-in model shapes, so that no run needs the Hub. All are Qwen2 decoders;
@@ -41,16 +41,14 @@ def load_config(model: str):
 
     if model in PRESETS:
         return Qwen2Config(**PRESETS[model], **QWEN2_COMMON)
+    if looks_like_a_path(model):
+        expect_path(model, "--model", "directory")
     if os.path.isdir(model):
         check_config_file(model)
         try:
             config = AutoConfig.from_pretrained(model)
         except Exception as exc:  # an unknown model_type, a field transformers refuses...
             raise UserError(f"--model {model}: transformers cannot read its config.json ({one_line(exc)})") from None
-    elif os.path.exists(model):
-        raise UserError(f"--model {model}: not a directory (a model directory holds config.json)")
-    elif os.path.sep in model or model.startswith("."):
-        raise UserError(f"--model {model}: no such directory")
     else:
         try:
             config = AutoConfig.from_pretrained(model)

@@ -50,7 +50,7 @@ def test_refuses_missing_dir_empty_dir_corrupt_and_foreign_json(tmp_path):
     cases["foreign"] = tmp_path / "foreign"
     cases["foreign"].mkdir()
     (cases["foreign"] / f"{VARIANTS[0]}_memory_usage.json").write_text('{"hello": 1}')
-    expected = {"missing": "no such directory", "empty": "no <variant>_memory_usage.json",
+    expected = {"missing": "no such file or directory", "empty": "no <variant>_memory_usage.json",
                 "corrupt": "not valid JSON", "foreign": "missing timestamps"}
     for case, directory in cases.items():
         proc = run_script(["visualize.py", "--dir", str(directory)], nproc=None)

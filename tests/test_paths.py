@@ -1,0 +1,71 @@
+"""Every path option of every script, given each kind of path: the error line says what is there."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import loading
+import main
+import matrix
+import plan
+import speed
+import visualize
+from fsdp2bench.cli import UserError
+
+MISSING, BROKEN_LINK, FILE, DIRECTORY = "missing", "a broken link", "a file", "a directory"
+# What the error line says of each kind where the option reads a directory or a file.
+READ = {"directory": {MISSING: "no such file or directory", BROKEN_LINK: "a broken symbolic link",
+                      FILE: "a file, not a directory"},
+        "file": {MISSING: "no such file or directory", BROKEN_LINK: "a broken symbolic link",
+                 DIRECTORY: "a directory, not a file"}}
+# Where it writes a directory (created if missing) or a file.
+WRITE = {"directory": {BROKEN_LINK: "a broken symbolic link", FILE: "a file, not a directory"},
+         "file": {BROKEN_LINK: "a broken symbolic link", DIRECTORY: "a directory; the script writes a file there"}}
+
+
+def matrix_validate(argv: list[str]) -> None:
+    matrix.check(*matrix.parse_args(argv))
+
+
+# (script, how it checks a command line, flag, what it reads or writes, the rest of a valid command line)
+OPTIONS = [
+    ("main.py", main.validate, "--dataset", READ["file"], ["--device", "cpu"]),
+    ("main.py", main.validate, "--tokenizer", READ["directory"], ["--device", "cpu"]),
+    ("main.py", main.validate, "--model", READ["directory"], ["--device", "cpu"]),
+    ("main.py", main.validate, "--output_dir", WRITE["directory"], ["--device", "cpu"]),
+    ("loading.py", loading.validate, "--checkpoint", READ["directory"], ["--device", "cpu"]),
+    ("loading.py", loading.validate, "--model", READ["directory"], ["--device", "cpu"]),
+    ("loading.py", loading.validate, "--output_dir", WRITE["directory"], ["--device", "cpu"]),
+    ("speed.py", speed.validate, "--baseline", READ["directory"], ["--", "--device", "cpu"]),
+    ("speed.py", speed.validate, "--json", WRITE["file"], ["--", "--device", "cpu"]),
+    ("visualize.py", visualize.validate, "--dir", READ["directory"], []),
+    ("matrix.py", matrix_validate, "--output_dir", WRITE["directory"], ["--device", "cpu"]),
+    ("plan.py", plan.validate, "--model", READ["directory"], ["--device", "cpu"]),
+    ("plan.py", plan.validate, "--output_dir", WRITE["directory"], ["--device", "cpu"]),
+]
+CASES = [(script, check, flag, kind, words, rest) for script, check, flag, said, rest in OPTIONS
+         for kind, words in said.items()]
+
+
+def make(tmp_path, kind: str) -> str:
+    path = tmp_path / "given path"
+    if kind == BROKEN_LINK:
+        os.symlink(tmp_path / "gone", path)
+    elif kind == FILE:
+        path.write_text("some text")
+    elif kind == DIRECTORY:
+        path.mkdir()
+    return str(path)
+
+
+@pytest.mark.parametrize("script, check, flag, kind, words, rest", CASES,
+                         ids=[f"{c[0]} {c[2]} {c[3]}" for c in CASES])
+def test_a_path_option_says_what_the_path_is(script, check, flag, kind, words, rest, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the scripts' default output directories land here
+    path = make(tmp_path, kind)
+    with pytest.raises(UserError) as refused:
+        check([flag, path, *(["--output_dir", str(tmp_path / "out")] if flag != "--output_dir" and script not in
+                             ("visualize.py", "speed.py") else []), *rest])
+    assert str(refused.value).startswith(f"{flag} {path}: ") and words in str(refused.value), str(refused.value)
