@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import re
+import textwrap
 
 import matplotlib
 
@@ -170,6 +171,56 @@ def save(fig, path: str, dpi: int = 110, rect: tuple = (0, 0, 1, 1)) -> None:
             os.remove(tmp)
 
 
+LEGEND_FONT = 7
+
+
+def finish_axes(ax, legend_font: float = LEGEND_FONT) -> None:
+    """Every axes' last step: a line drawn over another with the same points says so in its label,
+    the legend goes beside the axes (never over the data), and the title folds to fit."""
+    name_coinciding(ax)
+    if any(not line.get_label().startswith("_") for line in ax.get_lines()):
+        ax.legend(fontsize=legend_font, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    title = ax.get_title()
+    if title:  # from the axes' left edge, folded to about half the figure's width (the legend takes the rest)
+        width = ax.figure.get_figwidth() * ax.get_position().width * 0.55
+        ax.set_title("")
+        ax.set_title(textwrap.fill(title, max(30, int(width * 72 / (0.6 * ax.title.get_fontsize())))), loc="left",
+                     fontsize=ax.title.get_fontsize())
+
+
+def name_coinciding(ax) -> None:
+    """A labelled line with the same points as one drawn after it lies under it: its label says so."""
+    lines = [line for line in ax.get_lines() if not line.get_label().startswith("_")]
+    for i, low in enumerate(lines):
+        below = next((high for high in lines[i + 1:] if _same_points(low, high)), None)
+        if below is not None:  # the other's name: its label up to the first colon or comma
+            low.set_label(f"{low.get_label()} (under {re.split('[:,]', below.get_label())[0]}'s)")
+
+
+def _same_points(a, b) -> bool:
+    xa, ya = (list(map(nan_if_none, v)) for v in a.get_data())
+    xb, yb = (list(map(nan_if_none, v)) for v in b.get_data())
+    return len(xa) > 1 and len(xa) == len(xb) and all(
+        (p == q) or (p != p and q != q) for p, q in zip(xa + ya, xb + yb))
+
+
+def fit_y_axis(ax, label: str) -> None:
+    """From zero, so that magnitudes compare, with room above the highest point; where the lines all lie
+    within a tenth of their height, zoomed to them instead (else they cannot be told apart), and said."""
+    values = [v for line in ax.get_lines() for v in line.get_ydata() if v is not None and v == v]
+    if not values:
+        ax.set_ylabel(label)
+        return
+    low, high = min(values), max(values)
+    span = high - low
+    if high > 0 and 0 < span < 0.1 * high:
+        ax.set_ylim(low - span * 0.3, high + span * 0.3)
+        ax.set_ylabel(f"{label}, axis not from zero")
+    else:
+        ax.set_ylim(min(0.0, low), max(high, 1e-9) * 1.08)
+        ax.set_ylabel(label)
+
+
 def nan_if_none(value):
     return float("nan") if value is None else value
 
@@ -215,12 +266,10 @@ def plot_memory(runs: dict, keys: tuple, path: str, threshold: float, partition:
     bottom.set_xlabel("optimizer step")
     first_line = "peak within each step (allocator counter, solid); " if peak_key else ""
     bottom.set_title(f"{what} per step: {first_line}after the step (dotted); rank 0 thick, the others thin (MiB)")
-    for ax in (top, bottom):
-        ax.set_ylabel(f"{what} (MiB)")
-        ax.set_ylim(bottom=0)  # magnitudes are compared: a 2% difference must look like one
+    for ax, font in ((top, 8), (bottom, 6)):
+        fit_y_axis(ax, f"{what} (MiB)")
         ax.grid(alpha=0.3)
-    top.legend(fontsize=8, loc="lower right")  # the curves sit high on an axis from zero
-    bottom.legend(fontsize=6, ncol=2, loc="lower right")
+        finish_axes(ax, font)
     save(fig, path)
     return True
 
@@ -241,7 +290,7 @@ def plot_loss(runs: dict, path: str) -> None:
     ax.set_ylabel("training loss (rank 0's batches)")
     ax.set_title("Loss per step: the unfixed variant never trains")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    finish_axes(ax, 8)
     save(fig, path, dpi=120)
 
 
@@ -270,17 +319,17 @@ def plot_projection(summary: dict, path: str) -> bool:
     crossover = proj.get("unfixed_costs_more_from_world_size")
     if crossover:
         ax.axvline(crossover, color="grey", ls="--", lw=1)
-        ax.annotate(f"unfixed costs more at the peak from N = {crossover}", (crossover, ax.get_ylim()[1] * 0.9),
-                    xytext=(6, 0), textcoords="offset points", fontsize=9)
+        ax.annotate(f"unfixed: more\nfrom N = {crossover}", (crossover, ax.get_ylim()[1] * 0.9),
+                    xytext=(4, 0), textcoords="offset points", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(n) for n in sizes])
     ax.set_xlabel("world size N (ranks)")
-    ax.set_ylabel(f"state only: parameters + gradients + optimizer state + stale parameters per rank ({unit_name})")
+    ax.set_ylabel(f"state per rank ({unit_name})")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"Expected state per rank for {summary['meta']['model']} (the three intended variants coincide); "
-                 "stars: measured in this run")
+    ax.set_title(f"Expected state per rank for {summary['meta']['model']}: parameters + gradients + optimizer state "
+                 "+ stale parameters (the sharding rule); stars: measured in this run")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    finish_axes(ax)
     save(fig, path)
     return True
 
@@ -329,7 +378,8 @@ def plot_loading(loads: dict, path: str) -> None:
         ax.set_title(f"{what.split(' (')[0]} while loading")
         ax.grid(alpha=0.3)
         if ax.lines:
-            ax.legend(fontsize=7)
+            fit_y_axis(ax, what)
+            finish_axes(ax)
         else:
             ax.text(0.5, 0.5, "no data (CPU run)", ha="center", transform=ax.transAxes)
     save(fig, path)
@@ -362,7 +412,7 @@ def plot_loading_sweep(summary: dict, path: str) -> None:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         if ax.lines:
-            ax.legend(fontsize=7)
+            finish_axes(ax)
         else:
             ax.text(0.5, 0.5, "no data (CPU run)", ha="center", transform=ax.transAxes)
     fig.suptitle(f"loading {summary['model']} from a {summary['checkpoint']['dtype']} "
@@ -417,7 +467,8 @@ def plot_simulated(summary: dict, path: str) -> None:
     played = "rank 0" if ranks == [0] else f"ranks {', '.join(map(str, ranks))}"
     top.set_title(f"{summary['meta']['model']}, per rank against world size N: simulated N, one process playing "
                   f"{played}")
-    top.set_ylabel(f"{unit_name} per rank: lines and crosses state only, dots measured peaks")
+    top.set_ylabel(f"{unit_name} per rank: lines and crosses state only" + (", dots measured peaks" if measured_any
+                                                                              else ""))
     bottom.set_title("measured beyond the state: peak allocated in training minus the state held at the step peak")
     bottom.set_ylabel(f"{unit_name} per rank")
     if not measured_any:
@@ -427,8 +478,7 @@ def plot_simulated(summary: dict, path: str) -> None:
         ax.set_xticks(sizes, [str(n) for n in sizes])
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=7)
+        finish_axes(ax)
     bottom.set_xlabel("world size N (ranks)")
     save(fig, path)
 

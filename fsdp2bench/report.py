@@ -326,7 +326,8 @@ def explanations(summary: dict) -> list[str]:
     proj = summary.get("projection") or {}
     n = proj.get("unfixed_costs_more_from_world_size")
     if n is not None:
-        there = proj["state_bytes_there"]
+        there = proj.get("state_bytes_there") or {name: cell["before_zero_grad"]  # a summary of before the exact N
+                                                  for name, cell in proj["per_rank_state_bytes"][str(n)].items()}
         out.append(f"At the step peak the unfixed variant's state (P + 2P/N) exceeds the intended one's (4P/N) "
                    f"from N = {n} ranks on: {_size(there[UNFIXED])} vs {_size(there[proj['reference']])} per rank "
                    f"there (the sharding rule at every N; projection in summary.json).")

@@ -35,7 +35,11 @@ def environment(**extra: str) -> dict:
 
 
 LAUNCHES_TMP: list[str] = []  # the temp dir of every process the tests launch
-LEFT_BY_LAUNCHERS = ("torchelastic_", "pymp-")  # torchrun's logs; multiprocessing's, when a test kills it
+# torchrun's logs; multiprocessing's, when a test kills it; torch's compiled-kernel cache
+LEFT_BY_LAUNCHERS = ("torchelastic_", "pymp-", "torchinductor_")
+# Names that a test run can leave in the machine's temp dir (the project's, the launchers', tempfile's
+# default), so that what another program writes there meanwhile is not counted.
+OURS = ("fsdp2bench", "tmp", *LEFT_BY_LAUNCHERS)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -46,7 +50,7 @@ def nothing_left_in_the_temp_dir(tmp_path_factory):
     before = set(os.listdir(machine))
     LAUNCHES_TMP.append(str(tmp_path_factory.mktemp("launches_tmp")))
     yield
-    left = sorted(set(os.listdir(machine)) - before)
+    left = sorted(n for n in set(os.listdir(machine)) - before if n.startswith(OURS))
     ours = sorted(n for n in os.listdir(LAUNCHES_TMP[0]) if not n.startswith(LEFT_BY_LAUNCHERS))
     assert not left and not ours, f"left in {machine}: {left}; by the launched processes: {ours}"
 

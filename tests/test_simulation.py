@@ -84,6 +84,7 @@ def test_the_unfixed_state_exceeds_the_intended_one_from_the_smallest_n_where_th
     assert "state held at the step peak exceeds every intended variant's first at N = 5 of the simulated 5, 8; " \
         "by the sharding rule from N = 3 on." in proc.stdout
     assert "Simulated world sizes (tiny): one process played each rank shown" in proc.stdout
+    assert max(len(line) for line in proc.stdout.splitlines()) <= 120  # the console's stated width
 
 
 def test_a_last_rank_that_holds_the_bytes_of_rank_0_is_not_played_twice(tmp_path):

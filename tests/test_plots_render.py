@@ -1,0 +1,135 @@
+"""Every figure the project draws, rendered and inspected: every text inside the figure, no legend
+over a data point, every legend entry visible or said to coincide with another, and every label that
+promises a marker has one. The checker itself is checked on figures broken on purpose."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import pytest
+from conftest import ROOT, TINY, run_script
+
+from fsdp2bench import plots
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+COINCIDE = ("coincide", " = ", "under ")  # how a label says its line lies under another's
+MARKER_WORDS = {"dots": ("o", "."), "crosses": ("x", "X", "+"), "stars": ("*",)}
+
+
+def _points(line) -> np.ndarray:
+    xy = np.asarray(line.get_xydata(), dtype=float)
+    xy = xy[np.isfinite(xy).all(axis=1)] if xy.size else xy.reshape(0, 2)
+    return line.get_transform().transform(xy) if len(xy) else xy
+
+
+def _legends(fig) -> list:
+    return [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None] + list(fig.legends)
+
+
+def figure_problems(fig) -> list[str]:
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    box, problems = fig.bbox, []
+    undrawn = {id(label) for ax in fig.axes for axis in (ax.xaxis, ax.yaxis) for tick in axis.get_major_ticks()
+               + axis.get_minor_ticks() for label in (tick.label1, tick.label2)}
+    undrawn -= {id(label) for ax in fig.axes for axis in (ax.xaxis, ax.yaxis) for tick in axis._update_ticks()
+                for label in (tick.label1, tick.label2)}  # the ticks within the view are the ones drawn
+    for text in fig.findobj(matplotlib.text.Text):
+        if text.get_visible() and text.get_text().strip() and id(text) not in undrawn:
+            b = text.get_window_extent(renderer)
+            if b.x0 < box.x0 - 1 or b.y0 < box.y0 - 1 or b.x1 > box.x1 + 1 or b.y1 > box.y1 + 1:
+                problems.append(f"text outside the figure: {text.get_text()[:60]!r}")
+    for legend in _legends(fig):
+        frame = legend.get_window_extent(renderer)
+        for ax in fig.axes:
+            for line in ax.get_lines():
+                pts = _points(line)
+                inside = (pts[:, 0] > frame.x0) & (pts[:, 0] < frame.x1) & (pts[:, 1] > frame.y0) & (pts[:, 1] < frame.y1)
+                if len(pts) and inside.any() and line.get_visible():
+                    problems.append(f"a legend covers a point of {line.get_label()!r}")
+    for ax in fig.axes:
+        lines = [ln for ln in ax.get_lines() if not ln.get_label().startswith("_")]
+        for i, low in enumerate(lines):
+            for high in lines[i + 1:]:
+                a, b = np.asarray(low.get_xydata(), float), np.asarray(high.get_xydata(), float)
+                if a.shape == b.shape and len(a) > 1 and np.allclose(a, b, equal_nan=True) and \
+                        not any(w in low.get_label() for w in COINCIDE):
+                    problems.append(f"{low.get_label()!r} lies under {high.get_label()!r} and does not say so")
+    texts = [t.get_text() for t in fig.findobj(matplotlib.text.Text)]
+    markers = {ln.get_marker() for ax in fig.axes for ln in ax.get_lines() if len(_points(ln))}
+    for word, kinds in MARKER_WORDS.items():
+        if any(word in t for t in texts) and not markers & set(kinds):
+            problems.append(f"a label promises {word} and none is drawn")
+    return problems
+
+
+@pytest.fixture
+def drawn(monkeypatch) -> dict[str, list[str]]:
+    """{file: problems} of every figure plots.save writes while the test runs."""
+    found: dict[str, list[str]] = {}
+    real_save = plots.save
+
+    def checked_save(fig, path, dpi=110, rect=(0, 0, 1, 1)):
+        fig.tight_layout(rect=rect)
+        found[Path(path).name] = figure_problems(fig)
+        real_save(fig, path, dpi, rect)
+
+    monkeypatch.setattr(plots, "save", checked_save)
+    return found
+
+
+def draw(directory: Path, tmp_path: Path, monkeypatch) -> None:
+    import visualize
+
+    target = tmp_path / "drawn" / directory.name
+    shutil.copytree(directory, target, ignore=shutil.ignore_patterns("*.png"))
+    monkeypatch.chdir(ROOT)
+    visualize.plot(visualize.validate(["--dir", str(target)]))
+
+
+COMMITTED = ["results/h200/default_1.5b", "results/h200/sweep_1.5b", "results/h200/matrix_1.5b",
+             "results/h200/loading_1.5b/simulated", "results/h200x2", "results/h200/plan_1.5b/cap80_partial"]
+
+
+@pytest.mark.parametrize("directory", COMMITTED)
+def test_the_figures_of_the_committed_gpu_results_are_clean(directory, drawn, tmp_path, monkeypatch):
+    draw(ROOT / directory, tmp_path, monkeypatch)
+    assert drawn and not {k: v for k, v in drawn.items() if v}
+
+
+def test_the_figures_of_cpu_runs_are_clean(drawn, tmp_path, monkeypatch, suite):
+    out, _ = suite
+    sweep = tmp_path / "sweep"
+    assert run_script(["main.py", *TINY, "--max_steps", "2", "--simulate_world_size", "2,8",
+                       "--output_dir", str(sweep)]).returncode == 0
+    loads = tmp_path / "loading"
+    assert run_script(["loading.py", "--model", "small", "--device", "cpu", "--modes", "accelerate,naive,sharded_read",
+                       "--output_dir", str(loads)], timeout=600).returncode == 0
+    for directory in (out, sweep, loads):
+        draw(directory, tmp_path, monkeypatch)
+    assert {"rss_memory.png", "loss.png", "memory_vs_world_size.png", "loading_memory.png"} <= set(drawn)
+    assert not {k: v for k, v in drawn.items() if v}
+
+
+def test_the_checker_sees_a_label_outside_and_a_legend_over_data():
+    fig, ax = plt.subplots()
+    ax.plot([0, 1, 2], [0, 1, 2], label="a")
+    ax.plot([0, 1, 2], [0, 1, 2], label="b")
+    ax.legend(loc="upper left", bbox_to_anchor=(0.0, 1.0))
+    ax.set_ylabel("dots: measured")
+    ax.text(1.5, 0, "far right", transform=ax.transAxes)
+    problems = figure_problems(fig)
+    plt.close(fig)
+    assert any(p.startswith("text outside the figure: 'far right'") for p in problems), problems
+    assert "'a' lies under 'b' and does not say so" in problems
+    assert "a label promises dots and none is drawn" in problems
+    fig, ax = plt.subplots()
+    ax.plot([0, 1, 2], [0, 2, 0], label="c")
+    ax.legend(loc="upper center")  # right on top of the line's peak
+    assert any("a legend covers a point of 'c'" in p for p in figure_problems(fig))
+    plt.close(fig)
