@@ -32,6 +32,7 @@ from fsdp2bench.loading import (CHECKPOINT_DTYPES, MODES, NEEDS_PEERS, SIMULABLE
                                 print_simulated, print_table, summarise, write_checkpoint_process)
 from fsdp2bench.model import PRESETS, default_model
 from fsdp2bench.session import ModelFacts, Session, model_facts, open_session, say_interrupted
+from fsdp2bench.versions import check_releases
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,8 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="format of a checkpoint written here (default: safetensors)")
     p.add_argument("--checkpoint_dtype", choices=list(CHECKPOINT_DTYPES), default="bfloat16",
                    help="dtype of a checkpoint written here (default: bfloat16, as published checkpoints)")
-    p.add_argument("--checkpoint_shard_size", default="2GB", help="max file size of a written checkpoint (default: 2GB)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated loading modes: {', '.join(MODES)} (default: all of them)")
+    p.add_argument("--checkpoint_shard_size", default="2GB",
+                   help="max file size of a written checkpoint (default: 2GB)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated loading modes: {', '.join(MODES)} (default: all of them)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto: CUDA when a GPU is present, else CPU with gloo (default: auto)")
     p.add_argument("--output_dir", default="out_loading",
@@ -113,6 +116,7 @@ def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[st
     checkpoint's every file is opened (headers read, ``.bin`` files mapped) here."""
     launcher_keeps_to_one_thread()  # before this process computes anything: it forks the children
     args = parse_args(argv)
+    check_releases()
     check_launcher_env()
     modes = check_args(args)
     device_type = pick_device(args.device).type

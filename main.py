@@ -37,6 +37,7 @@ from fsdp2bench.names import VARIANTS
 from fsdp2bench.runner import FailureSpec, TrainConfig
 from fsdp2bench.session import ModelFacts, Session, model_facts, open_session, say_interrupted
 from fsdp2bench.suite import Suite, run_sweep, run_variants
+from fsdp2bench.versions import check_releases
 
 
 def parse_failure(text: str) -> FailureSpec:
@@ -291,6 +292,7 @@ def validate(argv: list[str] | None = None) -> Checked:
     in-process with hostile command lines)."""
     launcher_keeps_to_one_thread()  # before this process computes anything: it forks the children
     args = parse_args(argv)
+    check_releases()
     launch_rank, launch_world = check_launcher_env()
     names, fsdp_options = check_args(args, launch_world)
     device_type = pick_device(args.device).type

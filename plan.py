@@ -35,6 +35,7 @@ from fsdp2bench.probes import BATCH, BLOCK, PROBE_STEPS, ProbeRunner, Question, 
 from fsdp2bench.runner import TrainConfig
 from fsdp2bench.session import ModelFacts, model_facts, open_session, say_interrupted
 from fsdp2bench.simulation import check_fake_group_available, parse_world_sizes
+from fsdp2bench.versions import check_releases
 
 DEFAULT_VARIANTS = f"{INTENDED[0]},accelerate"
 SEED = 421  # main.py's: the weights are drawn the same way
@@ -101,6 +102,7 @@ def validate(argv: list[str] | None = None) -> Checked:
     """Everything plan.py refuses, in one line, before any probe runs."""
     launcher_keeps_to_one_thread()
     args = parse_args(argv)
+    check_releases()
     if check_launcher_env()[1] != 1:
         raise UserError("plan.py is one process that plays every rank: run it with python3, not a launcher")
     check_ranges(args, NUMBER_RANGES)

@@ -72,18 +72,19 @@ def launch_phases(timeline: dict, launched: float, wall: float) -> dict:
     return {name: max(0.0, seconds) for name, seconds in phases_s.items()}
 
 
-def launcher(nproc: int, tree: str, main_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", os.path.join(tree, "main.py"),
+def launcher(nproc: int, tree: str, main_args: list[str], python: str = sys.executable) -> list[str]:
+    return [python, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", os.path.join(tree, "main.py"),
             *main_args]
 
 
-def time_baseline(tree: str, nproc: int, main_args: list[str], output_dir: str) -> dict:
-    """The other version's default run on the same work, timed from launch to exit."""
+def time_baseline(tree: str, nproc: int, main_args: list[str], output_dir: str, python: str) -> dict:
+    """The other version's (or environment's) run on the same work, timed from launch to exit."""
     tree, output_dir = os.path.abspath(tree), os.path.abspath(f"{output_dir}_baseline")
     start = time.perf_counter()
-    code = wait_passing_interrupt(subprocess.Popen(launcher(nproc, tree, [*main_args, "--output_dir", output_dir]),
-                                                   cwd=tree))
-    return {"tree": tree, "output_dir": output_dir, "suite_wall_s": time.perf_counter() - start, "exit_code": code}
+    code = wait_passing_interrupt(subprocess.Popen(
+        launcher(nproc, tree, [*main_args, "--output_dir", output_dir], python), cwd=tree))
+    return {"tree": tree, "python": python, "output_dir": output_dir, "suite_wall_s": time.perf_counter() - start,
+            "exit_code": code}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,11 +92,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nproc_per_node", type=int, default=2,
                    help="ranks of the timed launch: 1 runs main.py with python, more with torchrun (default: 2)")
     p.add_argument("--json", default="speed.json", help="where to write the result (default: speed.json)")
-    p.add_argument("--output_dir", default="out_speed", help="main.py's output directory for this run (default: out_speed)")
+    p.add_argument("--output_dir", default="out_speed",
+                   help="main.py's output directory for this run (default: out_speed)")
     p.add_argument("--baseline", default=None, metavar="DIR",
                    help="DIR holds the tree of another version (a git archive of it): its main.py runs first with "
                         "the same arguments, in the same call, and speed.json gets both walls and their ratio "
                         "(default: none)")
+    p.add_argument("--baseline_python", default=None, metavar="PYTHON",
+                   help="PYTHON, another environment's interpreter, runs the baseline (this tree where --baseline "
+                        "is not given): speed.json then compares the two environments' libraries on the same work, "
+                        "their versions, peaks and losses (default: this interpreter)")
     p.add_argument("main_args", nargs=argparse.REMAINDER, help="arguments for main.py, after -- (default: none)")
     return p.parse_args(argv)
 
@@ -112,6 +118,11 @@ def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[st
         expect_path(args.baseline, "--baseline", "directory")
     if args.baseline is not None and not os.path.isfile(os.path.join(args.baseline, "main.py")):
         raise UserError(f"--baseline {args.baseline}: not a tree of this project (no main.py in it)")
+    if args.baseline_python is not None:
+        expect_path(args.baseline_python, "--baseline_python", "file")
+        if not os.access(args.baseline_python, os.X_OK):
+            raise UserError(f"--baseline_python {args.baseline_python}: a file that cannot be run")
+        args.baseline = args.baseline or os.path.dirname(os.path.abspath(__file__))
     extra = [a for a in args.main_args if a != "--"]
     benchmark.validate([*extra, "--output_dir", args.output_dir])
     return args, extra
@@ -159,7 +170,7 @@ def baseline_did_the_same_work(summary: dict, runs: dict, baseline: dict) -> dic
     same = against_baseline(runs, finished_runs(theirs, baseline["output_dir"]))
     if same["runs_only_in_one"] or not same["runs_compared"]:
         return f"the two runs did not finish the same variants ({', '.join(same['runs_only_in_one']) or 'none'})"
-    return same
+    return {**same, "versions": {"this": summary["meta"].get("versions"), "baseline": theirs["meta"].get("versions")}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def timed(args: argparse.Namespace, extra: list[str]) -> int:
     """The baseline's launch, then this version's, timed; speed.json from this version's summary."""
-    baseline = time_baseline(args.baseline, args.nproc_per_node, extra, args.output_dir) if args.baseline else None
+    baseline = time_baseline(args.baseline, args.nproc_per_node, extra, args.output_dir,
+                             args.baseline_python or sys.executable) if args.baseline else None
     if baseline and baseline["exit_code"] != 0:
         print(f"error: the baseline run in {args.baseline} failed (exit code {baseline['exit_code']})", file=sys.stderr)
         return 2
@@ -225,6 +237,11 @@ def timed(args: argparse.Namespace, extra: list[str]) -> int:
     if same:
         print(f"against the baseline: {same['runs_compared']} runs, peaks equal to the byte: {same['peaks_equal']}, "
               f"losses bit-equal: {same['losses_bit_equal']}")
+        theirs = same["versions"]["baseline"] or {}
+        changed = {lib: (theirs.get(lib), v) for lib, v in (same["versions"]["this"] or {}).items()
+                   if theirs.get(lib) != v}
+        print("versions: " + (", ".join(f"{lib} {a} -> {b}" for lib, (a, b) in changed.items()) or "the same") +
+              "; per run, the peaks' differences (MiB, this minus the baseline) are in " + args.json)
     return code
 
 

@@ -207,7 +207,8 @@ def make_accelerator(device: torch.device, layer_classes: list[str], cpu_ram_eff
         cpu_ram_efficient_loading=cpu_ram_efficient_loading, reshard_after_forward=options.reshard_after_forward,
         mixed_precision_policy=None if autocast else mixed_precision_policy(options),
         activation_checkpointing=options.activation_checkpointing,
-        activation_checkpointing_offload=options.activation_checkpointing_offload,
+        # Named only when on: the field came in accelerate 1.15 (options.check_libraries refuses it before).
+        **({"activation_checkpointing_offload": True} if options.activation_checkpointing_offload else {}),
         cpu_offload=offload_policy(options, device))
     scaling = accelerate_scaling(options)
     # On the CPU its parallelism config would refuse the MULTI_CPU type it starts with: given after the switch.

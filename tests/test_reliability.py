@@ -12,7 +12,7 @@ import time
 
 import psutil
 import pytest
-from conftest import ROOT, TINY, VARIANTS, load, run_script, start_script
+from conftest import ROOT, TINY, VARIANTS, environment, load, run_script, start_script
 
 SHORT = [*TINY, "--max_steps", "3"]
 
@@ -139,7 +139,7 @@ def max_rss_mib(args: list[str]) -> float:
     code = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, check=True); "
             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
     proc = subprocess.run([sys.executable, "-c", code, sys.executable, *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+                          timeout=300, env=environment(), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return int(proc.stdout.strip()) / 1024
 
