@@ -236,8 +236,9 @@ def variants_at_once(args: argparse.Namespace, session: Session, names: list[str
         return int(args.concurrent_variants)
     sizes = simulation.parse_world_sizes(args.simulate_world_size) if args.simulate_world_size else None
     world, pieces = (min(sizes), len(names) * len(sizes)) if sizes else (session.world_size, len(names))
+    logits = concurrency.microbatch_logits_bytes(args.batch_size, args.block_size, session.config)
     decision = concurrency.decide(session.shapes, world, names, args.init_device, session.device.type, fsdp_options,
-                                  pieces, logits_bytes(args, session.config), cap) if session.rank == 0 else None
+                                  pieces, logits, cap) if session.rank == 0 else None
     k, reason = concurrency.agree(session.store, session.rank, decision)
     if session.rank == 0 and session.device.type == "cuda":
         print(f"{'Runs' if sizes else 'Variants'} at a time: {reason} (--concurrent_variants K chooses)", flush=True)
@@ -254,11 +255,6 @@ def per_optimizer_step(args: argparse.Namespace, fsdp_options: options.FsdpOptio
         step.update(sequences=k * b * world_size, tokens=k * b * t * world_size, mesh={"replicas": replicas,
                                                                                         "shards": shards})
     return step
-
-
-def logits_bytes(args: argparse.Namespace, config) -> int:
-    """One step's fp32 logits on one rank: a lower bound of its activations."""
-    return 4 * args.batch_size * args.block_size * config.vocab_size
 
 
 def build_threads() -> int:
@@ -313,7 +309,8 @@ def validate(argv: list[str] | None = None) -> Checked:
     # The smallest simulated N holds the most per rank.
     fit_world = simulation.parse_world_sizes(args.simulate_world_size)[0] if args.simulate_world_size else world
     concurrency.check_fits(facts.shapes, fit_world, names, args.init_device if device_type == "cuda" else "cpu",
-                           device_type, fsdp_options, logits_bytes(args, facts.config))
+                           device_type, fsdp_options,
+                           concurrency.microbatch_logits_bytes(args.batch_size, args.block_size, facts.config))
     cap = None if args.gpu_memory is None else concurrency.gpu_cap(args.gpu_memory, pick_device(args.device).index)
     return Checked(args, names, fsdp_options, facts, batches, cap)
 

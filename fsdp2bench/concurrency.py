@@ -69,6 +69,12 @@ def variant_need(shapes, world_size: int, name: str, options: FsdpOptions, logit
     return state + temporaries + int(model_bytes(shapes) * fraction) + LOGITS_COPIES * logits_bytes + FIXED_MARGIN
 
 
+def microbatch_logits_bytes(batch_size: int, block_size: int, config) -> int:
+    """One microbatch's fp32 logits on one rank: a step's largest allocation, and a lower bound of its
+    activations."""
+    return 4 * batch_size * block_size * config.vocab_size
+
+
 def activation_bytes_per_token(config, options: FsdpOptions) -> int:
     """What one more token per microbatch adds to a step's peak on the GPU (``HIDDEN_WIDTHS``)."""
     if options.activation_checkpointing_offload:
@@ -77,7 +83,7 @@ def activation_bytes_per_token(config, options: FsdpOptions) -> int:
         per_block = 2 * CHECKPOINT_WIDTHS * config.hidden_size
     else:
         per_block = 2 * (HIDDEN_WIDTHS * config.hidden_size + INTERMEDIATE_WIDTHS * config.intermediate_size)
-    logits = LOGITS_COPIES * 4 * config.vocab_size
+    logits = LOGITS_COPIES * microbatch_logits_bytes(1, 1, config)
     return int(ACTIVATION_MARGIN * (logits + config.num_hidden_layers * per_block))
 
 
@@ -181,9 +187,9 @@ def gpu_cap(gib: float | None, index: int) -> GpuCap:
     total, context = measure_gpu(index)
     cap = GpuCap(total / GIB if gib is None else gib, total, context)
     if cap.process_bytes > total:
-        raise UserError(f"--gpu_memory {gib:g}: more than this GPU's {total / GIB:.1f} GiB")
+        raise UserError(f"--gpu_memory {cap.gib:g}: more than this GPU's {total / GIB:.1f} GiB")
     if cap.allocator_bytes < MIN_ALLOCATOR:
-        raise UserError(f"--gpu_memory {gib:g}: under the {context / MIB:.0f} MiB that a process's CUDA context "
+        raise UserError(f"--gpu_memory {cap.gib:g}: under the {context / MIB:.0f} MiB that a process's CUDA context "
                         f"holds on this GPU, plus {MIN_ALLOCATOR / MIB:.0f} MiB for PyTorch; give at least "
                         f"{(context + MIN_ALLOCATOR) / GIB:.2f}")
     return cap

@@ -20,7 +20,8 @@ import psutil
 import torch
 
 from fsdp2bench import report
-from fsdp2bench.concurrency import GpuCap, activation_bytes_per_token, host_bytes, variant_need
+from fsdp2bench.concurrency import (GpuCap, activation_bytes_per_token, host_bytes, microbatch_logits_bytes,
+                                    variant_need)
 from fsdp2bench.data import rank_batches
 from fsdp2bench.fitting import Outcome, Search
 from fsdp2bench.isolation import Piece, StoreKeys, gather_records, has_keys, run_rolling
@@ -81,7 +82,7 @@ def search_for(question: Question, lower: int, upper: int, cap: GpuCap | None, c
     if cap is None:
         return Search(lower, upper)
     per_unit = activation_bytes_per_token(config, question.options) * question.fixed  # the other of batch, block
-    logits = 4 * config.vocab_size * question.fixed  # fp32 logits: a step's largest allocation
+    logits = microbatch_logits_bytes(1, question.fixed, config)  # per unit of the value searched
     return Search(lower, upper, cap.allocator_bytes / MIB, per_unit / MIB, logits / MIB, BLOCK_SHARE)
 
 
@@ -148,10 +149,8 @@ class ProbeRunner:
         if predicted is not None:
             expected = int(predicted * MIB * ROOM_MARGIN) + self.cap.context
         else:
-            batch, block = question.batch_and_block(value)
-            logits = 4 * batch * block * self.session.config.vocab_size
             expected = variant_need(self.session.shapes, question.world_size, question.variant, question.options,
-                                    logits)
+                                    microbatch_logits_bytes(*question.batch_and_block(value), self.session.config))
         return min(self.cap.process_bytes, expected)
 
     def fits_beside(self, probe: Probe, running: list[Probe]) -> bool:

@@ -197,10 +197,6 @@ def _mib(n_bytes: float) -> str:
     return f"{n_bytes / MIB:.1f}"
 
 
-def _size(n_bytes: float) -> str:
-    return size_said(n_bytes)
-
-
 def _gap_bytes(v: dict) -> int:
     """Largest difference, in bytes, between what a rank held and what the sharding rule predicts."""
     return max(abs(held[phase].get(k, 0) - exp[phase].get(k, 0)) for held, exp in zip(v["accounting"], v["expected"])
@@ -316,12 +312,12 @@ def explanations(summary: dict) -> list[str]:
         intended = [v["loss_drop"] for n, v in summary["variants"].items()
                     if n in INTENDED and v.get("status") == "ok" and v.get("loss_drop") is not None]
         beside = f"; the intended variants' fell {max(intended):.1%} on the same batches" if intended else ""
-        out.append(f"{UNFIXED}: its optimizer still holds {_size(rank0['stale_param_bytes'])} of full parameters "
+        out.append(f"{UNFIXED}: its optimizer still holds {size_said(rank0['stale_param_bytes'])} of full parameters "
                    f"per rank that the model no longer uses; they never get gradients, so AdamW never creates "
-                   f"state ({_size(rank0['optimizer_state_bytes'])}) and the model's weights never change (its loss "
+                   f"state ({size_said(rank0['optimizer_state_bytes'])}) and the model's weights never change (its loss "
                    f"fell {unfixed['loss_drop']:.1%} from the first to the last quarter of steps only because the "
                    f"batches differ{beside}); zero_grad() never reaches the model's sharded parameters, so their "
-                   f"{_size(rank0['grad_bytes'])} of gradients are never cleared.")
+                   f"{size_said(rank0['grad_bytes'])} of gradients are never cleared.")
     out += accumulation_sentences(summary)
     proj = summary.get("projection") or {}
     n = proj.get("unfixed_costs_more_from_world_size")
@@ -329,7 +325,7 @@ def explanations(summary: dict) -> list[str]:
         there = proj.get("state_bytes_there") or {name: cell["before_zero_grad"]  # a summary of before the exact N
                                                   for name, cell in proj["per_rank_state_bytes"][str(n)].items()}
         out.append(f"At the step peak the unfixed variant's state (P + 2P/N) exceeds the intended one's (4P/N) "
-                   f"from N = {n} ranks on: {_size(there[UNFIXED])} vs {_size(there[proj['reference']])} per rank "
+                   f"from N = {n} ranks on: {size_said(there[UNFIXED])} vs {size_said(there[proj['reference']])} per rank "
                    f"there (the sharding rule at every N; projection in summary.json).")
     return out
 
@@ -348,8 +344,8 @@ def accumulation_sentences(summary: dict) -> list[str]:
             if v.get("status") == "ok" and MICROBATCH_PHASE in v["accounting"][0]}
     if held:
         out.append("Between two microbatches of the last step (before its optimizer step) each rank held gradients "
-                   "not yet reduced: " + "; ".join(f"{name} {_size(h['unreduced_grad_bytes'])} unreduced, "
-                                                    f"{_size(h['grad_bytes'])} sharded" for name, h in held.items())
+                   "not yet reduced: " + "; ".join(f"{name} {size_said(h['unreduced_grad_bytes'])} unreduced, "
+                                                    f"{size_said(h['grad_bytes'])} sharded" for name, h in held.items())
                    + ".")
     return out
 

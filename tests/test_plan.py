@@ -110,6 +110,7 @@ def test_bad_input_is_refused_before_any_probe(argv, message, tmp_path):
 @pytest.mark.parametrize("gib, total, message", [
     (200, 139.8, "more than this GPU's 139.8 GiB"),
     (0.5, 139.8, "under the 527 MiB that a process's CUDA context holds"),
+    (None, 0.6, r"--gpu_memory 0.6: under the 527 MiB"),  # the default, the whole GPU, said by its size
 ])
 def test_a_cap_the_gpu_cannot_make_real_is_refused(monkeypatch, gib, total, message):
     monkeypatch.setattr(concurrency, "measure_gpu", lambda index: (int(total * 1024 * MIB), 527 * MIB))
