@@ -63,8 +63,10 @@ def check(args: argparse.Namespace, forwarded: list[str]) -> list[str]:
     if owned:
         raise UserError(f"--{owned[0]} is set by matrix.py for each launch from its option set; choose the sets "
                         f"with --option_sets")
-    plan, _ = matrix.launches(args.output_dir, sets, sweep_sizes(args), args.sweep_steps, args.nproc_per_node,
-                              forwarded)
+    plan, skipped = matrix.launches(args.output_dir, sets, sweep_sizes(args), args.sweep_steps, args.nproc_per_node,
+                                    forwarded)
+    if not plan:
+        raise UserError(f"nothing to run: {'; '.join(skipped)}")
     for _, _, main_args in plan:  # every launch's command line, as main.py will check it
         launch = benchmark.parse_args(main_args)
         benchmark.check_args(launch, max(1, args.nproc_per_node))

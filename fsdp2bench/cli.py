@@ -15,11 +15,16 @@ import socket
 import sys
 import tempfile
 import textwrap
+import time
 from typing import Callable
 
 
 class UserError(Exception):
-    """A problem the user can fix (bad flag, missing file); reported in one line."""
+    """A problem the user can fix (bad flag, missing file); reported in one line, once per launch."""
+
+
+class RankError(UserError):
+    """A problem of one rank's own (its launcher variables, its peers): every rank that meets it says so."""
 
 
 class Stopped(Exception):
@@ -92,8 +97,7 @@ def exit_with(run: Callable[[], int]) -> None:
     try:
         code = run()
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        refuse(exc)
     except (KeyboardInterrupt, Stopped) as exc:  # outside a run's own handling of interrupts
         if os.environ.get("RANK", "0") == "0":
             print(f"Interrupted ({exc or 'SIGINT'}); what was written is whole, nothing more is", file=sys.stderr)
@@ -107,6 +111,23 @@ def exit_with(run: Callable[[], int]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# How long a rank other than 0 keeps its refusal to itself: every rank checks the same command line,
+# so rank 0 says it and the launcher stops the rest; one still running after this says it itself.
+QUIET_REFUSAL_S = 5.0
+
+
+def refuse(exc: UserError) -> None:
+    """A refused launch: one line from rank 0, exit code 2. Under a launcher the other ranks refuse the
+    same command line; they stay quiet while rank 0 says why (the launcher then stops them)."""
+    rank = os.environ.get("RANK", "0")
+    if rank != "0" and not isinstance(exc, RankError):
+        time.sleep(QUIET_REFUSAL_S)
+        print(f"error: rank {rank}: {exc}", file=sys.stderr)
+    else:
+        print(f"error: {exc}", file=sys.stderr)
+    sys.exit(2)
 
 
 CONSOLE_WIDTH = 120
@@ -159,7 +180,19 @@ def pick_device(choice: str):
         raise UserError("--device cuda: no CUDA GPU is visible to this process")
     if choice == "cpu" or not has_gpu:
         return torch.device("cpu")
+    check_gpus_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def check_gpus_per_rank(local_ranks: int, gpus: int) -> None:
+    """Every rank of this node needs a GPU of its own (rank r takes cuda:LOCAL_RANK); refused before anything
+    starts, with the ways out."""
+    if local_ranks <= gpus:
+        return
+    raise UserError(f"{local_ranks} ranks were started on this node but {gpus} GPU{'s are' if gpus != 1 else ' is'} "
+                    f"visible to them, and each rank needs a GPU of its own: start {gpus} (--nproc_per_node {gpus}), "
+                    f"measure N = {local_ranks} on one GPU with --simulate_world_size {local_ranks}, or run on the "
+                    "CPU with --device cpu")
 
 
 def prepare_output_dir(path: str) -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
 
-from fsdp2bench.cli import UserError, expect_path, looks_like_a_path, one_line
+from fsdp2bench.cli import UserError, expect_path, looks_like_a_path, one_line, say
 from fsdp2bench.weights import SharedWeights, place
 
 # Built-in model shapes, so that no run needs the Hub. All are Qwen2 decoders;
@@ -193,7 +194,7 @@ def default_model(device_type: str, script: str = "main.py") -> str:
     if device_type == "cuda":
         return GPU_DEFAULT_MODEL
     if os.environ.get("RANK", "0") == "0":
-        print(f"No --model given and no GPU: {script} takes the {CPU_DEFAULT_MODEL} model, a functional run of a few "
-              f"minutes (main.py: 224 s on 2 cores). The real one on the CPU (hours): add --model "
-              f"{GPU_DEFAULT_MODEL}.", flush=True)
+        say(f"No --model given and no GPU: {script} takes the {CPU_DEFAULT_MODEL} model, a functional run of a few "
+            f"minutes (main.py: 224 s on 2 cores). The real one on the CPU (hours): add --model {GPU_DEFAULT_MODEL}.")
+        sys.stdout.flush()
     return CPU_DEFAULT_MODEL

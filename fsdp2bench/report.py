@@ -15,8 +15,11 @@ from fsdp2bench.options import FsdpOptions
 # Losses are compared step by step. On CPU the intended variants are bit-identical; on GPUs
 # accelerate groups its parameters differently, which may change bf16 rounding a little.
 LOSS_TOLERANCE = {"cpu": 0.0, "cuda": 1e-2}  # relative
-# The unfixed variant "trained" if its loss fell by more than this fraction.
-TRAINED_DROP = 0.01
+# Whether a loss fell is read against the spread of the loss over the run's batches: a drop counts when
+# it exceeds this many standard errors of the drop a model that never changes would show on them.
+STANDARD_ERRORS = 3
+# The fewest steps that tell a trend from the spread: two per quarter, and a line fitted with 6 left over.
+MIN_STEPS = 8
 PHASE_EVENTS = {"model_built": "build", "optimizer_created": "optimizer", "sharded": "shard"}
 
 
@@ -26,6 +29,40 @@ def loss_drop(losses: list[float]) -> float:
     first = sum(losses[:window]) / window
     last = sum(losses[-window:]) / window
     return (first - last) / first
+
+
+def _residual_squares(losses: list[float]) -> tuple[float, int]:
+    """Sum of squared residuals of the losses about their least-squares line, and its degrees of freedom:
+    the spread of the loss over the batches, with the variant's own trend taken out."""
+    n = len(losses)
+    mean_x, mean_y = (n - 1) / 2, sum(losses) / n
+    sxx = sum((x - mean_x) ** 2 for x in range(n))
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(losses)) / sxx
+    return sum((y - mean_y - slope * (x - mean_x)) ** 2 for x, y in enumerate(losses)), n - 2
+
+
+def drop_threshold(series: list[list[float]]) -> dict | None:
+    """The run's own bar for "the loss fell": STANDARD_ERRORS standard errors of the drop (first quarter's
+    mean against the last's, relative) that the batches alone would give, from the residual spread pooled
+    over the variants' loss series. None where the run has too few steps to tell (MIN_STEPS)."""
+    n = len(series[0]) if series else 0
+    if n < MIN_STEPS:
+        return None
+    squares = [_residual_squares(losses) for losses in series]
+    spread = math.sqrt(sum(s for s, _ in squares) / sum(dof for _, dof in squares))
+    window = max(1, n // 4)
+    first = min(sum(losses[:window]) / window for losses in series)
+    return {"threshold": STANDARD_ERRORS * spread * math.sqrt(2 / window) / first, "loss_spread": spread,
+            "steps": n}
+
+
+def steps_to_show(drop: float, bar: dict) -> int:
+    """About how many steps would lift ``drop`` above the bar, were the loss to go on falling at its pace:
+    the drop grows with the steps, the bar shrinks as one over the root of a quarter's steps."""
+    n = bar["steps"]
+    if drop <= 0:
+        return 2 * n
+    return math.ceil(n * (bar["threshold"] / drop) ** (2 / 3)) + 1
 
 
 def _across(values: list) -> dict:
@@ -171,20 +208,66 @@ def run_checks(variants: dict, device_type: str) -> dict:
                  for n in ran[1:]}
         checks["intended_losses_match"] = {"ok": not non_finite and all(d <= tol for d in diffs.values()),
                                            "reference": ran[0], "relative_tolerance": tol, "max_relative_diff": diffs}
-    if ran:
-        drops = {n: variants[n]["loss_drop"] for n in ran}
-        checks["intended_variants_trained"] = {"ok": not non_finite and all(d > 0 for d in drops.values()),
-                                               "loss_drop": drops} if ok[ran[0]]["steps"] >= 2 else \
-            {"ok": None, "skipped": "one step cannot show a falling loss"}
     counted = {n: v["accounting_matches_expected"] for n, v in ok.items()}
     if counted:
         checks["accounting_matches_expected"] = {"ok": all(counted.values()),
                                                  "mismatched": [n for n, good in counted.items() if not good]}
-    if UNFIXED in ok:
-        drop = variants[UNFIXED]["loss_drop"]
-        checks["unfixed_did_not_train"] = {"ok": UNFIXED not in non_finite and drop <= TRAINED_DROP,
-                                           "loss_drop": drop, "threshold": TRAINED_DROP}
+    checks.update(training_checks(ok, ran, non_finite))
     return checks
+
+
+def training_checks(ok: dict, ran: list[str], non_finite: dict) -> dict:
+    """Did the intended variants train, and did the unfixed one not? Both read a drop against one bar
+    (``drop_threshold``), so no drop passes both; where the run cannot tell (too few steps, or no intended
+    variant's loss fell beyond the spread of its batches), each says so and how many steps would."""
+    steps = min((v["steps"] for v in ok.values()), default=0)
+    bar = drop_threshold([v["losses"] for n, v in ok.items() if n not in non_finite])
+    checks = {}
+    if ran:
+        checks["intended_variants_trained"] = _trained_check({n: ok[n]["loss_drop"] for n in ran}, bar, steps,
+                                                             any(n in non_finite for n in ran))
+    if UNFIXED in ok:
+        checks["unfixed_did_not_train"] = _not_trained_check(ok[UNFIXED]["loss_drop"], bar, steps,
+                                                             UNFIXED in non_finite,
+                                                             checks.get("intended_variants_trained"))
+    return checks
+
+
+def _too_few_steps(steps: int) -> str:
+    return (f"{steps} step(s) cannot tell a falling loss from the spread of the loss over the batches; it needs at "
+            f"least {MIN_STEPS} steps")
+
+
+def _trained_check(drops: dict, bar: dict | None, steps: int, diverged: bool) -> dict:
+    if diverged:
+        return {"ok": False, "loss_drop": drops, "reason": "a loss is not a number"}
+    if bar is None:
+        return {"ok": None, "loss_drop": drops, "skipped": _too_few_steps(steps)}
+    found = {"loss_drop": drops, **bar}
+    if all(d > bar["threshold"] for d in drops.values()):
+        return {"ok": True, **found}
+    if any(d < -bar["threshold"] for d in drops.values()):
+        return {"ok": False, **found, "reason": "the loss rose beyond the spread of its batches"}
+    slowest = min(drops.values())
+    return {"ok": None, **found, "skipped": f"the loss fell {slowest:.2%}, within the spread of its batches "
+                                            f"(the bar is {bar['threshold']:.2%}); about {steps_to_show(slowest, bar)} "
+                                            "steps would show it"}
+
+
+def _not_trained_check(drop: float, bar: dict | None, steps: int, diverged: bool, trained: dict | None) -> dict:
+    """The unfixed variant's drop at most the bar: it did not train. Said only where the run could have
+    shown training (the intended variants' loss fell beyond the bar), or where no intended variant ran."""
+    if diverged:
+        return {"ok": False, "loss_drop": drop, "reason": "a loss is not a number"}
+    if bar is None:
+        return {"ok": None, "loss_drop": drop, "skipped": _too_few_steps(steps)}
+    found = {"loss_drop": drop, **bar}
+    if drop > bar["threshold"]:
+        return {"ok": False, **found, "reason": "its loss fell beyond the spread of its batches"}
+    if trained is not None and trained["ok"] is not True:
+        return {"ok": None, **found, "skipped": "the intended variants' loss did not fall beyond the spread of the "
+                                                "batches either, so a loss that stays is no evidence here"}
+    return {"ok": True, **found}
 
 
 # --------------------------------------------------------------------------- console
@@ -446,11 +529,42 @@ def print_sweep_table(summary: dict) -> None:
 
 
 def print_checks(checks: dict) -> None:
+    """One paragraph per check: its verdict, why where it did not pass, and its figures rounded."""
     for key, check in checks.items():
         verdict = "SKIPPED" if check["ok"] is None else "PASS" if check["ok"] else "FAIL"
-        say(f"check {key}: {verdict} ({', '.join(f'{k}={v}' for k, v in check.items() if k != 'ok')})", indent="  ")
+        why = check.get("skipped") or check.get("reason")
+        figures = ", ".join(f"{k}={figure_said(v)}" for k, v in check.items() if k not in ("ok", "skipped", "reason"))
+        say(f"check {key}: {verdict}{f': {why}' if why else ''}{f' ({figures})' if figures else ''}", indent="  ")
 
 
-def checks_passed(checks: dict) -> bool:
-    """A skipped check is neither passed nor failed: it does not fail the run."""
-    return all(c["ok"] is not False for c in checks.values())
+def figure_said(value) -> str:
+    """A check's figure for the console: numbers to 4 significant digits, mappings as name value pairs."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} {figure_said(v)}" for k, v in value.items()) + "}" if value else "none"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(figure_said(v) for v in value) + "]" if value else "none"
+    return str(value)
+
+
+def run_entries(summary: dict) -> list[tuple[str, dict]]:
+    """(label, entry) of every variant of a run, or of every run of a sweep."""
+    if summary.get("simulated"):
+        return [(f"{name} (N={n}, rank {rank})", e) for n, rank, name, e in simulated_entries(summary["simulated"])]
+    return list(summary.get("variants", {}).items())
+
+
+def why_failed(entries: list[tuple[str, dict]], checks: dict) -> str | None:
+    """The run's failure in one line: the variants that did not finish, then the checks that failed."""
+    parts = []
+    failed = [(label, e["status"][:120]) for label, e in entries if e["status"] != "ok"]
+    if failed and len(failed) == len(entries):
+        parts.append(f"no variant finished ({'; '.join(f'{label}: {status}' for label, status in failed)})")
+    elif failed:
+        parts.append("; ".join(f"{label}: {status}" for label, status in failed))
+    bad = [key for key, c in checks.items() if c["ok"] is False]
+    if bad:
+        parts.append("check" + ("s " if len(bad) > 1 else " ") + ", ".join(
+            f"{key} ({checks[key]['reason']})" if checks[key].get("reason") else key for key in bad) + " failed")
+    return "; ".join(parts) or None

@@ -12,7 +12,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fsdp2bench.cli import UserError, check_replaceable, lock_output_dir, one_line, pick_device, prepare_output_dir
+from fsdp2bench.cli import (RankError, check_replaceable, lock_output_dir, one_line, pick_device,
+                            prepare_output_dir)
 from fsdp2bench.isolation import STORE_TIMEOUT, StoreKeys, catch_interrupts, launcher_env, wait_for_keys
 from fsdp2bench.memory_model import model_bytes, param_shapes
 from fsdp2bench.model import build_meta_model, check_units_own_their_parameters, layer_class_names, load_config
@@ -91,7 +92,7 @@ def meet_peers(rank: int, world_size: int) -> dist.TCPStore:
     try:
         store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=PEER_WAIT_S)))
     except (dist.DistError, RuntimeError) as exc:
-        raise UserError(f"rank {rank}: the {world_size} rank(s) of WORLD_SIZE={world_size} did not all meet at "
+        raise RankError(f"rank {rank}: the {world_size} rank(s) of WORLD_SIZE={world_size} did not all meet at "
                         f"{where} within {PEER_WAIT_S:g} s ({one_line(exc)}); start every rank with the same "
                         f"WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torchrun does), or raise FSDP2_BENCH_PEER_WAIT_S")
     store.set_timeout(STORE_TIMEOUT)  # from here on a wait is for work, not for a rank to appear

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from fsdp2bench.cli import UserError, process_running, set_up_standard_streams
+from fsdp2bench.cli import RankError, UserError, process_running, set_up_standard_streams
 
 # The children's targets live in this package; transformers and accelerate are imported lazily by
 # the children, so importing them once in the server is what saves the time.
@@ -93,12 +93,12 @@ def check_launcher_env() -> tuple[int, int]:
     env = {name: os.environ.get(name, "").strip() for name in LAUNCHER_VARS}
     missing = [name for name, value in env.items() if not value]
     if missing:
-        raise UserError(f"{missing[0]} is not set in the environment but RANK is: a launcher sets all of "
+        raise RankError(f"{missing[0]} is not set in the environment but RANK is: a launcher sets all of "
                         f"{', '.join(LAUNCHER_VARS)} (torchrun, accelerate launch); set them all, or none")
     numbers = {}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         if not env[name].isdigit() or int(env[name]) > MAX_RANKS:
-            raise UserError(f"{name}={env[name]!r} in the environment is not an integer in [0, {MAX_RANKS}]")
+            raise RankError(f"{name}={env[name]!r} in the environment is not an integer in [0, {MAX_RANKS}]")
         numbers[name] = int(env[name])
     rank, world, local_rank, local_world, port = numbers.values()
     for ok, line in ((world >= 1, f"WORLD_SIZE={world} in the environment: a world has at least one rank"),
@@ -109,11 +109,11 @@ def check_launcher_env() -> tuple[int, int]:
                                                 f"LOCAL_WORLD_SIZE={local_world}"),
                      (1 <= port <= 65535, f"MASTER_PORT={port} in the environment is not a port (1 to 65535)")):
         if not ok:
-            raise UserError(line)
+            raise RankError(line)
     try:
         socket.getaddrinfo(env["MASTER_ADDR"], port)
     except OSError as exc:
-        raise UserError(f"MASTER_ADDR={env['MASTER_ADDR']!r} in the environment: no such host ({exc.strerror})") \
+        raise RankError(f"MASTER_ADDR={env['MASTER_ADDR']!r} in the environment: no such host ({exc.strerror})") \
             from None
     return rank, world
 

@@ -1,0 +1,142 @@
+"""Verdicts and success lines that are true: a check says SKIPPED where its evidence cannot decide, the
+two training checks never both pass on one drop, a failed run says why on its last line, and nothing
+claims work that did not happen."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+from conftest import load, run_script
+
+from fsdp2bench import report
+from fsdp2bench.cli import UserError, check_gpus_per_rank
+from fsdp2bench.names import INTENDED, UNFIXED
+
+CPU_TINY = ["--model", "tiny", "--device", "cpu"]
+
+
+def entries(intended: list[float], unfixed: list[float]) -> dict:
+    """Variant entries as report.run_checks reads them, from two loss series."""
+    def entry(losses):
+        return {"status": "ok", "steps": len(losses), "losses": losses, "loss_drop": report.loss_drop(losses),
+                "accounting_matches_expected": True}
+    return {**{name: entry(intended) for name in INTENDED}, UNFIXED: entry(unfixed)}
+
+
+def noisy(steps: int, start: float, slope: float, spread: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    return [start - slope * i + rng.gauss(0, spread) for i in range(steps)]
+
+
+def test_the_two_training_checks_never_both_pass_on_one_drop():
+    """Whatever the series, a drop that passes "trained" fails or skips "did not train" when the unfixed
+    variant shows that same drop, and the bar comes from the series' own spread."""
+    for seed in range(200):
+        rng = random.Random(seed)
+        steps, spread = rng.randint(8, 60), rng.choice([0.0, 0.001, 0.01, 0.1])
+        losses = noisy(steps, 6.0, rng.choice([0.0, 0.001, 0.01, 0.05]), spread, seed)
+        checks = report.run_checks(entries(losses, losses), "cpu")
+        trained, not_trained = checks["intended_variants_trained"], checks["unfixed_did_not_train"]
+        assert not (trained["ok"] is True and not_trained["ok"] is True), (seed, trained, not_trained)
+        assert trained["threshold"] == not_trained["threshold"]
+
+
+def test_the_bar_follows_the_spread_of_the_batches_not_a_constant():
+    quiet = report.drop_threshold([noisy(40, 6.0, 0.0, 0.001, 1)])["threshold"]
+    loud = report.drop_threshold([noisy(40, 6.0, 0.0, 0.1, 1)])["threshold"]
+    assert 50 < loud / quiet < 200  # a hundred times the spread, about a hundred times the bar
+    # A trend is not spread: a clean straight fall leaves none.
+    assert report.drop_threshold([[6.0 - 0.1 * i for i in range(12)]])["threshold"] < 1e-9
+
+
+def test_a_fall_within_the_spread_is_skipped_with_the_steps_it_would_need():
+    flat = noisy(12, 6.0, 0.0, 0.05, 3)
+    slow = [x - 0.002 * i for i, x in enumerate(flat)]
+    checks = report.run_checks(entries(slow, flat), "cpu")
+    trained = checks["intended_variants_trained"]
+    assert trained["ok"] is None and "within the spread of its batches" in trained["skipped"]
+    needed = int(trained["skipped"].split("about ")[1].split(" steps")[0])
+    assert needed > 12
+    assert checks["unfixed_did_not_train"]["ok"] is None
+    # The same series, longer: the fall shows, and the unfixed variant's flat loss is evidence.
+    long_flat = noisy(4 * needed, 6.0, 0.0, 0.05, 3)
+    checks = report.run_checks(entries([x - 0.002 * i for i, x in enumerate(long_flat)], long_flat), "cpu")
+    assert checks["intended_variants_trained"]["ok"] is True
+    assert checks["unfixed_did_not_train"]["ok"] is True
+
+
+def test_a_rising_loss_fails_and_an_unfixed_one_that_falls_fails():
+    rising = [6.0 + 0.05 * i for i in range(12)]
+    falling = [6.0 - 0.05 * i for i in range(12)]
+    checks = report.run_checks(entries(rising, falling), "cpu")
+    assert checks["intended_variants_trained"]["ok"] is False
+    assert checks["unfixed_did_not_train"]["ok"] is False
+    assert report.why_failed(list(entries(rising, falling).items()), checks) == (
+        "checks intended_variants_trained (the loss rose beyond the spread of its batches), unfixed_did_not_train "
+        "(its loss fell beyond the spread of its batches) failed")
+
+
+@pytest.mark.parametrize("flags", [["--max_steps", "2"], ["--max_steps", "3"],
+                                   ["--max_steps", "3", "--gradient_accumulation_steps", "2", "--batch_size", "1"]])
+def test_a_valid_short_run_exits_0_and_says_why_its_training_checks_are_skipped(tmp_path, flags):
+    proc = run_script(["main.py", *CPU_TINY, *flags, "--output_dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    checks = load(tmp_path / "summary.json")["checks"]
+    for key in ("intended_variants_trained", "unfixed_did_not_train"):
+        assert checks[key]["ok"] is None and "it needs at least 8 steps" in checks[key]["skipped"], checks[key]
+        assert f"check {key}: SKIPPED: " in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == f"    python3 visualize.py --dir {tmp_path}"
+    assert "FAILED" not in proc.stderr
+
+
+def test_check_lines_print_rounded_figures(tmp_path):
+    proc = run_script(["main.py", *CPU_TINY, "--max_steps", "12", "--learning_rate", "1e-3",
+                       "--output_dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "check " in line or line.startswith("  ")]
+    assert re.search(r"check intended_variants_trained: PASS \(loss_drop=\{torch_optimizer_after_fsdp 0\.\d{1,4},",
+                     proc.stdout), proc.stdout
+    digits = [word for line in lines for word in line.replace(",", " ").replace("}", " ").split()
+              if word.replace(".", "").replace("-", "").isdigit()]
+    assert digits and all(len(word.lstrip("-0.").replace(".", "")) <= 4 for word in digits), digits
+
+
+def test_a_run_whose_every_variant_failed_claims_no_results_and_says_why_last(tmp_path):
+    proc = run_script(["main.py", *CPU_TINY, "--max_steps", "3", "--variants", "torch_optimizer_after_fsdp",
+                       "--inject_failure", "torch_optimizer_after_fsdp:1:0", "--output_dir", str(tmp_path)], nproc=None)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "draw the plots" not in proc.stdout and "Wrote" not in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("FAILED: no variant finished (torch_optimizer_after_fsdp: failed: rank 0: RuntimeError: "
+                           "injected failure at step 1 on rank 0)"), proc.stderr
+
+
+def test_a_run_with_a_failed_check_names_it_on_its_last_line(tmp_path):
+    proc = run_script(["main.py", *CPU_TINY, "--max_steps", "4", "--variants",
+                       "torch_optimizer_after_fsdp,torch_optimizer_before_fsdp_fixed", "--inject_failure",
+                       "torch_optimizer_before_fsdp_fixed:1:0:nan", "--output_dir", str(tmp_path)], nproc=None)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "FAILED: checks losses_finite, intended_losses_match, intended_variants_trained (a loss is not a number) "
+        "failed; summary.json says more")
+
+
+def test_more_ranks_than_gpus_is_refused_with_the_ways_out():
+    check_gpus_per_rank(1, 1)
+    check_gpus_per_rank(2, 8)
+    with pytest.raises(UserError) as refused:
+        check_gpus_per_rank(2, 1)
+    assert str(refused.value) == (
+        "2 ranks were started on this node but 1 GPU is visible to them, and each rank needs a GPU of its own: "
+        "start 1 (--nproc_per_node 1), measure N = 2 on one GPU with --simulate_world_size 2, or run on the CPU "
+        "with --device cpu")
+
+
+def test_a_refusal_under_torchrun_is_said_once_by_rank_0(tmp_path):
+    proc = run_script(["main.py", *CPU_TINY, "--batch_size", "0", "--output_dir", str(tmp_path / "out")])
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: --batch_size must be a positive integer, got 0"], proc.stderr
+    assert not (tmp_path / "out").exists()
