@@ -3,7 +3,8 @@
 Launch with ``torchrun --nproc_per_node N main.py`` or ``accelerate launch main.py``
 (plain ``python main.py`` runs one rank). See docs/options.md and docs/output.md for every option and output.
 
-Where things are: the four variants and the fix in ``utils.py``; the memory tracker in
+Where things are: the four variants and the fix in ``utils.py``; the command line and its checks
+in ``fsdp2bench/arguments.py``; the parallel layout in ``fsdp2bench/layout.py``; the memory tracker in
 ``measure.py``; one variant's training in ``fsdp2bench/runner.py``; failures, interrupts and
 fresh processes in ``fsdp2bench/isolation.py``; the summary and checks in ``fsdp2bench/report.py``.
 """
@@ -12,220 +13,24 @@ from __future__ import annotations
 
 import sys
 
-from fsdp2bench.starting import CANCELLED, check_launcher_env, start_before_imports, wait_for_turn
+from fsdp2bench.starting import CANCELLED, start_before_imports, wait_for_turn
 
 if __name__ == "__main__":  # ahead of the imports below, on purpose: the fork server's overlap them
     start_before_imports(sys.argv[1:])
 
 import argparse
 import dataclasses
-import math
-import os
 import time
-from dataclasses import dataclass
 
 import psutil
-import torch
 
 from fsdp2bench import concurrency, options, simulation, weights
-from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with, expect_path,
-                            looks_like_a_path, parse_names, pick_device)
-from fsdp2bench.data import load_tokens, rank_batches
-from fsdp2bench.isolation import Interrupted, launcher_keeps_to_one_thread
-from fsdp2bench.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS, default_model, max_positions
-from fsdp2bench.names import VARIANTS
-from fsdp2bench.runner import FailureSpec, TrainConfig
-from fsdp2bench.session import ModelFacts, Session, model_facts, open_session, say_interrupted
+from fsdp2bench.arguments import build_threads, per_optimizer_step, validate, versions
+from fsdp2bench.cli import exit_with
+from fsdp2bench.isolation import Interrupted
+from fsdp2bench.runner import TrainConfig
+from fsdp2bench.session import Session, open_session, say_interrupted
 from fsdp2bench.suite import Suite, run_sweep, run_variants
-from fsdp2bench.versions import check_releases
-
-
-def parse_failure(text: str) -> FailureSpec:
-    parts = text.split(":")
-    try:
-        if len(parts) not in (3, 4) or parts[0] not in VARIANTS or (len(parts) == 4 and parts[3] not in FailureSpec.HOW):
-            raise ValueError
-        return FailureSpec(parts[0], int(parts[1]), int(parts[2]), parts[3] if len(parts) == 4 else "raise")
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected VARIANT:STEP:RANK[:kill|:oom|:thread|:nan] with a known variant, "
-                                         f"got {text!r}")
-
-
-SIMULATE_RANK_DEFAULT = "0"
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = OneLineParser(description=__doc__.splitlines()[0])
-    p.add_argument("--output_dir", default="out", help="where the JSON files go (default: out)")
-    p.add_argument("--save_memory_snapshot", action="store_true",
-                   help="also write <run>_memory_snapshot.pkl for pytorch.org/memory_viz, CUDA only (default: off)")
-    p.add_argument("--batch_size", type=int, default=2, help="sequences per rank per step (default: 2)")
-    p.add_argument("--block_size", type=int, default=128, help="tokens per sequence (default: 128)")
-    p.add_argument("--dataset_fraction", type=float, default=1.0,
-                   help="fraction of the dataset's blocks to use, in (0, 1] (default: 1.0)")
-    p.add_argument("--learning_rate", type=float, default=3e-5, help="AdamW learning rate (default: 3e-5)")
-    p.add_argument("--seed", type=int, default=421, help="seed for the initial weights (default: 421)")
-    p.add_argument("--max_steps", type=int, default=None, help="stop each variant after this many steps "
-                   f"(default: one pass over the data; {simulation.DEFAULT_STEPS} with --simulate_world_size)")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated variants, run in the order given: {', '.join(VARIANTS)} (default: all four)")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
-                   help="auto: CUDA when a GPU is present, else CPU with gloo (default: auto)")
-    p.add_argument("--model", default=None,
-                   help=f"preset ({', '.join(PRESETS)}), a local directory with config.json, "
-                        f"or a Hub id (default: {GPU_DEFAULT_MODEL} on GPUs, {CPU_DEFAULT_MODEL} on a CPU run)")
-    p.add_argument("--dataset", default=None, help="local text file (default: built-in text)")
-    p.add_argument("--tokenizer", default=None,
-                   help="local tokenizer directory or Hub id for --dataset (default: bytes)")
-    p.add_argument("--log_interval", type=float, default=0.01,
-                   help="seconds between memory samples (default: 0.01)")
-    p.add_argument("--concurrent_variants", default="auto", metavar="K",
-                   help="run K variants at a time, each in its own processes and process group; their memory "
-                        "figures do not change (each process has its own allocator), step times do. auto: as "
-                        "many as GPU memory and host RAM allow by the memory model (1 on a CPU run; a sweep's "
-                        "runs by its smallest N); a variant that runs out of memory while sharing is run again "
-                        "alone (default: auto)")
-    p.add_argument("--tracker_overhead", action="store_true",
-                   help="pause memory polling on every other step, to measure what polling costs (default: off)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines while the variants train (default: off)")
-    p.add_argument("--gpu_memory", type=float, default=None, metavar="GIB",
-                   help="train as on a GPU of GIB GiB: PyTorch's allocator gets GIB less the CUDA context a process "
-                        "holds (measured here), and a step that needs more runs out of memory; CUDA only "
-                        "(default: the whole GPU)")
-    p.add_argument("--init_device", choices=["cpu", "cuda"], default="cpu",
-                   help="where the model is built: cpu (the upstream's path: fully_shard moves each rank's shard "
-                        "to the GPU; the weights are drawn once per rank on its share of the host's cores) or cuda (built on "
-                        "the GPU, faster, but the GPU holds the whole model for a moment) (default: cpu)")
-    p.add_argument("--simulate_world_size", default=None, metavar="N[,N...]",
-                   help="measure one rank of a world of N instead of this launch's: one process plays that rank "
-                        "on a fake process group (real allocations, no communication, losses meaningless). "
-                        "Several N make a sweep, shared out among this launch's processes (default: off)")
-    p.add_argument("--simulate_rank", default=SIMULATE_RANK_DEFAULT, metavar="R[,R...]",
-                   help="with --simulate_world_size: the rank(s) R to play, integers in [0, N) or 'last' for N-1; "
-                        "'last' is skipped where the sharding rule gives it the bytes of a rank already played "
-                        "(default: 0)")
-    add_fsdp_options(p)
-    p.add_argument("--inject_failure", type=parse_failure, default=None,
-                   metavar="VARIANT:STEP:RANK[:kill|:oom|:thread|:nan]",
-                   help="test option: VARIANT raises on RANK before STEP (:kill dies by SIGKILL instead, :oom raises "
-                        "torch's out-of-memory error, :thread raises in the memory tracker's thread, :nan makes a "
-                        "parameter NaN so that the run diverges) (default: off)")
-    return p.parse_args(argv)
-
-
-def add_fsdp_options(p: argparse.ArgumentParser) -> None:
-    """accelerate's FullyShardedDataParallelPlugin options, under its names; every variant applies them."""
-    g = p.add_argument_group("FSDP2 options (accelerate's plugin names; the torch variants apply the same)")
-    g.add_argument("--reshard_after_forward", type=options.parse_bool, default=True, metavar="{true,false}",
-                   help="free each block's gathered parameters after its forward (default: true)")
-    g.add_argument("--mixed_precision_policy", choices=options.MIXED_PRECISION, default=options.AUTOCAST,
-                   help=f"{options.AUTOCAST}: accelerate's mixed_precision='bf16' (autocast; FSDP2 gathers and "
-                        f"reduces in bf16), the upstream's; {options.POLICY}: an FSDP2 MixedPrecisionPolicy, bf16 "
-                        f"parameters and fp32 gradient reduction, no autocast (default: {options.AUTOCAST})")
-    g.add_argument("--activation_checkpointing", action="store_true",
-                   help="recompute each block's activations in backward instead of keeping them (default: off)")
-    g.add_argument("--activation_checkpointing_offload", action="store_true",
-                   help="with --activation_checkpointing: keep the checkpoints' saved inputs in host memory (default: off)")
-    g.add_argument("--cpu_offload", action="store_true",
-                   help="CPUOffloadPolicy: parameters, gradients and AdamW state on the host; the optimizer step "
-                        "runs on the CPU (default: off)")
-    add_scaling_options(p)
-
-
-def add_scaling_options(p: argparse.ArgumentParser) -> None:
-    """accelerate's GradientAccumulationPlugin and ParallelismConfig fields; the torch variants make the
-    FSDP2 calls these lead to."""
-    g = p.add_argument_group("Gradient accumulation and HSDP (accelerate's names; the torch variants apply the same)")
-    g.add_argument("--gradient_accumulation_steps", type=int, default=1, metavar="K",
-                   help="microbatches of --batch_size per optimizer step; each loss is divided by K, as "
-                        "accelerate's backward does; --max_steps counts optimizer steps (default: 1)")
-    g.add_argument("--sync_each_batch", type=options.parse_bool, default=None, metavar="{true,false}",
-                   help="with K > 1: reduce-scatter the gradients after every microbatch (true), or keep each "
-                        "parameter's whole gradient on every rank until the last one (false, accelerate's "
-                        "default: its accumulate() then calls set_requires_gradient_sync(False)) (default: false)")
-    g.add_argument("--dp_replicate_size", type=int, default=None, metavar="R",
-                   help="HSDP: R replicas of an FSDP group of N/R ranks, a 2-D (replicate, shard) mesh; R must "
-                        "divide N (default: 1, flat FSDP)")
-    g.add_argument("--dp_shard_size", type=int, default=None, metavar="S",
-                   help="HSDP given by its shards instead: S ranks per FSDP group, N/S replicas; S must divide "
-                        "every N, so that a sweep keeps one node's shape (default: N)")
-    g.add_argument("--requires_all_reduce", type=options.parse_bool, default=True, metavar="{true,false}",
-                   help="torch's set_requires_all_reduce for the microbatches before the last: false, under HSDP "
-                        "with --sync_each_batch true, reduce-scatters each one but all-reduces across replicas "
-                        "only once; accelerate does not offer it (default: true)")
-
-
-# What one run can do with each number (closed ranges): a block of one token has no next token to
-# predict (its loss is NaN), larger batches or blocks than any GPU holds for one step, a learning rate that diverges on the first step, a seed beyond the generators' 32 bits, a
-# memory sample rarer than once a minute (a trace of one sample) or more often than once a millisecond.
-NUMBER_RANGES = {"batch_size": (1, 1 << 16), "block_size": (2, 1 << 20), "max_steps": (1, 10_000_000),
-                 "gradient_accumulation_steps": (1, 1 << 16), "dp_replicate_size": (1, 1 << 16),
-                 "dp_shard_size": (1, 1 << 16),
-                 "learning_rate": (1e-12, 10.0), "seed": (0, 2**32 - 1), "log_interval": (0.001, 60.0),
-                 "gpu_memory": (0.001, 1 << 20)}
-
-
-def check_args(args: argparse.Namespace, world_size: int) -> tuple[list[str], options.FsdpOptions]:
-    """Refuse what cannot work before any process or model exists; return the variants and options.
-    ``world_size``: that of the launch checked (a sweep's own N are checked instead)."""
-    for flag in ("batch_size", "block_size"):
-        if getattr(args, flag) <= 0:
-            raise UserError(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
-    if args.concurrent_variants != "auto" and not (args.concurrent_variants.isdigit()
-                                                    and int(args.concurrent_variants) > 0):
-        raise UserError(f"--concurrent_variants must be a positive integer or auto, got {args.concurrent_variants}")
-    if args.max_steps is not None and args.max_steps <= 0:
-        raise UserError(f"--max_steps must be a positive integer, got {args.max_steps}")
-    if not 0 < args.dataset_fraction <= 1:
-        raise UserError(f"--dataset_fraction must be in (0, 1], got {args.dataset_fraction}")
-    if not (args.learning_rate > 0 and math.isfinite(args.learning_rate)):
-        raise UserError(f"--learning_rate must be a positive number, got {args.learning_rate}")
-    if not args.log_interval > 0:
-        raise UserError(f"--log_interval must be positive, got {args.log_interval}")
-    check_ranges(args, NUMBER_RANGES)
-    names = parse_names(args.variants, "--variants", VARIANTS)
-    fsdp_options = options.from_args(args)
-    if args.dataset is not None:
-        expect_path(args.dataset, "--dataset", "file")
-    if args.tokenizer is not None and looks_like_a_path(args.tokenizer):
-        expect_path(args.tokenizer, "--tokenizer", "directory")
-    if args.simulate_world_size is None and args.simulate_rank != SIMULATE_RANK_DEFAULT:
-        raise UserError("--simulate_rank needs --simulate_world_size (there is no simulated rank to play)")
-    if args.simulate_world_size is not None:
-        sizes = simulation.parse_world_sizes(args.simulate_world_size)
-        simulation.parse_ranks(args.simulate_rank, sizes)
-        simulation.check_fake_group_available()
-        if args.max_steps is None:
-            args.max_steps = simulation.DEFAULT_STEPS
-    for n in simulation.parse_world_sizes(args.simulate_world_size) if args.simulate_world_size else [world_size]:
-        fsdp_options.mesh_shape(n)  # refuses a replicate or shard size that does not divide N
-    return names, fsdp_options
-
-
-def played_ranks(args: argparse.Namespace) -> set[int]:
-    """The simulated ranks a sweep plays (none without --simulate_world_size)."""
-    if not args.simulate_world_size:
-        return set()
-    sizes = simulation.parse_world_sizes(args.simulate_world_size)
-    return {n - 1 if spec == simulation.LAST else spec for n in sizes
-            for spec in simulation.parse_ranks(args.simulate_rank, sizes)}
-
-
-def check_failure_reachable(spec: FailureSpec, names: list[str], steps: int, ranks: set[int]) -> None:
-    """A test option that would never fire is refused: a variant not run, a step past the last, a rank
-    that is not played (this launch's ranks, or a sweep's simulated ones)."""
-    where = f"--inject_failure {spec.name}:{spec.step}:{spec.rank}"
-    if spec.name not in names:
-        raise UserError(f"{where}: {spec.name} is not among --variants")
-    if not 0 <= spec.step < steps:
-        raise UserError(f"{where}: step {spec.step} is not among this run's steps 0..{steps - 1}")
-    if spec.rank not in ranks:
-        raise UserError(f"{where}: rank {spec.rank} is not among the ranks played, {sorted(ranks)[:8]}")
-
-
-def check_positions(block_size: int, config) -> None:
-    if max_positions(config) and block_size > max_positions(config):
-        raise UserError(f"--block_size {block_size} exceeds the model's {max_positions(config)} positions")
 
 
 def variants_at_once(args: argparse.Namespace, session: Session, names: list[str],
@@ -243,76 +48,6 @@ def variants_at_once(args: argparse.Namespace, session: Session, names: list[str
     if session.rank == 0 and session.device.type == "cuda":
         print(f"{'Runs' if sizes else 'Variants'} at a time: {reason} (--concurrent_variants K chooses)", flush=True)
     return k
-
-
-def per_optimizer_step(args: argparse.Namespace, fsdp_options: options.FsdpOptions, world_size: int) -> dict:
-    """What one optimizer step takes: its microbatches, sequences and tokens per rank and in all (a
-    simulated rank's world is each N of the sweep, so only the per-rank figures are given there)."""
-    k, b, t = fsdp_options.gradient_accumulation_steps, args.batch_size, args.block_size
-    step = {"microbatches": k, "sequences_per_rank": k * b, "tokens_per_rank": k * b * t}
-    if not args.simulate_world_size:
-        replicas, shards = fsdp_options.mesh_shape(world_size)
-        step.update(sequences=k * b * world_size, tokens=k * b * t * world_size, mesh={"replicas": replicas,
-                                                                                        "shards": shards})
-    return step
-
-
-def build_threads() -> int:
-    """This rank's share of the host's cores: the launcher's processes on this node share them, and
-    one variant of each rank at a time draws the weights (weights.py)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-
-
-def versions() -> dict:
-    import accelerate
-    import transformers
-
-    return {"torch": torch.__version__, "accelerate": accelerate.__version__,
-            "transformers": transformers.__version__, "python": sys.version.split()[0]}
-
-
-@dataclass
-class Checked:
-    """A command line that main.py accepts, and what checking it produced."""
-    args: argparse.Namespace
-    names: list[str]
-    fsdp_options: options.FsdpOptions
-    facts: ModelFacts
-    batches: list  # this rank's
-    cap: concurrency.GpuCap | None  # --gpu_memory
-
-
-def validate(argv: list[str] | None = None) -> Checked:
-    """Everything main.py refuses, in one line, before any process or file exists (tests call it
-    in-process with hostile command lines)."""
-    launcher_keeps_to_one_thread()  # before this process computes anything: it forks the children
-    args = parse_args(argv)
-    check_releases()
-    launch_rank, launch_world = check_launcher_env()
-    names, fsdp_options = check_args(args, launch_world)
-    device_type = pick_device(args.device).type
-    args.model = args.model or default_model(device_type)
-    if args.init_device == "cuda" and device_type != "cuda":
-        raise UserError("--init_device cuda needs a GPU (this run is on the CPU)")
-    if args.gpu_memory is not None and device_type != "cuda":
-        raise UserError("--gpu_memory needs a GPU (this run is on the CPU)")
-    check_output_dir(args.output_dir, "summary.json")
-    facts = model_facts(args.model, args.seed, lambda config: check_positions(args.block_size, config))
-    # A simulated rank has no peers to share the data with: every run takes the batches of a world of one.
-    rank, world = (0, 1) if args.simulate_world_size else (launch_rank, launch_world)
-    tokens = load_tokens(args.dataset, args.tokenizer, facts.config.vocab_size)
-    batches = rank_batches(tokens, args.block_size, args.batch_size, args.dataset_fraction, rank, world,
-                           args.max_steps, fsdp_options.gradient_accumulation_steps)
-    if args.inject_failure:
-        check_failure_reachable(args.inject_failure, names, len(batches), played_ranks(args) or set(range(world)))
-    # The smallest simulated N holds the most per rank.
-    fit_world = simulation.parse_world_sizes(args.simulate_world_size)[0] if args.simulate_world_size else world
-    concurrency.check_fits(facts.shapes, fit_world, names, args.init_device if device_type == "cuda" else "cpu",
-                           device_type, fsdp_options,
-                           concurrency.microbatch_logits_bytes(args.batch_size, args.block_size, facts.config))
-    cap = None if args.gpu_memory is None else concurrency.gpu_cap(args.gpu_memory, pick_device(args.device).index)
-    return Checked(args, names, fsdp_options, facts, batches, cap)
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -340,11 +75,12 @@ def run(argv: list[str] | None = None) -> int:
     cores = build_threads()
     meta["concurrent_variants"] = concurrent
     meta["threads_per_variant"] = max(1, cores // concurrent)
-    train = TrainConfig(args.seed, args.learning_rate, args.log_interval, args.save_memory_snapshot,
-                        args.tracker_overhead, args.inject_failure, args.init_device, cores,
-                        meta["threads_per_variant"],
-                        weights.create() if args.init_device == "cpu" else None, args.quiet,
-                        fsdp_options, checked.cap.allocator_bytes if checked.cap else None)
+    train = TrainConfig(seed=args.seed, learning_rate=args.learning_rate, log_interval=args.log_interval,
+                        save_memory_snapshot=args.save_memory_snapshot, tracker_overhead=args.tracker_overhead,
+                        inject_failure=args.inject_failure, init_device=args.init_device, build_threads=cores,
+                        compute_threads=meta["threads_per_variant"],
+                        weights=weights.create() if args.init_device == "cpu" else None, quiet=args.quiet,
+                        options=fsdp_options, allocator_limit=checked.cap.allocator_bytes if checked.cap else None)
     suite = Suite(session, names, train, batches, meta, args.output_dir, concurrent,
                   {"meta": {**meta, "timeline": timeline}})
     if session.rank == 0 and session.device.type == "cpu":

@@ -20,15 +20,15 @@ import argparse
 import dataclasses
 import os
 
-import main as benchmark
-from fsdp2bench import matrix, options
-from fsdp2bench.cli import OneLineParser, UserError, check_output_dir, check_ranges, exit_with, prepare_output_dir
+from fsdp2bench import arguments, matrix, options
+from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with, pick_device,
+                            prepare_output_dir)
 from fsdp2bench.simulation import DEFAULT_STEPS, parse_world_sizes
 
 INTERRUPTED = (130, -2, -15)  # main.py's exit code after SIGINT or SIGTERM, or killed by one
 NUMBER_RANGES = {"nproc_per_node": (0, 4096), "sweep_steps": (1, 10_000_000)}  # 0 processes: sweeps only
-# main.py's FSDP2, accumulation and HSDP options: each launch gets those of its option set.
-OWNED = tuple(f.name for f in dataclasses.fields(options.FsdpOptions))
+# main.py's FSDP2, accumulation and layout options: each launch gets those of its option set.
+OWNED = tuple(f.name for f in dataclasses.fields(options.FsdpOptions) if f.name != "layout") + options.LAYOUT_OPTIONS
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -48,8 +48,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     return p.parse_known_args(argv)
 
 
-def check(args: argparse.Namespace, forwarded: list[str]) -> list[str]:
-    """Refuse in one line, before any launch, what main.py would refuse or what the matrix owns."""
+def check(args: argparse.Namespace, forwarded: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Refuse in one line, before any launch, what main.py would refuse or what the matrix owns; return the
+    sets, and why a set's layout cannot run this model here (it is skipped, and said so)."""
     sets = options.parse_sets(args.option_sets)
     check_ranges(args, NUMBER_RANGES)
     if args.nproc_per_node == 0 and not args.simulate_world_size:
@@ -57,20 +58,23 @@ def check(args: argparse.Namespace, forwarded: list[str]) -> list[str]:
     if args.sweep_steps != DEFAULT_STEPS and not args.simulate_world_size:
         raise UserError("--sweep_steps needs --simulate_world_size (there is no sweep to run)")
     check_output_dir(args.output_dir, "matrix.json")
-    given = benchmark.validate([*forwarded, "--output_dir", args.output_dir]).args
-    defaults = benchmark.parse_args([])
+    checked = arguments.validate([*forwarded, "--output_dir", args.output_dir])
+    given, defaults = checked.args, arguments.parse_args([])
     owned = [name for name in OWNED if getattr(given, name) != getattr(defaults, name)]  # main.py's own flags
     if owned:
         raise UserError(f"--{owned[0]} is set by matrix.py for each launch from its option set; choose the sets "
                         f"with --option_sets")
+    device_type = pick_device(given.device).type
+    refused = {name: why for name in sets if (why := arguments.layout_refusal(
+        options.OPTION_SETS[name], checked.facts.config, given.block_size, device_type))}
     plan, skipped = matrix.launches(args.output_dir, sets, sweep_sizes(args), args.sweep_steps, args.nproc_per_node,
-                                    forwarded)
+                                    forwarded, refused)
     if not plan:
         raise UserError(f"nothing to run: {'; '.join(skipped)}")
     for _, _, main_args in plan:  # every launch's command line, as main.py will check it
-        launch = benchmark.parse_args(main_args)
-        benchmark.check_args(launch, max(1, args.nproc_per_node))
-    return sets
+        launch = arguments.parse_args(main_args)
+        arguments.check_args(launch, max(1, args.nproc_per_node))
+    return sets, refused
 
 
 def sweep_sizes(args: argparse.Namespace) -> list[int]:
@@ -80,13 +84,13 @@ def sweep_sizes(args: argparse.Namespace) -> list[int]:
 
 def run(args: argparse.Namespace, forwarded: list[str]) -> int:
     interrupts_raise()  # the launches' loop passes a Ctrl-C on (matrix.Launches)
-    sets = check(args, forwarded)
+    sets, refused = check(args, forwarded)
     prepare_output_dir(args.output_dir)
     meta = matrix.meta_of(sets, args.simulate_world_size, args.sweep_steps, args.nproc_per_node, forwarded)
     summaries: dict[str, tuple[str, dict]] = {}
     failed = False
     plan, skipped = matrix.launches(args.output_dir, sets, sweep_sizes(args), args.sweep_steps,
-                                    args.nproc_per_node, forwarded)
+                                    args.nproc_per_node, forwarded, refused)
     for note in skipped:
         print(f"Skipped: {note}", flush=True)
     meta["skipped"] = skipped

@@ -22,8 +22,7 @@ import os
 import time
 from dataclasses import dataclass
 
-import main as benchmark
-from fsdp2bench import concurrency, fitting, options, weights
+from fsdp2bench import arguments, concurrency, fitting, options, weights
 from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with, parse_names,
                             pick_device, save_summary)
 from fsdp2bench.data import load_tokens
@@ -124,10 +123,10 @@ def validate(argv: list[str] | None = None) -> Checked:
     upper = search_upper(args, facts.config, blocks)
     cap = concurrency.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
     skipped = [f"{name}: not planned at N = {', '.join(str(n) for n in sizes if n not in fitting_sizes(name, sizes))} "
-               "(its shard size does not divide N)" for name in sets if fitting_sizes(name, sizes) != sizes]
+               "(its layout's sizes do not divide N)" for name in sets if fitting_sizes(name, sizes) != sizes]
     if not any(fitting_sizes(name, sizes) for name in sets):
-        raise UserError(f"--sets {args.sets}: none can run at --world_size {args.world_size} (an HSDP set's "
-                        f"{options.NODE_RANKS} shards must divide N)")
+        raise UserError(f"--sets {args.sets}: none can run at --world_size {args.world_size} (a set's layout must "
+                        f"divide N: an HSDP set's {options.NODE_RANKS} shards, a TP or CP set's sizes)")
     return Checked(args, sets, sizes, variants, blocks, upper, facts, cap, skipped)
 
 
@@ -136,7 +135,7 @@ def parse_block_sizes(text: str) -> list[int]:
         blocks = [int(part) for part in text.split(",")]
     except ValueError:
         raise UserError(f"--block_size: expected comma-separated integers, got {text!r}") from None
-    low, high = benchmark.NUMBER_RANGES["block_size"]
+    low, high = arguments.NUMBER_RANGES["block_size"]
     bad = [b for b in blocks if not low <= b <= high]
     if bad:
         raise UserError(f"--block_size must be in [{low}, {high}], got {bad[0]}")
@@ -145,7 +144,7 @@ def parse_block_sizes(text: str) -> list[int]:
 
 def check_blocks(blocks: list[int], config) -> None:
     for block in blocks:
-        benchmark.check_positions(block, config)
+        arguments.check_positions(block, config)
 
 
 def search_upper(args: argparse.Namespace, config, blocks: list[int]) -> int:
@@ -184,10 +183,13 @@ def run(argv: list[str] | None = None) -> int:
     args = checked.args
     session = open_session(checked.facts, args.device, args.output_dir, "plan.json")
     questions, searches = questions_of(checked)
-    cores = benchmark.build_threads()
-    train = TrainConfig(SEED, 3e-5, 0.01, False, False, None, args.init_device if session.device.type == "cuda"
-                        else "cpu", cores, max(1, cores // 4), weights.create() if args.init_device == "cpu" else None,
-                        True, allocator_limit=checked.cap.allocator_bytes if checked.cap else None)
+    cores = arguments.build_threads()
+    train = TrainConfig(seed=SEED, learning_rate=3e-5, log_interval=0.01, save_memory_snapshot=False,
+                        tracker_overhead=False, inject_failure=None,
+                        init_device=args.init_device if session.device.type == "cuda" else "cpu", build_threads=cores,
+                        compute_threads=max(1, cores // 4),
+                        weights=weights.create() if args.init_device == "cpu" else None, quiet=True,
+                        allocator_limit=checked.cap.allocator_bytes if checked.cap else None)
     tokens = load_tokens(None, None, session.config.vocab_size)
     runner = ProbeRunner(session, train, tokens, questions, searches, checked.cap, args.output_dir,
                          args.inject_oom_above)
@@ -230,7 +232,7 @@ def plan_meta(checked: Checked, session, started: float) -> dict:
     args = checked.args
     return {"command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
             "model": args.model, "num_parameters": session.num_parameters, "device": session.device.type,
-            "versions": benchmark.versions(), "find": args.find, "sets": checked.sets, "world_sizes": checked.sizes,
+            "versions": arguments.versions(), "find": args.find, "sets": checked.sets, "world_sizes": checked.sizes,
             "variants": checked.variants, "block_sizes": checked.blocks, "batch_size": args.batch_size,
             "upper_bound": checked.upper, "probe_steps": PROBE_STEPS, "init_device": args.init_device,
             "gpu_memory": checked.cap.as_dict() if checked.cap else None, "skipped": checked.skipped,

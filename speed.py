@@ -109,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     """Everything speed.py refuses in one line before it launches: its own options, then main.py's
     arguments as main.py will check them."""
-    import main as benchmark
+    from fsdp2bench import arguments
 
     args = parse_args(argv)
     check_ranges(args, {"nproc_per_node": (1, 4096)})
@@ -124,7 +124,7 @@ def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[st
             raise UserError(f"--baseline_python {args.baseline_python}: a file that cannot be run")
         args.baseline = args.baseline or os.path.dirname(os.path.abspath(__file__))
     extra = [a for a in args.main_args if a != "--"]
-    benchmark.validate([*extra, "--output_dir", args.output_dir])
+    arguments.validate([*extra, "--output_dir", args.output_dir])
     return args, extra
 
 

@@ -8,14 +8,19 @@ for all four and lives in the ``fsdp2bench`` package and ``measure.py``.
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import tempfile
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from fsdp2bench import names
+from fsdp2bench.isolation import Unsupported
+from fsdp2bench.layout import Meshes, planned_style, tensor_parallel_plan
 from fsdp2bench.options import AUTOCAST, FsdpOptions
 
 
@@ -69,17 +74,25 @@ def point_optimizer_at_sharded_params(optimizer: torch.optim.Optimizer, old_name
 
 @dataclass
 class Context:
-    """What every variant needs: where to shard, hyper-parameters, the FSDP2 options, and a hook to mark phases."""
+    """What every variant needs: where to shard, hyper-parameters, the FSDP2 options and layout, the model's
+    config (its tensor-parallel plan), and a hook to mark phases."""
     device: torch.device
-    mesh: object
+    meshes: Meshes | None  # the torch variants' (accelerate builds its own)
     learning_rate: float
     layer_classes: list[str]
     mark: Callable[[str], None]
     options: FsdpOptions = FsdpOptions()
+    config: object = None
 
 
 def one_microbatch(last: bool) -> ContextManager:
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def whole_sequences(input_ids: torch.Tensor) -> Iterator[dict]:
+    """A causal LM's inputs: the tokens, and the same tokens as labels (the model shifts them)."""
+    yield {"input_ids": input_ids, "labels": input_ids}
 
 
 @dataclass
@@ -89,6 +102,8 @@ class Prepared:
     backward: Callable[[torch.Tensor], None]
     # The context of one microbatch under gradient accumulation, given whether it is the step's last.
     microbatch: Callable[[bool], ContextManager] = one_microbatch
+    # The model's inputs for a microbatch, inside which its forward and backward run (CP splits them there).
+    inputs: Callable[[torch.Tensor], ContextManager[dict]] = whole_sequences
 
 
 BF16_POLICY = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.bfloat16)
@@ -145,10 +160,71 @@ def compute_in_bf16(model: nn.Module, device: torch.device) -> None:
     model.forward = convert_outputs_to_fp32(torch.autocast(device.type, dtype=torch.bfloat16)(model.forward))
 
 
+def tensor_parallel(model: nn.Module, mesh, config) -> None:
+    """The model's own tensor-parallel plan (its config's ``base_model_tp_plan``) applied to its base model with
+    torch's API on the tp mesh: each planned Linear's weight split by output (colwise) or input (rowwise)
+    features. What the plan leaves out (embeddings, norms, the head) stays whole on every tp rank."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = tensor_parallel_plan(config)
+    base = model.get_submodule(model.base_model_prefix)
+    modules = {name: styles[style]() for name, _ in base.named_modules() if (style := planned_style(name, plan))}
+    parallelize_module(base, mesh, modules)
+
+
+def causal_attention_only(model: nn.Module) -> None:
+    """Context parallelism's ring attention takes no mask: every attention is called plain causal (what
+    accelerate's hooks do for its own CP), which is this model's mask for unpadded blocks."""
+    def drop_mask(_module, args, kwargs):
+        if "attention_mask" in kwargs:
+            kwargs.update(attention_mask=None, is_causal=True)
+        return args, kwargs
+
+    for name, module in model.named_modules():
+        if name.endswith("self_attn"):
+            module.register_forward_pre_hook(drop_mask, with_kwargs=True)
+
+
+def sequence_split(enter: Callable[[list[torch.Tensor]], ContextManager]) -> Callable[[torch.Tensor],
+                                                                                    ContextManager[dict]]:
+    """Each microbatch inside a context-parallel context (``enter(buffers)``: torch's ``context_parallel`` or
+    accelerate's ``maybe_context_parallel``), which cuts the tokens, their next-token labels and their
+    positions along the sequence, two chunks per cp rank (one early, one late: the causal mask's work
+    balanced), and runs attention as a ring over the cp ranks. The labels are shifted before the cut, so
+    that no rank loses the token after its chunk."""
+    @contextlib.contextmanager
+    def inputs(input_ids: torch.Tensor) -> Iterator[dict]:
+        tokens = input_ids.clone()  # cut in place: a batch's own storage, not a view of it
+        labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=-100)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).repeat(input_ids.shape[0], 1)
+        with enter([tokens, labels, positions]):
+            yield {"input_ids": tokens, "labels": labels, "shift_labels": labels, "position_ids": positions}
+
+    return inputs
+
+
+def torch_context_parallel(mesh, strategy: str) -> Callable[[torch.Tensor], ContextManager[dict]]:
+    """torch's ``context_parallel`` on the cp mesh, keys and values passed as ``strategy`` says."""
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+    set_rotate_method(strategy)
+    return sequence_split(lambda buffers: context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
+                                                           no_restore_buffers=set(buffers)))
+
+
 def shard(model: nn.Module, ctx: Context) -> None:
+    """TP on the tp mesh, then activation checkpointing, then FSDP2 over dp_shard x cp (the order
+    torchtitan and accelerate keep)."""
+    layout = ctx.options.layout
+    if layout.tensor_parallel:
+        tensor_parallel(model, ctx.meshes.tp, ctx.config)
+    if layout.context_parallel:
+        causal_attention_only(model)
     if ctx.options.activation_checkpointing:
         checkpoint_blocks(model, ctx.layer_classes, ctx.options)
-    fully_shard_blocks(model, ctx.mesh, ctx.layer_classes, ctx.options, ctx.device)
+    fully_shard_blocks(model, ctx.meshes.fsdp, ctx.layer_classes, ctx.options, ctx.device)
     if ctx.options.mixed_precision_policy == AUTOCAST:
         compute_in_bf16(model, ctx.device)
     ctx.mark("sharded")
@@ -158,13 +234,17 @@ def torch_backward(loss: torch.Tensor) -> None:
     loss.backward()
 
 
-def torch_prepared(model: nn.Module, optimizer: torch.optim.Optimizer, options: FsdpOptions) -> Prepared:
+def torch_prepared(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: Context) -> Prepared:
     """The torch variants' training calls: with K microbatches a step, what accelerate's
     ``backward`` and ``accumulate()`` do, as FSDP2 calls (``sync_each_batch`` false: no reduction
-    before the last microbatch), plus torch's own choice, ``requires_all_reduce``."""
+    before the last microbatch), plus torch's own choice, ``requires_all_reduce``; under CP each
+    microbatch inside ``context_parallel``."""
+    options = ctx.options
+    inputs = torch_context_parallel(ctx.meshes.cp, options.layout.cp_comm_strategy) \
+        if options.layout.context_parallel else whole_sequences
     k = options.gradient_accumulation_steps
     if k == 1:
-        return Prepared(model, optimizer, torch_backward)
+        return Prepared(model, optimizer, torch_backward, inputs=inputs)
 
     def microbatch(last: bool) -> ContextManager:
         model.set_requires_gradient_sync(last or options.sync_each_batch)
@@ -172,18 +252,18 @@ def torch_prepared(model: nn.Module, optimizer: torch.optim.Optimizer, options: 
             model.set_requires_all_reduce(last)
         return contextlib.nullcontext()
 
-    return Prepared(model, optimizer, lambda loss: (loss / k).backward(), microbatch)
+    return Prepared(model, optimizer, lambda loss: (loss / k).backward(), microbatch, inputs)
 
 
 def optimizer_after_fsdp(model: nn.Module, ctx: Context) -> Prepared:
     shard(model, ctx)
-    return torch_prepared(model, make_optimizer(model, ctx), ctx.options)
+    return torch_prepared(model, make_optimizer(model, ctx), ctx)
 
 
 def optimizer_before_fsdp_not_fixed(model: nn.Module, ctx: Context) -> Prepared:
     optimizer = make_optimizer(model, ctx)
     shard(model, ctx)
-    return torch_prepared(model, optimizer, ctx.options)
+    return torch_prepared(model, optimizer, ctx)
 
 
 def optimizer_before_fsdp_fixed(model: nn.Module, ctx: Context) -> Prepared:
@@ -191,7 +271,7 @@ def optimizer_before_fsdp_fixed(model: nn.Module, ctx: Context) -> Prepared:
     old_names = release_params(optimizer, model)
     shard(model, ctx)
     point_optimizer_at_sharded_params(optimizer, old_names, model)
-    return torch_prepared(model, optimizer, ctx.options)
+    return torch_prepared(model, optimizer, ctx)
 
 
 def make_accelerator(device: torch.device, layer_classes: list[str], cpu_ram_efficient_loading: bool = False,
@@ -221,8 +301,9 @@ def make_accelerator(device: torch.device, layer_classes: list[str], cpu_ram_eff
 
 
 def accelerate_scaling(options: FsdpOptions) -> dict:
-    """``Accelerator`` arguments for accumulation and HSDP; none where they are off, as before they existed.
-    ``requires_all_reduce`` has no accelerate counterpart: the variant runs as ``sync_each_batch`` says."""
+    """``Accelerator`` arguments for accumulation and the layout; none where they are off, as before they
+    existed. ``requires_all_reduce`` has no accelerate counterpart: the variant runs as ``sync_each_batch``
+    says."""
     import torch.distributed as dist
 
     kwargs = {}
@@ -231,22 +312,86 @@ def accelerate_scaling(options: FsdpOptions) -> dict:
 
         kwargs["gradient_accumulation_plugin"] = GradientAccumulationPlugin(
             num_steps=options.gradient_accumulation_steps, sync_each_batch=options.sync_each_batch)
-    replicas, shards = options.mesh_shape(dist.get_world_size())
-    if replicas > 1:
+    degrees = options.layout.at(dist.get_world_size())
+    if degrees.replicate > 1 or degrees.cp > 1 or degrees.tp > 1:
         from accelerate import ParallelismConfig
 
-        kwargs["parallelism_config"] = ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=shards)
+        cp = {}
+        if degrees.cp > 1:
+            from accelerate.utils import TorchContextParallelConfig
+
+            cp = {"cp_size": degrees.cp,
+                  "cp_handler": TorchContextParallelConfig(cp_comm_strategy=options.layout.cp_comm_strategy)}
+        kwargs["parallelism_config"] = ParallelismConfig(dp_replicate_size=degrees.replicate,
+                                                         dp_shard_size=degrees.shard, tp_size=degrees.tp, **cp)
     return kwargs
 
 
-def accelerate_fsdp2(model: nn.Module, ctx: Context) -> Prepared:
-    optimizer = make_optimizer(model, ctx)
+def accelerate_fsdp2(model: nn.Module | None, ctx: Context) -> Prepared:
+    """accelerate's own path. Under TP it takes no model built here (``model`` is None): it needs one that
+    transformers made tensor-parallel. Under TP or CP a failure of that set-up is the libraries' answer for
+    these releases, said as such (``Unsupported``)."""
+    layout = ctx.options.layout
+    if not (layout.tensor_parallel or layout.context_parallel):
+        return _accelerate_prepared(model, ctx)
+    try:
+        return _accelerate_prepared(model, ctx)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - inside accelerate and transformers: reported, never patched
+        import accelerate
+        import transformers
+
+        raise Unsupported(f"fails at accelerate {accelerate.__version__} + transformers {transformers.__version__}: "
+                          f"{failure_said(exc)}") from exc
+
+
+def _accelerate_prepared(model: nn.Module | None, ctx: Context) -> Prepared:
     accelerator = make_accelerator(ctx.device, ctx.layer_classes, options=ctx.options)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    split_wrong = None
+    if ctx.options.layout.tensor_parallel:
+        model = tensor_parallel_by_transformers(ctx.config, accelerator)
+        split = getattr(model, "tp_size", None) or 1
+        if split != ctx.options.layout.tp_size:
+            split_wrong = (f"from_pretrained(tp_plan='auto', device_mesh=<tp mesh of {ctx.options.layout.tp_size}>) "
+                           + ("left the model whole" if split == 1 else f"split the model over {split} ranks"))
+    optimizer = make_optimizer(model, ctx)
+    try:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    except Exception as exc:
+        if split_wrong is None:
+            raise
+        raise RuntimeError(f"{split_wrong}; then prepare() raised {failure_said(exc)}") from exc
+    if split_wrong is not None:
+        raise RuntimeError(split_wrong)
     if not isinstance(model, FSDPModule):
         raise RuntimeError(f"accelerate did not take its FSDP2 path (distributed type {accelerator.distributed_type})")
     ctx.mark("sharded")
-    return Prepared(model, optimizer, accelerator.backward, lambda last: accelerator.accumulate(model))
+    inputs = sequence_split(lambda buffers: accelerator.maybe_context_parallel(
+        buffers=buffers, buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers))) \
+        if ctx.options.layout.context_parallel else whole_sequences
+    return Prepared(model, optimizer, accelerator.backward, lambda last: accelerator.accumulate(model), inputs)
+
+
+def failure_said(exc: BaseException) -> str:
+    """"ImportError: cannot import name ..." without the file path an ImportError adds (it says nothing more)."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {re.sub(r' [(]/[^)]*[)]', '', first)}"
+
+
+def tensor_parallel_by_transformers(config, accelerator) -> nn.Module:
+    """What accelerate requires under TP: a model that transformers' ``from_pretrained`` made tensor-parallel
+    with the model's own plan (``tp_plan="auto"``) on the accelerator's tp mesh. The checkpoint holds the
+    config and no tensor, so transformers draws the weights itself (the same shapes and bytes as the torch
+    variants'; other values)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory(prefix="fsdp2bench-tp-") as directory:
+        config.save_pretrained(directory)
+        save_file({}, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        return AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto", dtype=torch.float32,
+                                                    device_mesh=accelerator.torch_device_mesh["tp"])
 
 
 def force_accelerate_fsdp_on_cpu(accelerator, plugin, autocast: bool = True, parallelism=None) -> None:

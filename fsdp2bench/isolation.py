@@ -15,6 +15,7 @@ import contextlib
 import json
 import multiprocessing.connection
 import os
+import re
 import signal
 import sys
 import threading
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2bench.cli import Stopped, set_up_standard_streams
+from fsdp2bench.layout import Degrees, Meshes, build_meshes
 from fsdp2bench.names import TRACE_KEYS
 from fsdp2bench.starting import check_launcher_env, child_context, one_rank_env
 
@@ -69,9 +71,40 @@ def connect_store() -> dist.TCPStore:
                          timeout=STORE_TIMEOUT)
 
 
+class Unsupported(Exception):
+    """What the installed libraries cannot do (accelerate's TP or CP path at these releases): a finding of the
+    run, reported as such, not a failure of it."""
+
+
+UNSUPPORTED = "unsupported"
+
+
+def unsupported_cause(reason: str | None) -> str | None:
+    """What the libraries cannot do, from a piece's failure reason ("rank 1: unsupported: fails at ..."),
+    or None where the reason is another failure (or there is none)."""
+    found = re.fullmatch(rf"(rank \d+: )?{UNSUPPORTED}: (.*)", reason or "", re.DOTALL)
+    return found.group(2) if found else None
+
+
+def failed(reason: str | None) -> bool:
+    """Whether a piece's outcome fails the run: a failure that is not the libraries' unsupported path."""
+    return reason is not None and unsupported_cause(reason) is None
+
+
+def status_of(reason: str | None) -> str:
+    """A piece's status in summary.json: ok, unsupported: <what the libraries cannot do>, or failed: <reason>."""
+    if reason is None:
+        return "ok"
+    cause = unsupported_cause(reason)
+    return f"{UNSUPPORTED}: {cause}" if cause else f"failed: {reason}"
+
+
 def describe(exc: BaseException) -> str:
-    """One line for a failure; out-of-memory, and a file that cannot be written (a full disk), named as such."""
+    """One line for a failure; out-of-memory, a file that cannot be written (a full disk), and what the
+    libraries cannot do, named as such."""
     first = (str(exc).strip().splitlines() or [""])[0][:300]
+    if isinstance(exc, Unsupported):
+        return f"{UNSUPPORTED}: {first}"
     if isinstance(exc, torch.OutOfMemoryError):
         return f"out of memory ({first})"
     if isinstance(exc, OSError) and exc.filename is not None:
@@ -398,23 +431,10 @@ def run_child(finisher: Finisher, work: Callable[[dist.TCPStore], None]) -> None
 
 
 def init_group(device: torch.device, keys: StoreKeys, store: dist.TCPStore, rank: int, world_size: int,
-               shape: tuple[int, int] | None = None):
-    """This piece of work's own process group and its device mesh (``device_mesh``)."""
+               degrees: Degrees | None = None) -> Meshes | None:
+    """This piece of work's own process group and, for ``degrees``, the meshes of that layout."""
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             store=dist.PrefixStore(keys.prefix + "/pg", store), rank=rank,
                             world_size=world_size, timeout=timedelta(minutes=10),
                             device_id=device if device.type == "cuda" else None)
-    return device_mesh(device, world_size, shape)
-
-
-HSDP_DIMS = ("dp_replicate", "dp_shard")  # accelerate's names for the two dimensions
-
-
-def device_mesh(device: torch.device, world_size: int, shape: tuple[int, int] | None):
-    """FSDP2's mesh: 1-D over every rank, or (replicas, shards) for HSDP where there are replicas,
-    on which ``fully_shard`` replicates over the first dimension and shards over the second."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if shape is None or shape[0] == 1:
-        return init_device_mesh(device.type, (world_size,))
-    return init_device_mesh(device.type, shape, mesh_dim_names=HSDP_DIMS)
+    return build_meshes(device.type, degrees) if degrees is not None else None

@@ -11,6 +11,7 @@ cp and tp group train on the same batch. No torch at module level: the matrix la
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from fsdp2bench.cli import UserError
@@ -83,11 +84,50 @@ class Layout:
             check_context_parallel(config, self.cp_size, block_size)
 
 
+# The styles of a model's tensor-parallel plan the torch variants apply, and the dim of a Linear's
+# weight each splits (colwise: its output features, dim 0, and its bias; rowwise: its input features).
+TP_STYLES = {"colwise": 0, "rowwise": 1}
+
+
+def tensor_parallel_plan(config) -> dict[str, str]:
+    """The model's own plan (its config's ``base_model_tp_plan``): module pattern under the base model,
+    ``*`` for a block's index, to style."""
+    return dict(getattr(config, "base_model_tp_plan", None) or {})
+
+
+def planned_style(module_name: str, plan: dict[str, str]) -> str | None:
+    """The plan's style for a module of the base model (``layers.3.mlp.up_proj``), or None."""
+    for pattern, style in plan.items():
+        if re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), module_name):
+            return style
+    return None
+
+
+def tensor_parallel_dim(param_name: str, plan: dict[str, str], base_prefix: str) -> int | None:
+    """The dim of a parameter the plan splits over the tp ranks; None where it keeps it whole (embeddings,
+    norms, the head, a rowwise layer's bias). ``param_name`` as the causal LM names it."""
+    module, _, kind = param_name.rpartition(".")
+    if base_prefix and module.startswith(base_prefix + "."):
+        module = module[len(base_prefix) + 1:]
+    style = planned_style(module, plan)
+    if style is None:
+        return None
+    if kind == "bias":  # a colwise layer's bias is split with its outputs; a rowwise one's is added whole
+        return 0 if TP_STYLES[style] == 0 else None
+    return TP_STYLES[style]
+
+
 def check_tensor_parallel(config, tp: int) -> None:
-    """TP needs the model's own plan, and T must split every head count and the MLP width evenly."""
-    if not getattr(config, "base_model_tp_plan", None):
+    """TP needs the model's own plan, in styles the torch variants apply, and T must split every head count
+    and the MLP width evenly."""
+    plan = tensor_parallel_plan(config)
+    if not plan:
         raise UserError(f"--tp_size {tp}: the {config.model_type} config has no tensor-parallel plan "
                         "(base_model_tp_plan)")
+    unknown = sorted({style for style in plan.values() if style not in TP_STYLES})
+    if unknown:
+        raise UserError(f"--tp_size {tp}: the {config.model_type} plan uses {', '.join(unknown)}; the torch variants "
+                        f"apply {' and '.join(TP_STYLES)} only")
     sizes = {"attention heads (num_attention_heads)": config.num_attention_heads,
              "key/value heads (num_key_value_heads)": getattr(config, "num_key_value_heads", None)
              or config.num_attention_heads,

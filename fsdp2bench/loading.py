@@ -16,6 +16,7 @@ from fsdp2bench import simulation, weights
 from fsdp2bench.checkpoints import Checkpoint, write_bin
 from fsdp2bench.child import TracedChild, run_traced_child
 from fsdp2bench.isolation import Finisher, StoreKeys, init_group, run_child
+from fsdp2bench.layout import Degrees
 from fsdp2bench.memory_model import local_tensor, shard_rows
 from fsdp2bench.model import build_model
 from fsdp2bench.names import MIB, size_said
@@ -227,8 +228,10 @@ def load_process(job: LoadJob) -> None:
                         trace_file(job_dir(job), job.mode, job.rank), fields)
 
     def work(store, tracker: MemoryTracker) -> dict:
-        mesh = simulation.init_simulated_group(job.device, job.rank, job.world_size) if job.simulated else \
-            init_group(job.device, job.keys, store, job.rank, job.world_size)
+        flat = Degrees(replicate=1, shard=job.world_size)  # loading shards over every rank
+        meshes = simulation.init_simulated_group(job.device, job.rank, job.world_size, flat) if job.simulated else \
+            init_group(job.device, job.keys, store, job.rank, job.world_size, flat)
+        mesh = meshes.fsdp
         start = time.perf_counter()
         model = MODES[job.mode](job, mesh)
         if job.device.type == "cuda":

@@ -39,25 +39,27 @@ def launch_command(nproc: int, args: list[str]) -> list[str]:
 
 
 def fitting_sizes(option_set: str, sizes: list[int]) -> list[int]:
-    """The world sizes an option set runs at: an HSDP set's shard size must divide N (a node of 8
-    ranks needs N = 8, 16, ...)."""
-    shards = OPTION_SETS[option_set].dp_shard_size
-    return [n for n in sizes if shards is None or n % shards == 0]
+    """The world sizes an option set runs at: where its layout's sizes fit N (an HSDP set's node of 8
+    ranks needs N = 8, 16, ...; tp2_cp2 needs a multiple of 4)."""
+    return [n for n in sizes if OPTION_SETS[option_set].layout.fits(n)]
 
 
 def launches(output_dir: str, sets: list[str], wanted: list[int], sweep_steps: int, nproc: int,
-             forwarded: list[str]) -> tuple[list[tuple[str, str, list]], list[str]]:
+             forwarded: list[str], refused: dict[str, str] | None = None) -> tuple[list[tuple[str, str, list]], list[str]]:
     """(option set, its directory, main.py arguments) of every launch, in order, and a note for each
-    launch an option set cannot make at these world sizes. A sweep takes ``sweep_steps`` steps
-    whatever the real runs take: its memory settles after the first step; ``wanted``: the simulated
-    world sizes, smallest first (none: no sweeps)."""
+    launch an option set cannot make at these world sizes, or at all (``refused``: why its layout cannot
+    run this model here). A sweep takes ``sweep_steps`` steps whatever the real runs take: its memory
+    settles after the first step; ``wanted``: the simulated world sizes, smallest first (none: no sweeps)."""
     out, skipped = [], []
     for name in sets:
+        if name in (refused or {}):
+            skipped.append(f"{name}: not run ({refused[name]})")
+            continue
         flags = OPTION_SETS[name].flags()
         if nproc and fitting_sizes(name, [nproc]):
             out.append((name, set_dir(output_dir, name), [*forwarded, *flags, "--output_dir", set_dir(output_dir, name)]))
         elif nproc:
-            skipped.append(f"{name}: no real run on {nproc} rank(s) (its shard size does not divide it)")
+            skipped.append(f"{name}: no real run on {nproc} rank(s) (its layout's sizes do not divide it)")
         fitting = fitting_sizes(name, wanted)
         if fitting:
             sweep = os.path.join(set_dir(output_dir, name), SWEEP_DIR)
@@ -65,7 +67,7 @@ def launches(output_dir: str, sets: list[str], wanted: list[int], sweep_steps: i
                                       "--max_steps", str(sweep_steps), "--output_dir", sweep]))
         if len(fitting) < len(wanted):
             skipped.append(f"{name}: not simulated at N = {', '.join(str(n) for n in wanted if n not in fitting)} "
-                           "(its shard size does not divide N)")
+                           "(its layout's sizes do not divide N)")
     return out, skipped
 
 

@@ -43,11 +43,13 @@ activations), which the measured peaks show beyond the state.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp2bench.layout import Degrees, tensor_parallel_dim, tensor_parallel_plan
 from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, UNFIXED
 from fsdp2bench.options import AUTOCAST, FsdpOptions
 
@@ -125,14 +127,26 @@ def unreduced_grads(model: nn.Module) -> list[torch.Tensor]:
 
 # --------------------------------------------------------------------------- expected
 
-def param_shapes(model: nn.Module) -> list[tuple[tuple[int, ...], int]]:
-    """(shape, bytes per element) of each unique parameter of the unsharded model (a meta model will do)."""
-    return [(tuple(p.shape), p.element_size()) for p in _unique_params(model)]
+class ParamShape(NamedTuple):
+    """One unique parameter of the unsharded model: its shape, bytes per element, and the dim the model's
+    tensor-parallel plan splits (None: kept whole on every tp rank)."""
+    shape: tuple[int, ...]
+    itemsize: int
+    tp_dim: int | None = None
+
+
+def param_shapes(model: nn.Module, config=None) -> list[ParamShape]:
+    """Each unique parameter of the unsharded model (a meta model will do), with its tensor-parallel dim
+    under ``config``'s plan."""
+    plan = tensor_parallel_plan(config) if config is not None else {}
+    prefix = getattr(model, "base_model_prefix", "")
+    return [ParamShape(tuple(p.shape), p.element_size(), tensor_parallel_dim(name, plan, prefix))
+            for name, p in model.named_parameters()]
 
 
 def model_bytes(shapes) -> int:
     """P: the bytes of the unsharded model's parameters, from ``param_shapes``."""
-    return sum(math.prod(shape) * item for shape, item in shapes)
+    return sum(math.prod(p[0]) * p[1] for p in shapes)
 
 
 def shard_rows(d0: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -142,17 +156,34 @@ def shard_rows(d0: int, world_size: int, rank: int) -> tuple[int, int]:
     return start, min(d0, start + chunk)
 
 
-def _shard_bytes(shapes, world_size: int, rank: int) -> tuple[int, int, int]:
-    """(padded shard bytes, unpadded shard bytes, full bytes) summed over parameters."""
+def tp_local_shape(param, tp: int, tp_rank: int) -> tuple[int, ...]:
+    """The part of a parameter a tp rank holds: its plan's dim cut in T chunks as torch's Shard cuts it."""
+    shape, dim = list(param[0]), param[2] if len(param) > 2 else None
+    if tp > 1 and dim is not None:
+        start, stop = shard_rows(shape[dim], tp, tp_rank)
+        shape[dim] = stop - start
+    return tuple(shape)
+
+
+def _shard_bytes(shapes, degrees: Degrees, rank: int) -> tuple[int, int, int]:
+    """(padded shard bytes, unpadded shard bytes, full bytes) summed over parameters, on ``rank``: TP's
+    part first, then FSDP2's chunk of its dim 0 over dp_shard x cp."""
     padded = local = full = 0
-    for shape, item in shapes:
+    fsdp, index, tp_rank = degrees.fsdp_degree, degrees.fsdp_index(rank), degrees.coordinates(rank)["tp"]
+    for param in shapes:
+        shape, item = tp_local_shape(param, degrees.tp, tp_rank), param[1]
         d0 = shape[0] if shape else 1
         rest = math.prod(shape[1:]) * item
-        start, stop = shard_rows(d0, world_size, rank)
-        padded += math.ceil(d0 / world_size) * rest  # every rank stores its chunk padded to full size
+        start, stop = shard_rows(d0, fsdp, index)
+        padded += math.ceil(d0 / fsdp) * rest  # every rank stores its chunk padded to full size
         local += (stop - start) * rest
-        full += d0 * rest
+        full += math.prod(param[0]) * item
     return padded, local, full
+
+
+def _tensor_parallel_bytes(shapes) -> int:
+    """Full bytes of the parameters the plan splits: those ``parallelize_module`` replaces by new ones."""
+    return sum(math.prod(p[0]) * p[1] for p in shapes if len(p) > 2 and p[2] is not None)
 
 
 def reduce_dtype_bytes(options: FsdpOptions) -> int:
@@ -168,7 +199,7 @@ def syncs_each_microbatch(variant: str, options: FsdpOptions, world_size: int) -
 
 def holds_back_all_reduce(variant: str, options: FsdpOptions, world_size: int) -> bool:
     """``requires_all_reduce`` false on a mesh that has replicas to all-reduce over (torch variants only)."""
-    return not options.requires_all_reduce and variant != ACCELERATE and options.mesh_shape(world_size)[0] > 1
+    return not options.requires_all_reduce and variant != ACCELERATE and options.layout.at(world_size).replicate > 1
 
 
 def expected_state(shapes, world_size: int, rank: int, variant: str, phase: str,
@@ -180,10 +211,10 @@ def expected_state(shapes, world_size: int, rank: int, variant: str, phase: str,
     optimizer step), "end_of_training" (after the last ``zero_grad``) or, with accumulation,
     "between_microbatches" (the last step's first microbatch done, its optimizer step not yet).
     """
-    shards = options.mesh_shape(world_size)[1]
+    degrees = options.layout.at(world_size)
     if phase == MICROBATCH_PHASE:
-        return _between_microbatches(shapes, world_size, shards, rank % shards, variant, options, steps > 1)
-    padded, local, full = _shard_bytes(shapes, shards, rank % shards)
+        return _between_microbatches(shapes, world_size, degrees, rank, variant, options, steps > 1)
+    padded, local, full = _shard_bytes(shapes, degrees, rank)
     unfixed = variant == UNFIXED
     trained = phase != "end_of_setup"
     grads_alive = trained and (unfixed or phase == "before_zero_grad")
@@ -197,13 +228,16 @@ def expected_state(shapes, world_size: int, rank: int, variant: str, phase: str,
     }
 
 
-def _between_microbatches(shapes, world_size: int, shards: int, shard: int, variant: str, options: FsdpOptions,
+def _between_microbatches(shapes, world_size: int, degrees: Degrees, rank: int, variant: str, options: FsdpOptions,
                           stepped: bool) -> dict:
-    """The state after the last step's first microbatch on the rank holding shard ``shard`` of
-    ``shards`` (see the module text); ``stepped``: an optimizer step came before it. The unfixed
-    variant's sharded gradients are never cleared."""
-    padded, local, full = _shard_bytes(shapes, shards, shard)
-    padded_items, _, full_items = _shard_bytes([(shape, 1) for shape, _ in shapes], shards, shard)
+    """The state after the last step's first microbatch on ``rank`` (see the module text); ``stepped``: an
+    optimizer step came before it. The unfixed variant's sharded gradients are never cleared. The gradient
+    not yet reduced is that of this rank's tp part of each parameter, whole."""
+    padded, local, full = _shard_bytes(shapes, degrees, rank)
+    tp_rank = degrees.coordinates(rank)["tp"]
+    as_items = [ParamShape(tp_local_shape(p, degrees.tp, tp_rank), 1) for p in shapes]
+    padded_items, _, full_items = _shard_bytes(as_items, Degrees(replicate=1, shard=degrees.fsdp_degree),
+                                               degrees.fsdp_index(rank))
     unfixed = variant == UNFIXED
     synced = syncs_each_microbatch(variant, options, world_size)
     held_back = synced and holds_back_all_reduce(variant, options, world_size)
@@ -218,13 +252,16 @@ def _between_microbatches(shapes, world_size: int, shards: int, shard: int, vari
 
 
 def expected_device_bytes(shapes, world_size: int, rank: int, variant: str, phase: str,
-                          options: FsdpOptions, device_type: str, steps: int = 2) -> int:
+                          options: FsdpOptions, device_type: str, steps: int = 2, built_on: str = "cpu") -> int:
     """The part of ``expected_state`` that ``account`` should find on the accelerator (see the module
     text): under CPU offload the stale parameters and the unreduced gradients, which live beside the
-    unsharded parameters on the GPU."""
+    unsharded parameters on the GPU. Under TP a model built on the host leaves the stale copies of the
+    parameters the plan splits there (``parallelize_module`` makes new ones on the GPU)."""
     if device_type == "cpu":
         return 0
     state = expected_state(shapes, world_size, rank, variant, phase, options, steps)
+    if state["stale_param_bytes"] and built_on == "cpu" and options.layout.tp_size > 1:
+        state["stale_param_bytes"] -= _tensor_parallel_bytes(shapes)
     if options.cpu_offload:
         return state["stale_param_bytes"] + state["unreduced_grad_bytes"]
     counters = STEP_BYTES * len(shapes) if state["optimizer_state_bytes"] else 0

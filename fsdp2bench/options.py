@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from fsdp2bench.cli import UserError, parse_names
+from fsdp2bench.layout import CP_STRATEGIES, Layout
 
 # --mixed_precision_policy: accelerate's mixed_precision="bf16" (bf16 autocast, FSDP2 gathers and
 # reduces in bf16; the upstream's), or an FSDP2 MixedPrecisionPolicy without autocast.
@@ -24,7 +25,7 @@ POLICY = "bf16_params_fp32_reduce"
 MIXED_PRECISION = (AUTOCAST, POLICY)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FsdpOptions:
     reshard_after_forward: bool = True
     mixed_precision_policy: str = AUTOCAST
@@ -35,18 +36,20 @@ class FsdpOptions:
     # (False, accelerate's default: the gradients stay unsharded on every rank until the last one).
     gradient_accumulation_steps: int = 1
     sync_each_batch: bool = False
-    # ParallelismConfig: HSDP, replicas x shards = N. None: the other one's complement (flat FSDP if both are).
-    dp_replicate_size: int | None = None
-    dp_shard_size: int | None = None
     # torch's FSDPModule.set_requires_all_reduce: False reduce-scatters every microbatch under HSDP but
     # all-reduces across the replicas only on the last one. Not offered by accelerate.
     requires_all_reduce: bool = True
+    # ParallelismConfig: how the ranks split into replicas, shards, context and tensor groups.
+    layout: Layout = Layout()
 
     def changed(self) -> dict:
-        """The options that differ from the default (today's configuration, the upstream's)."""
-        default = FsdpOptions()
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if getattr(self, f.name) != getattr(default, f.name)}
+        """The options that differ from the default (today's configuration, the upstream's), by flag name:
+        the layout's sizes among them."""
+        out = {}
+        for here, default in ((self, FsdpOptions()), (self.layout, Layout())):
+            out.update({f.name: getattr(here, f.name) for f in dataclasses.fields(here)
+                        if f.name != "layout" and getattr(here, f.name) != getattr(default, f.name)})
+        return out
 
     def flags(self) -> list[str]:
         """main.py's command-line flags that select these options."""
@@ -58,22 +61,9 @@ class FsdpOptions:
                 out += [f"--{name}", str(value).lower()]
         return out
 
-    def mesh_shape(self, world_size: int) -> tuple[int, int]:
-        """(replicas, shards) of a world of ``world_size`` ranks; refused where they do not divide it."""
-        r, s = self.dp_replicate_size, self.dp_shard_size
-        if r is None and s is None:
-            return 1, world_size
-        if r is not None and s is not None and r * s != world_size:
-            raise UserError(f"--dp_replicate_size {r} x --dp_shard_size {s} is not the world size {world_size}")
-        given, flag = (r, "--dp_replicate_size") if r is not None else (s, "--dp_shard_size")
-        if world_size % given:
-            raise UserError(f"{flag} {given} does not divide the world size {world_size}")
-        return (given, world_size // given) if r is not None else (world_size // given, given)
-
     @property
     def hsdp(self) -> bool:
-        """Whether a replicate dimension is asked for (it may still be 1 at some world sizes)."""
-        return self.dp_shard_size is not None or (self.dp_replicate_size or 1) > 1
+        return self.layout.hsdp
 
     @property
     def accumulates(self) -> bool:
@@ -83,13 +73,14 @@ class FsdpOptions:
 # Booleans whose main.py flag takes a value ({true,false}) rather than standing alone.
 VALUED_BOOLS = ("reshard_after_forward", "sync_each_batch", "requires_all_reduce")
 # The options accelerate's FullyShardedDataParallelPlugin takes; the others go to its other objects.
+LAYOUT_OPTIONS = tuple(f.name for f in dataclasses.fields(Layout))
 PLUGIN_OPTIONS = ("reshard_after_forward", "mixed_precision_policy", "activation_checkpointing",
                   "activation_checkpointing_offload", "cpu_offload")
 
 
 ACCUMULATION_STEPS, NODE_RANKS = 4, 8  # a matrix's K, and HSDP's shards: the ranks of one node
 # The rows of a matrix: each plugin option alone, and all of them together (they all combine); then
-# accumulation each way, HSDP over nodes of 8 ranks, and both.
+# accumulation each way, HSDP over nodes of 8 ranks, and both; then tensor and context parallelism.
 OPTION_SETS: dict[str, FsdpOptions] = {
     "default": FsdpOptions(),
     "no_reshard": FsdpOptions(reshard_after_forward=False),
@@ -101,15 +92,24 @@ OPTION_SETS: dict[str, FsdpOptions] = {
                        activation_checkpointing_offload=True, cpu_offload=True),
     "accumulate": FsdpOptions(gradient_accumulation_steps=ACCUMULATION_STEPS),
     "accumulate_sync": FsdpOptions(gradient_accumulation_steps=ACCUMULATION_STEPS, sync_each_batch=True),
-    "hsdp": FsdpOptions(dp_shard_size=NODE_RANKS),
-    "hsdp_accumulate": FsdpOptions(dp_shard_size=NODE_RANKS, gradient_accumulation_steps=ACCUMULATION_STEPS),
-    "hsdp_accumulate_sync": FsdpOptions(dp_shard_size=NODE_RANKS, gradient_accumulation_steps=ACCUMULATION_STEPS,
-                                        sync_each_batch=True),
-    "hsdp_all_reduce_last": FsdpOptions(dp_shard_size=NODE_RANKS, gradient_accumulation_steps=ACCUMULATION_STEPS,
-                                        sync_each_batch=True, requires_all_reduce=False),
+    "hsdp": FsdpOptions(layout=Layout(dp_shard_size=NODE_RANKS)),
+    "hsdp_accumulate": FsdpOptions(layout=Layout(dp_shard_size=NODE_RANKS),
+                                   gradient_accumulation_steps=ACCUMULATION_STEPS),
+    "hsdp_accumulate_sync": FsdpOptions(layout=Layout(dp_shard_size=NODE_RANKS),
+                                        gradient_accumulation_steps=ACCUMULATION_STEPS, sync_each_batch=True),
+    "hsdp_all_reduce_last": FsdpOptions(layout=Layout(dp_shard_size=NODE_RANKS),
+                                        gradient_accumulation_steps=ACCUMULATION_STEPS, sync_each_batch=True,
+                                        requires_all_reduce=False),
+    "tp2": FsdpOptions(layout=Layout(tp_size=2)),
+    "tp4": FsdpOptions(layout=Layout(tp_size=4)),
+    "cp2": FsdpOptions(layout=Layout(cp_size=2)),
+    "cp4": FsdpOptions(layout=Layout(cp_size=4)),
+    "tp2_cp2": FsdpOptions(layout=Layout(tp_size=2, cp_size=2)),
+    "cp2_accumulate": FsdpOptions(layout=Layout(cp_size=2), gradient_accumulation_steps=ACCUMULATION_STEPS),
 }
 EACH = "every_set"  # --option_sets every_set: every set above (the set named all turns every plugin option on)
-PLUGIN_SETS = [name for name, o in OPTION_SETS.items() if not o.accumulates and not o.hsdp]  # the plugin's options
+PLUGIN_SETS = [name for name, o in OPTION_SETS.items() if not o.accumulates and o.layout == Layout()]  # the plugin's
+PARALLEL_SETS = [name for name, o in OPTION_SETS.items() if o.layout.tensor_parallel or o.layout.context_parallel]
 
 
 def parse_bool(text: str) -> bool:
@@ -126,10 +126,18 @@ def from_args(args) -> FsdpOptions:
     if args.sync_each_batch is not None and args.gradient_accumulation_steps == 1:
         raise UserError("--sync_each_batch needs --gradient_accumulation_steps above 1 (with one microbatch per "
                         "step every step is reduced)")
-    options = FsdpOptions(args.reshard_after_forward, args.mixed_precision_policy, args.activation_checkpointing,
-                          args.activation_checkpointing_offload, args.cpu_offload, args.gradient_accumulation_steps,
-                          bool(args.sync_each_batch), args.dp_replicate_size, args.dp_shard_size,
-                          args.requires_all_reduce)
+    if args.cp_comm_strategy is not None and args.cp_size == 1:
+        raise UserError("--cp_comm_strategy needs --cp_size above 1 (without context parallelism nothing is passed "
+                        "between ranks for attention)")
+    layout = Layout(dp_replicate_size=args.dp_replicate_size, dp_shard_size=args.dp_shard_size, cp_size=args.cp_size,
+                    tp_size=args.tp_size, cp_comm_strategy=args.cp_comm_strategy or CP_STRATEGIES[0])
+    options = FsdpOptions(reshard_after_forward=args.reshard_after_forward,
+                          mixed_precision_policy=args.mixed_precision_policy,
+                          activation_checkpointing=args.activation_checkpointing,
+                          activation_checkpointing_offload=args.activation_checkpointing_offload,
+                          cpu_offload=args.cpu_offload, gradient_accumulation_steps=args.gradient_accumulation_steps,
+                          sync_each_batch=bool(args.sync_each_batch), requires_all_reduce=args.requires_all_reduce,
+                          layout=layout)
     check(options)
     return options
 
@@ -183,6 +191,7 @@ def check_scaling_libraries(options: FsdpOptions) -> None:
     if options.hsdp and not hasattr(accelerate, "ParallelismConfig"):
         raise UserError(f"--dp_replicate_size/--dp_shard_size: accelerate {accelerate.__version__} has no "
                         "ParallelismConfig, through which it sets up HSDP")
+    check_parallel_libraries(options.layout)
     if not options.requires_all_reduce and not hasattr(FSDPModule, "set_requires_all_reduce"):
         raise UserError("--requires_all_reduce: this torch's FSDPModule has no set_requires_all_reduce")
 
@@ -192,3 +201,24 @@ def parse_sets(text: str) -> list[str]:
     if text.strip() == EACH:
         return list(OPTION_SETS)
     return parse_names(text, "--option_sets", list(OPTION_SETS), noun="option set")
+
+
+def check_parallel_libraries(layout: Layout) -> None:
+    """TP and CP need torch's tensor-parallel and context-parallel APIs and accelerate's ParallelismConfig
+    with their sizes; a release without one is refused before any work starts."""
+    import accelerate
+    import torch
+
+    needs = []
+    if layout.tensor_parallel:
+        needs.append(("--tp_size", "torch.distributed.tensor.parallel", "parallelize_module", "tp_size"))
+    if layout.context_parallel:
+        needs.append(("--cp_size", "torch.distributed.tensor.experimental", "context_parallel", "cp_size"))
+    for flag, module, name, field in needs:
+        try:
+            getattr(__import__(module, fromlist=[name]), name)
+        except (ImportError, AttributeError):
+            raise UserError(f"{flag}: torch {torch.__version__} has no {module}.{name}") from None
+        config = getattr(accelerate, "ParallelismConfig", None)
+        if config is None or field not in {f.name for f in dataclasses.fields(config)}:
+            raise UserError(f"{flag}: accelerate {accelerate.__version__} has no ParallelismConfig.{field}")

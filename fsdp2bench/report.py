@@ -7,6 +7,8 @@ import statistics
 
 from fsdp2bench import snapshots
 from fsdp2bench.cli import say
+from fsdp2bench.isolation import UNSUPPORTED
+from fsdp2bench.layout import AXES
 from fsdp2bench.memory_model import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_state,
                                      projection, unfixed_costs_more_from)
 from fsdp2bench.names import (INTENDED, MIB, MICROBATCH_PHASE, PEAK_PHASES, PHASES, STATE_KEYS, UNFIXED, phases,
@@ -100,15 +102,16 @@ def _beyond_state(record: dict) -> float | None:
 
 
 def memory_summary(name: str, per_rank: list[dict], shapes, world_size: int, ranks: list[int],
-                   options: FsdpOptions, device_type: str) -> dict:
-    """Memory figures of one variant from the records of ``ranks`` (of a world of ``world_size``)."""
+                   options: FsdpOptions, device_type: str, built_on: str = "cpu") -> dict:
+    """Memory figures of one variant from the records of ``ranks`` (of a world of ``world_size``), its
+    model built on ``built_on``."""
     counted, steps = phases(options.accumulates), len(per_rank[0]["steps"])
     accounting = [_by_phase(r["accounting"], counted) for r in per_rank]
     expected = [_by_phase({ph: expected_state(shapes, world_size, rank, name, ph, options, steps) for ph in counted},
                           counted) for rank in ranks]
     on_device = [{ph: r["accounting"][ph]["device_bytes"] for ph in counted} for r in per_rank]
-    expected_on_device = [{ph: expected_device_bytes(shapes, world_size, rank, name, ph, options, device_type, steps)
-                           for ph in counted} for rank in ranks]
+    expected_on_device = [{ph: expected_device_bytes(shapes, world_size, rank, name, ph, options, device_type, steps,
+                                                     built_on) for ph in counted} for rank in ranks]
     residual = [None if r["steps"][-1]["allocated_mib"] is None else
                 r["steps"][-1]["allocated_mib"] - r["accounting"]["end_of_training"]["device_bytes"] / MIB
                 for r in per_rank]
@@ -137,10 +140,12 @@ def memory_summary(name: str, per_rank: list[dict], shapes, world_size: int, ran
     }
 
 
-def variant_summary(name: str, per_rank: list[dict], shapes, options: FsdpOptions, device_type: str) -> dict:
+def variant_summary(name: str, per_rank: list[dict], shapes, options: FsdpOptions, device_type: str,
+                    built_on: str = "cpu") -> dict:
     """Combine every rank's record of one variant of a real run into its summary entry."""
     losses = [s["loss"] for s in per_rank[0]["steps"]]
-    entry = memory_summary(name, per_rank, shapes, len(per_rank), list(range(len(per_rank))), options, device_type)
+    entry = memory_summary(name, per_rank, shapes, len(per_rank), list(range(len(per_rank))), options, device_type,
+                           built_on)
     return {**entry, "losses": losses, "final_loss": losses[-1], "loss_drop": loss_drop(losses),
             "tracker_overhead_ratio": tracker_overhead(per_rank[0]["steps"])}
 
@@ -388,7 +393,9 @@ def compared_sentence(found: dict | None) -> str | None:
 
 def explanations(summary: dict) -> list[str]:
     """Plain sentences for the numbers that matter most."""
-    out = [s for s in [compared_sentence(summary.get("accelerate_vs_torch"))] if s]
+    out = [f"{name} {cause}; the other variants ran (what the installed libraries cannot do is a finding of this "
+           f"run, not its failure)." for name, cause in unsupported_findings(run_entries(summary)).items()]
+    out += [s for s in [compared_sentence(summary.get("accelerate_vs_torch"))] if s]
     unfixed = summary["variants"].get(UNFIXED)
     if unfixed and unfixed["status"] == "ok":
         rank0 = unfixed["accounting"][0]
@@ -419,10 +426,10 @@ def accumulation_sentences(summary: dict) -> list[str]:
     if step.get("microbatches", 1) == 1:
         return []
     mesh = step.get("mesh") or {}
+    layout = " x ".join(f"{mesh[axis]} {axis}" for axis in AXES if mesh.get(axis, 1) > 1 and axis != "dp_shard")
     out = [f"One optimizer step: {step['microbatches']} microbatches, {step['sequences_per_rank']} sequences and "
            f"{step['tokens_per_rank']} tokens per rank, {step.get('tokens', 'n/a')} tokens in all"
-           + (f", on {mesh['replicas']} replicas x {mesh['shards']} shards (HSDP)" if mesh.get("replicas", 1) > 1
-              else "") + "."]
+           + (f", on {mesh['dp_shard']} dp_shard x {layout}" if layout else "") + "."]
     held = {name: _worst_rank(v, MICROBATCH_PHASE) for name, v in summary["variants"].items()
             if v.get("status") == "ok" and MICROBATCH_PHASE in v["accounting"][0]}
     if held:
@@ -555,11 +562,23 @@ def run_entries(summary: dict) -> list[tuple[str, dict]]:
     return list(summary.get("variants", {}).items())
 
 
+def failed_status(status: str) -> bool:
+    """A variant's status that fails the run: anything but ok and what the libraries cannot do."""
+    return status != "ok" and not status.startswith(f"{UNSUPPORTED}: ")
+
+
+def unsupported_findings(entries: list[tuple[str, dict]]) -> dict[str, str]:
+    """{variant: what the installed libraries cannot do}: the runs whose set-up accelerate or transformers
+    refused at these releases (utils.accelerate_fsdp2)."""
+    return {label: e["status"][len(UNSUPPORTED) + 2:] for label, e in entries
+            if e["status"].startswith(f"{UNSUPPORTED}: ")}
+
+
 def why_failed(entries: list[tuple[str, dict]], checks: dict) -> str | None:
     """The run's failure in one line: the variants that did not finish, then the checks that failed."""
     parts = []
-    failed = [(label, e["status"][:120]) for label, e in entries if e["status"] != "ok"]
-    if failed and len(failed) == len(entries):
+    failed = [(label, e["status"][:120]) for label, e in entries if failed_status(e["status"])]
+    if failed and not any(e["status"] == "ok" for _, e in entries):
         parts.append(f"no variant finished ({'; '.join(f'{label}: {status}' for label, status in failed)})")
     elif failed:
         parts.append("; ".join(f"{label}: {status}" for label, status in failed))

@@ -16,6 +16,7 @@ import utils
 from fsdp2bench import snapshots
 from fsdp2bench.child import TracedChild, run_traced_child
 from fsdp2bench.isolation import StoreKeys, init_group
+from fsdp2bench.layout import Meshes
 from fsdp2bench.memory_model import account, local_tensor
 from fsdp2bench.model import build_model
 from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, rank_file
@@ -37,7 +38,7 @@ class FailureSpec:
     HOW = ("kill", "oom", "thread", "nan")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """The options of a launch that reach the children."""
     seed: int
@@ -97,14 +98,15 @@ class TrainStep:
                  between_microbatches: Callable[[], None] | None = None) -> torch.Tensor:
         prep, k = self.prep, self.microbatches
         if k == 1:
-            self.outputs = prep.model(input_ids=input_ids, labels=input_ids)  # the previous outputs go only now
-            prep.backward(self.outputs.loss)
+            with prep.inputs(input_ids) as inputs:
+                self.outputs = prep.model(**inputs)  # the previous outputs go only now
+                prep.backward(self.outputs.loss)
             loss = self.outputs.loss.detach()
         else:
             losses = []
             for i, micro in enumerate(input_ids.chunk(k)):
-                with prep.microbatch(i == k - 1):
-                    self.outputs = prep.model(input_ids=micro, labels=micro)
+                with prep.microbatch(i == k - 1), prep.inputs(micro) as inputs:
+                    self.outputs = prep.model(**inputs)
                     prep.backward(self.outputs.loss)
                 losses.append(self.outputs.loss.detach())
                 if i == 0 and between_microbatches is not None:
@@ -210,11 +212,14 @@ def build(job: Job, tracker: MemoryTracker):
     return model
 
 
-def train(job: Job, tracker: MemoryTracker, mesh) -> dict:
+def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None) -> dict:
     """Build, prepare and train one variant; return this rank's record beyond the trace."""
     start = time.perf_counter()
-    model = build(job, tracker)
-    ctx = utils.Context(job.device, mesh, job.train.learning_rate, job.layer_classes, tracker.mark, job.train.options)
+    # accelerate under TP loads a model that transformers made tensor-parallel itself (utils.accelerate_fsdp2).
+    own = job.name == ACCELERATE and job.train.options.layout.tensor_parallel
+    model = None if own else build(job, tracker)
+    ctx = utils.Context(job.device, meshes, job.train.learning_rate, job.layer_classes, tracker.mark,
+                        job.train.options, job.config)
     prep = utils.VARIANTS[job.name](model, ctx)
     del model
     accounting = {"end_of_setup": account(prep.model, prep.optimizer)}
@@ -301,12 +306,12 @@ def variant_process(job: Job) -> None:
     def work(store, tracker: MemoryTracker) -> dict:
         if records_history(job):  # Python stacks only: C++ ones take minutes to resolve at the dump
             torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
-        # accelerate builds its own HSDP mesh from its ParallelismConfig (utils.accelerate_scaling).
-        shape = None if job.name == ACCELERATE else job.train.options.mesh_shape(job.world_size)
-        mesh = init_simulated_group(job.device, job.rank, job.world_size, shape) if job.simulated else \
-            init_group(job.device, job.keys, store, job.rank, job.world_size, shape)
+        # accelerate builds its own mesh from its ParallelismConfig (utils.accelerate_scaling).
+        degrees = None if job.name == ACCELERATE else job.train.options.layout.at(job.world_size)
+        meshes = init_simulated_group(job.device, job.rank, job.world_size, degrees) if job.simulated else \
+            init_group(job.device, job.keys, store, job.rank, job.world_size, degrees)
         tracker.mark("group_ready")
-        extra = train(job, tracker, mesh)
+        extra = train(job, tracker, meshes)
         if records_history(job):
             torch.cuda.memory._dump_snapshot(os.path.join(job.output_dir,
                                                           rank_file(job.name, "memory_snapshot.pkl", job.rank)))

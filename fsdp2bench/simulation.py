@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from fsdp2bench.cli import UserError
-from fsdp2bench.isolation import INTERRUPTED, Interrupted, Piece, StoreKeys, device_mesh, run_rolling, wait_for_keys
+from fsdp2bench.isolation import (INTERRUPTED, Interrupted, Piece, StoreKeys, failed, run_rolling, status_of,
+                                  wait_for_keys)
+from fsdp2bench.layout import Degrees, Meshes, build_meshes
 from fsdp2bench.memory_model import expected_state
 from fsdp2bench.names import phases, simulated_dir_name
 from fsdp2bench.options import FsdpOptions
@@ -127,12 +129,13 @@ def plan(world_sizes: list[int], ranks: list, variants: list[str], shapes,
 
 # --------------------------------------------------------------------------- child side
 
-def init_simulated_group(device: torch.device, rank: int, world_size: int, shape: tuple[int, int] | None = None):
-    """A fake process group of ``world_size`` ranks in which this process is ``rank``, and its mesh
-    (HSDP's 2-D one where ``shape`` has replicas)."""
+def init_simulated_group(device: torch.device, rank: int, world_size: int,
+                         degrees: Degrees | None = None) -> Meshes | None:
+    """A fake process group of ``world_size`` ranks in which this process is ``rank``, and, for
+    ``degrees``, the meshes of that layout (up to 4-D: replicas, shards, context and tensor groups)."""
     fake_pg = __import__(FAKE_GROUP_MODULE, fromlist=["FakeStore"])  # importing registers the backend
     dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world_size)
-    return device_mesh(device, world_size, shape)
+    return build_meshes(device.type, degrees) if degrees is not None else None
 
 
 # --------------------------------------------------------------------------- main process side
@@ -155,7 +158,8 @@ def run_share(runs: list[SimulatedRun], make_job: Callable[[SimulatedRun], objec
         outcomes[i] = failure
         store.set(_outcome_key(mine[i]), "ok" if failure is None else failure)
         if failure:
-            print(f"[process {rank}] {mine[i].variant} ({mine[i].label}) FAILED: {failure}", flush=True)
+            said = f"FAILED: {failure}" if failed(failure) else status_of(failure)
+            print(f"[process {rank}] {mine[i].variant} ({mine[i].label}) {said}", flush=True)
 
     try:
         run_rolling([Piece(target, (make_job(r),), r.keys) for r in mine], lambda _, running: len(running) < at_once,
@@ -165,13 +169,13 @@ def run_share(runs: list[SimulatedRun], make_job: Callable[[SimulatedRun], objec
             if i not in outcomes:
                 store.set(_outcome_key(r), INTERRUPTED)
         raise
-    return any(failure is not None for failure in outcomes.values())
+    return any(failed(failure) for failure in outcomes.values())
 
 
 def statuses(runs: list[SimulatedRun], store: dist.TCPStore) -> dict[SimulatedRun, str]:
     """Each run's status as summary.json gives it: ok, failed: <reason>, interrupted, or not run."""
     found = {r: store.get(_outcome_key(r)).decode() if store.check([_outcome_key(r)]) else None for r in runs}
-    return {r: "not run" if o is None else o if o in ("ok", INTERRUPTED) else f"failed: {o}" for r, o in found.items()}
+    return {r: "not run" if o is None else o if o in ("ok", INTERRUPTED) else status_of(o) for r, o in found.items()}
 
 
 def wait_for_sweep(runs: list[SimulatedRun], store: dist.TCPStore) -> None:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from fsdp2bench import report, simulation
 from fsdp2bench.cli import save_summary, unwritten
-from fsdp2bench.isolation import (Interrupted, Piece, StoreKeys, StoreLost, gather_records, has_keys, leave_together,
-                                  run_isolated, wait_for_keys)
+from fsdp2bench.isolation import (Interrupted, Piece, StoreKeys, StoreLost, failed, gather_records, has_keys,
+                                  leave_together, run_isolated, status_of, wait_for_keys)
 from fsdp2bench.memory_model import PROJECTION_WORLD_SIZES
 from fsdp2bench.runner import Job, TrainConfig, variant_process
 from fsdp2bench.session import Session, say_interrupted
@@ -77,7 +77,7 @@ def run_variants(suite: Suite) -> int:
         again = [job.name for job, f in zip(jobs, failures) if f and len(group) > 1 and "out of memory" in f]
         shared_failure.update({job.name: f for job, f in zip(jobs, failures) if job.name in again})
         groups[0:0] = [[name] for name in again]
-        any_failed = any_failed or any(f for job, f in zip(jobs, failures) if job.name not in again)
+        any_failed = any_failed or any(failed(f) for job, f in zip(jobs, failures) if job.name not in again)
         if s.rank == 0:
             kept = [(job, f) for job, f in zip(jobs, failures) if job.name not in again]
             record_group(suite, [j for j, _ in kept], [f for _, f in kept], started_at, wall, group, shared_failure)
@@ -117,15 +117,18 @@ def record_group(suite: Suite, jobs: list[Job], failures: list[str | None], star
         if failure is None:
             records = gather_records(s.store, job.keys, range(s.world_size))
             suite.summary["meta"]["gpu_name"] = records[0]["gpu_name"]
-            variants[job.name] = report.variant_summary(job.name, records, s.shapes, suite.train.options, s.device.type)
+            variants[job.name] = report.variant_summary(job.name, records, s.shapes, suite.train.options, s.device.type,
+                                                        suite.train.init_device)
             variants[job.name].update(process_started_at=started_at, process_wall_s=wall,
                                       ran_beside=[n for n in group or [] if n != job.name])
         else:
-            variants[job.name] = {"status": f"failed: {failure}", "failure": failure_records(s, job.keys)}
-            print(f"[{job.name}] FAILED: {failure}", file=sys.stderr, flush=True)
+            variants[job.name] = {"status": status_of(failure), "failure": failure_records(s, job.keys)}
+            print(f"[{job.name}] {'FAILED: ' + failure if failed(failure) else variants[job.name]['status']}",
+                  file=sys.stderr if failed(failure) else sys.stdout, flush=True)
         if job.name in (shared_failure or {}):
             variants[job.name]["rerun_alone_after"] = shared_failure[job.name]
     suite.summary["checks"] = report.run_checks(variants, s.device.type)
+    suite.summary["unsupported"] = report.unsupported_findings(list(variants.items()))
     suite.summary["accelerate_vs_torch"] = report.accelerate_vs_torch(variants)
     suite.summary["projection"] = report.projection_summary(s.shapes, variants, s.world_size)
     save_summary(suite.summary_path, suite.summary)
@@ -163,9 +166,9 @@ def run_sweep(suite: Suite, sizes: list[int], rank_specs: list) -> int:
         return say_interrupted(s, exc, f"; finished runs are in {suite.output_dir}/")
     if s.rank == 0:
         record_sweep(suite, runs, sizes)
-    failed = own_failed or (s.rank == 0 and any(e["status"] != "ok"
-                                                for *_, e in report.simulated_entries(suite.summary["simulated"])))
-    return finish(suite, report.print_sweep_table, failed)
+    any_failed = own_failed or (s.rank == 0 and any(report.failed_status(e["status"])
+                                                    for *_, e in report.simulated_entries(suite.summary["simulated"])))
+    return finish(suite, report.print_sweep_table, any_failed)
 
 
 def record_sweep(suite: Suite, runs: list, sizes: list[int]) -> None:
@@ -177,13 +180,14 @@ def record_sweep(suite: Suite, runs: list, sizes: list[int]) -> None:
             record, = gather_records(s.store, run.keys, [run.rank])
             suite.summary["meta"]["gpu_name"] = record["gpu_name"]
             entry = report.memory_summary(run.variant, [record], s.shapes, run.world_size, [run.rank],
-                                          suite.train.options, s.device.type)
+                                          suite.train.options, s.device.type, suite.train.init_device)
         else:
             entry = {"status": status}
         simulated.setdefault(str(run.world_size), {}).setdefault(str(run.rank), {})[run.variant] = \
             {"label": run.label, **entry}
     suite.summary["simulated"] = simulated
     suite.summary["checks"] = report.sweep_checks(simulated)
+    suite.summary["unsupported"] = report.unsupported_findings(report.run_entries(suite.summary))
     suite.summary["accelerate_vs_torch"] = {n: {r: report.accelerate_vs_torch(by_variant)
                                                 for r, by_variant in by_rank.items()}
                                             for n, by_rank in simulated.items()}

@@ -25,11 +25,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import loading
-import main
 import matrix
 import speed
 import visualize
+from fsdp2bench import arguments
 from fsdp2bench.cli import UserError
+from fsdp2bench.layout import Layout
 from fsdp2bench.options import OPTION_SETS
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # a name that is neither a preset nor a directory is asked of the Hub
@@ -182,8 +183,17 @@ def command_line(draw, options: dict, fixed: list[str] | None = None) -> tuple[l
 
 
 SCALING_FLAGS = ("--gradient_accumulation_steps", "--dp_replicate_size", "--requires_all_reduce")
-FLAT_SETS = sorted(n for n, o in OPTION_SETS.items() if not o.hsdp)
+FLAT_SETS = sorted(n for n, o in OPTION_SETS.items() if o.layout == Layout())
 HSDP_SETS = sorted(n for n, o in OPTION_SETS.items() if o.hsdp)
+# Both models drawn have 4 heads, 2 key/value heads and an even MLP width. TP is sane where T divides
+# every N; CP never is on the CPU.
+PARALLEL_GOOD = [["--simulate_world_size", "2,8", "--tp_size", "2"],
+                 ["--simulate_world_size", "4", "--tp_size", "2", "--dp_shard_size", "2"]]
+PARALLEL_BAD = [["--tp_size", "2"], ["--simulate_world_size", "4", "--tp_size", "4"],
+                ["--simulate_world_size", "6", "--tp_size", "3"], ["--simulate_world_size", "2", "--cp_size", "2"],
+                ["--cp_comm_strategy", "alltoall"], ["--tp_size", "0"], ["--tp_size", "nan"],
+                ["--simulate_world_size", "8", "--tp_size", "2", "--dp_shard_size", "3"],
+                ["--cp_comm_strategy", "ring"]]
 # Each refused whatever else is given (no other scaling flag, one real rank): an option that changes
 # nothing, the third way without HSDP, a replicate or shard size that does not divide the world.
 SCALING_BAD = [["--sync_each_batch", "true"], ["--sync_each_batch", "false"],
@@ -197,7 +207,7 @@ SCALING_BAD = [["--sync_each_batch", "true"], ["--sync_each_batch", "false"],
 def main_command_line(draw) -> tuple[list[str], bool]:
     argv, sane = draw(command_line(MAIN, ["--device", "cpu"]))
     extra = draw(st.sampled_from(["none", "fsdp", "fsdp_bad", "failure", "failure_bad", "rank_alone", "hsdp",
-                                  "scaling_bad"]))
+                                  "scaling_bad", "parallel", "parallel_bad"]))
     scaling_given = any(flag in argv for flag in SCALING_FLAGS)
     if extra == "fsdp" and not scaling_given:
         argv += OPTION_SETS[draw(st.sampled_from(FLAT_SETS))].flags()
@@ -205,6 +215,10 @@ def main_command_line(draw) -> tuple[list[str], bool]:
         argv += ["--simulate_world_size", "8,16", *OPTION_SETS[draw(st.sampled_from(HSDP_SETS))].flags()]
     elif extra == "scaling_bad" and not scaling_given and "--simulate_world_size" not in argv:
         argv, sane = argv + draw(st.sampled_from(SCALING_BAD)), False
+    elif extra == "parallel" and not scaling_given and "--simulate_world_size" not in argv:
+        argv += draw(st.sampled_from(PARALLEL_GOOD))
+    elif extra == "parallel_bad" and not scaling_given and "--simulate_world_size" not in argv:
+        argv, sane = argv + draw(st.sampled_from(PARALLEL_BAD)), False
     elif extra == "fsdp_bad":
         argv, sane = argv + ["--activation_checkpointing_offload"], False
     elif extra == "failure" and "--variants" not in argv and "--max_steps" not in argv:
@@ -251,7 +265,7 @@ def check(validate, argv: list[str], sane: bool) -> None:
 @SETTINGS
 @given(main_command_line())
 def test_main_accepts_exactly_the_sane_command_lines(case):
-    check(main.validate, *case)
+    check(arguments.validate, *case)
 
 
 LOADING = {

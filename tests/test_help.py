@@ -8,17 +8,16 @@ import re
 import pytest
 
 import loading
-import main
 import matrix
 import plan
 import speed
 import visualize
-from fsdp2bench import options
+from fsdp2bench import arguments, options
 from fsdp2bench.cli import OneLineParser
 from fsdp2bench.loading import MODES
 from fsdp2bench.names import VARIANTS
 
-SCRIPTS = {"main.py": main, "loading.py": loading, "speed.py": speed, "visualize.py": visualize,
+SCRIPTS = {"main.py": arguments, "loading.py": loading, "speed.py": speed, "visualize.py": visualize,
            "matrix.py": matrix, "plan.py": plan}
 # Options whose help must name every value a user can give (a comma-separated list of names).
 NAMED_VALUES = {("main.py", "--variants"): VARIANTS, ("loading.py", "--modes"): MODES,

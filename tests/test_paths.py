@@ -7,11 +7,11 @@ import os
 import pytest
 
 import loading
-import main
 import matrix
 import plan
 import speed
 import visualize
+from fsdp2bench import arguments
 from fsdp2bench.cli import UserError
 
 MISSING, BROKEN_LINK, FILE, DIRECTORY = "missing", "a broken link", "a file", "a directory"
@@ -31,10 +31,10 @@ def matrix_validate(argv: list[str]) -> None:
 
 # (script, how it checks a command line, flag, what it reads or writes, the rest of a valid command line)
 OPTIONS = [
-    ("main.py", main.validate, "--dataset", READ["file"], ["--device", "cpu"]),
-    ("main.py", main.validate, "--tokenizer", READ["directory"], ["--device", "cpu"]),
-    ("main.py", main.validate, "--model", READ["directory"], ["--device", "cpu"]),
-    ("main.py", main.validate, "--output_dir", WRITE["directory"], ["--device", "cpu"]),
+    ("main.py", arguments.validate, "--dataset", READ["file"], ["--device", "cpu"]),
+    ("main.py", arguments.validate, "--tokenizer", READ["directory"], ["--device", "cpu"]),
+    ("main.py", arguments.validate, "--model", READ["directory"], ["--device", "cpu"]),
+    ("main.py", arguments.validate, "--output_dir", WRITE["directory"], ["--device", "cpu"]),
     ("loading.py", loading.validate, "--checkpoint", READ["directory"], ["--device", "cpu"]),
     ("loading.py", loading.validate, "--model", READ["directory"], ["--device", "cpu"]),
     ("loading.py", loading.validate, "--output_dir", WRITE["directory"], ["--device", "cpu"]),

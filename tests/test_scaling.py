@@ -8,8 +8,7 @@ import dataclasses
 import pytest
 from conftest import TINY, VARIANTS, load, run_script
 
-import main
-from fsdp2bench import options
+from fsdp2bench import arguments, options
 from fsdp2bench.cli import UserError
 from fsdp2bench.matrix import NOT_OFFERED, fitting_sizes
 
@@ -45,7 +44,7 @@ def test_accumulation_trains_every_variant_and_counts_the_gradients_between_micr
         assert all(c["ok"] for c in summary["checks"].values()), (way, summary["checks"])
         assert summary["meta"]["per_optimizer_step"] == {"microbatches": 2, "sequences_per_rank": 2,
                                                          "tokens_per_rank": 2 * 128, "sequences": 4,
-                                                         "tokens": 4 * 128, "mesh": {"replicas": 1, "shards": 2}}
+                                                         "tokens": 4 * 128, "mesh": {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}}
         whole_in_bf16 = summary["meta"]["num_parameters"] * BF16
         for variant in VARIANTS:
             entry = summary["variants"][variant]
@@ -79,7 +78,7 @@ def test_hsdp_on_2_x_2_ranks_shards_in_two_and_holds_back_the_all_reduce(tmp_pat
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = load(tmp_path / "summary.json")
     assert all(c["ok"] for c in summary["checks"].values()), summary["checks"]
-    assert summary["meta"]["per_optimizer_step"]["mesh"] == {"replicas": 2, "shards": 2}
+    assert summary["meta"]["per_optimizer_step"]["mesh"] == {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 1}
     flat_two = accumulated["true"]["variants"][INTENDED[0]]["accounting"]
     for variant in VARIANTS:
         entry = summary["variants"][variant]
@@ -142,7 +141,7 @@ def test_a_bad_combination_is_refused_in_one_line_before_anything_runs(monkeypat
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():  # rank 0 of a launch of ``world``
         monkeypatch.setenv(name, value)
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        main.validate(["--device", "cpu", "--model", "tiny", *flags, "--output_dir", str(tmp_path / "out")])
+        arguments.validate(["--device", "cpu", "--model", "tiny", *flags, "--output_dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
 
 
