@@ -41,7 +41,7 @@ def variants_at_once(args: argparse.Namespace, session: Session, names: list[str
         return int(args.concurrent_variants)
     sizes = simulation.parse_world_sizes(args.simulate_world_size) if args.simulate_world_size else None
     world, pieces = (min(sizes), len(names) * len(sizes)) if sizes else (session.world_size, len(names))
-    logits = concurrency.microbatch_logits_bytes(args.batch_size, args.block_size, session.config)
+    logits = concurrency.rank_logits_bytes(args.batch_size, args.block_size, session.config, fsdp_options)
     decision = concurrency.decide(session.shapes, world, names, args.init_device, session.device.type, fsdp_options,
                                   pieces, logits, cap) if session.rank == 0 else None
     k, reason = concurrency.agree(session.store, session.rank, decision)

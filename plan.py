@@ -122,12 +122,24 @@ def validate(argv: list[str] | None = None) -> Checked:
     facts = model_facts(args.model, SEED, lambda config: check_blocks(blocks, config))
     upper = search_upper(args, facts.config, blocks)
     cap = concurrency.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
-    skipped = [f"{name}: not planned at N = {', '.join(str(n) for n in sizes if n not in fitting_sizes(name, sizes))} "
-               "(its layout's sizes do not divide N)" for name in sets if fitting_sizes(name, sizes) != sizes]
+    refused = {name: why for name in sets if (why := layout_refusal(args, name, blocks, facts.config, device.type))}
+    sets = [name for name in sets if name not in refused]
+    skipped = [f"{name}: not planned ({why})" for name, why in refused.items()]
+    skipped += [f"{name}: not planned at N = {', '.join(str(n) for n in sizes if n not in fitting_sizes(name, sizes))} "
+                "(its layout's sizes do not divide N)" for name in sets if fitting_sizes(name, sizes) != sizes]
     if not any(fitting_sizes(name, sizes) for name in sets):
         raise UserError(f"--sets {args.sets}: none can run at --world_size {args.world_size} (a set's layout must "
                         f"divide N: an HSDP set's {options.NODE_RANKS} shards, a TP or CP set's sizes)")
     return Checked(args, sets, sizes, variants, blocks, upper, facts, cap, skipped)
+
+
+def layout_refusal(args: argparse.Namespace, name: str, blocks: list[int], config, device_type: str) -> str | None:
+    """Why a set's layout cannot run this model here (it is skipped, and said so): at each fixed block, or, with
+    --find block_size, at any (the search keeps to the multiples of what CP needs)."""
+    chosen = options.OPTION_SETS[name]
+    tried = blocks if args.find == BATCH else [chosen.layout.sequence_divisor]
+    return next((why for block in tried if (why := arguments.layout_refusal(chosen, config, block, device_type))),
+                None)
 
 
 def parse_block_sizes(text: str) -> list[int]:
@@ -170,10 +182,10 @@ def questions_of(checked: Checked) -> tuple[dict, dict]:
                 for fixed in fixed_values:
                     rank = heaviest_rank(shapes, n, variant, options.OPTION_SETS[name])
                     q = Question(name, n, rank, variant, checked.args.find, fixed)
-                    lower = 1 if checked.args.find == BATCH else min(checked.blocks)
+                    lower = 1 if checked.args.find == BATCH else -(-min(checked.blocks) // q.unit)
                     key = (name, n, variant, fixed)
                     questions[key] = q
-                    searches[key] = search_for(q, lower, checked.upper, checked.cap, checked.facts.config)
+                    searches[key] = search_for(q, lower, checked.upper // q.unit, checked.cap, checked.facts.config)
     return questions, searches
 
 

@@ -17,6 +17,7 @@ from typing import Callable, ContextManager, Iterator
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from fsdp2bench import names
 from fsdp2bench.isolation import Unsupported
@@ -163,14 +164,24 @@ def compute_in_bf16(model: nn.Module, device: torch.device) -> None:
 def tensor_parallel(model: nn.Module, mesh, config) -> None:
     """The model's own tensor-parallel plan (its config's ``base_model_tp_plan``) applied to its base model with
     torch's API on the tp mesh: each planned Linear's weight split by output (colwise) or input (rowwise)
-    features. What the plan leaves out (embeddings, norms, the head) stays whole on every tp rank."""
+    features, a planned embedding by rows (torch's rowwise on an Embedding). What the plan leaves out (norms,
+    and the embeddings and head unless it names them) stays whole on every tp rank. A head tied to a split
+    embedding splits with it: its outputs gathered, as the model's own plan has it (colwise_gather_output)."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    # An embedding's input, the token ids, is whole on every tp rank (torch's rowwise takes a Linear's input split).
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+              "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
     plan = tensor_parallel_plan(config)
     base = model.get_submodule(model.base_model_prefix)
     modules = {name: styles[style]() for name, _ in base.named_modules() if (style := planned_style(name, plan))}
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embeddings.weight
     parallelize_module(base, mesh, modules)
+    if tied and isinstance(embeddings.weight, DTensor):
+        parallelize_module(head, mesh, ColwiseParallel(output_layouts=Replicate()))
+        head.weight = embeddings.weight  # tied again: one split weight, as before the split
 
 
 def causal_attention_only(model: nn.Module) -> None:

@@ -335,8 +335,7 @@ def validate(argv: list[str] | None = None) -> Checked:
     fit_world = simulation.parse_world_sizes(args.simulate_world_size)[0] if args.simulate_world_size else launch_world
     concurrency.check_fits(facts.shapes, fit_world, names, args.init_device if device_type == "cuda" else "cpu",
                            device_type, fsdp_options,
-                           concurrency.microbatch_logits_bytes(args.batch_size, args.block_size
-                                                               // fsdp_options.layout.cp_size, facts.config))
+                           concurrency.rank_logits_bytes(args.batch_size, args.block_size, facts.config, fsdp_options))
     cap = None if args.gpu_memory is None else concurrency.gpu_cap(args.gpu_memory, pick_device(args.device).index)
     return Checked(args, names, fsdp_options, facts, batches, cap)
 

@@ -75,6 +75,11 @@ def microbatch_logits_bytes(batch_size: int, block_size: int, config) -> int:
     return 4 * batch_size * block_size * config.vocab_size
 
 
+def rank_logits_bytes(batch_size: int, block_size: int, config, options: FsdpOptions) -> int:
+    """``microbatch_logits_bytes`` on one rank of the layout: a cp rank holds 1/C of each sequence."""
+    return microbatch_logits_bytes(batch_size, block_size // options.layout.cp_size, config)
+
+
 def activation_bytes_per_token(config, options: FsdpOptions) -> int:
     """What one more token per microbatch adds to a step's peak on the GPU (``HIDDEN_WIDTHS``)."""
     if options.activation_checkpointing_offload:

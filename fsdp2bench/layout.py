@@ -84,9 +84,11 @@ class Layout:
             check_context_parallel(config, self.cp_size, block_size)
 
 
-# The styles of a model's tensor-parallel plan the torch variants apply, and the dim of a Linear's
-# weight each splits (colwise: its output features, dim 0, and its bias; rowwise: its input features).
-TP_STYLES = {"colwise": 0, "rowwise": 1}
+# The styles of a model's tensor-parallel plan the torch variants apply, and the dim of the weight each
+# splits: colwise, a Linear's output features (dim 0) and its bias; rowwise, its input features (dim 1);
+# embedding_rowwise, an Embedding's rows, the vocabulary (dim 0; transformers adds it to a plan where the
+# word embeddings are tied to the head, which then splits with them).
+TP_STYLES = {"colwise": 0, "rowwise": 1, "embedding_rowwise": 0}
 
 
 def tensor_parallel_plan(config) -> dict[str, str]:
@@ -110,10 +112,10 @@ def tensor_parallel_dim(param_name: str, plan: dict[str, str], base_prefix: str)
     if base_prefix and module.startswith(base_prefix + "."):
         module = module[len(base_prefix) + 1:]
     style = planned_style(module, plan)
-    if style is None:
+    if style not in TP_STYLES:  # unplanned, or a style --tp_size refuses (check_tensor_parallel)
         return None
     if kind == "bias":  # a colwise layer's bias is split with its outputs; a rowwise one's is added whole
-        return 0 if TP_STYLES[style] == 0 else None
+        return 0 if style == "colwise" else None
     return TP_STYLES[style]
 
 

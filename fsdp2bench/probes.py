@@ -21,7 +21,7 @@ import torch
 
 from fsdp2bench import report
 from fsdp2bench.concurrency import (GpuCap, activation_bytes_per_token, host_bytes, microbatch_logits_bytes,
-                                    variant_need)
+                                    rank_logits_bytes, variant_need)
 from fsdp2bench.data import rank_batches
 from fsdp2bench.fitting import Outcome, Search
 from fsdp2bench.isolation import Piece, StoreKeys, gather_records, has_keys, run_rolling
@@ -55,8 +55,15 @@ class Question:
     def options(self) -> FsdpOptions:
         return OPTION_SETS[self.option_set]
 
+    @property
+    def unit(self) -> int:
+        """Tokens per step of a searched block: CP cuts each sequence into 2C chunks, so a block moves in
+        multiples of 2C (the search counts these steps; 1 for a batch)."""
+        return self.options.layout.sequence_divisor if self.searched == BLOCK else 1
+
     def batch_and_block(self, value: int) -> tuple[int, int]:
-        return (value, self.fixed) if self.searched == BATCH else (self.fixed, value)
+        """The batch and block of the search's ``value`` (in ``unit`` steps)."""
+        return (value, self.fixed) if self.searched == BATCH else (self.fixed, value * self.unit)
 
     def tokens_per_rank_per_step(self, value: int) -> int:
         batch, block = self.batch_and_block(value)
@@ -81,8 +88,10 @@ def search_for(question: Question, lower: int, upper: int, cap: GpuCap | None, c
     (no aim on a CPU run: no cap, no allocator)."""
     if cap is None:
         return Search(lower, upper)
-    per_unit = activation_bytes_per_token(config, question.options) * question.fixed  # the other of batch, block
-    logits = microbatch_logits_bytes(1, question.fixed, config)  # per unit of the value searched
+    # Per step of the value searched: its tokens times the other of batch and block; a cp rank holds 1/C of them.
+    tokens = question.unit * question.fixed / question.options.layout.cp_size
+    per_unit = activation_bytes_per_token(config, question.options) * tokens
+    logits = microbatch_logits_bytes(1, 1, config) * tokens
     return Search(lower, upper, cap.allocator_bytes / MIB, per_unit / MIB, logits / MIB, BLOCK_SHARE)
 
 
@@ -150,7 +159,8 @@ class ProbeRunner:
             expected = int(predicted * MIB * ROOM_MARGIN) + self.cap.context
         else:
             expected = variant_need(self.session.shapes, question.world_size, question.variant, question.options,
-                                    microbatch_logits_bytes(*question.batch_and_block(value), self.session.config))
+                                    rank_logits_bytes(*question.batch_and_block(value), self.session.config,
+                                                      question.options))
         return min(self.cap.process_bytes, expected)
 
     def fits_beside(self, probe: Probe, running: list[Probe]) -> bool:

@@ -395,7 +395,7 @@ def explanations(summary: dict) -> list[str]:
     """Plain sentences for the numbers that matter most."""
     out = [f"{name} {cause}; the other variants ran (what the installed libraries cannot do is a finding of this "
            f"run, not its failure)." for name, cause in unsupported_findings(run_entries(summary)).items()]
-    out += [s for s in [compared_sentence(summary.get("accelerate_vs_torch"))] if s]
+    out += [s for s in [compared_sentence(summary.get("accelerate_vs_torch")), uneven_ranks_sentence(summary)] if s]
     unfixed = summary["variants"].get(UNFIXED)
     if unfixed and unfixed["status"] == "ok":
         rank0 = unfixed["accounting"][0]
@@ -418,6 +418,19 @@ def explanations(summary: dict) -> list[str]:
                    f"from N = {n} ranks on: {size_said(there[UNFIXED])} vs {size_said(there[proj['reference']])} per rank "
                    f"there (the sharding rule at every N; projection in summary.json).")
     return out
+
+
+def uneven_ranks_sentence(summary: dict) -> str | None:
+    """Where the ranks hold different parameter bytes (FSDP2's padding, TP's uneven splits), which holds what:
+    the table's memory columns are the heaviest rank's."""
+    entry = next((v for n, v in summary["variants"].items() if n in INTENDED and v.get("status") == "ok"), None)
+    held = [rank["end_of_training"]["param_bytes"] for rank in entry["accounting"]] if entry else []
+    if len(set(held)) < 2:
+        return None
+    heaviest = held.index(max(held))
+    return ("The ranks hold different parameter bytes (FSDP2 pads the last shard; TP splits a dim that its ranks do "
+            "not divide evenly): " + ", ".join(f"rank {r} {size_said(b)}" for r, b in enumerate(held[:8]))
+            + (", ..." if len(held) > 8 else "") + f"; rank {heaviest} holds the most.")
 
 
 def accumulation_sentences(summary: dict) -> list[str]:

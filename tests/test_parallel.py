@@ -5,6 +5,7 @@ refusal. CP itself does not run on the CPU (it is refused there, and measured on
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import accelerate
@@ -82,6 +83,25 @@ def test_accelerate_under_tp_is_a_finding_with_its_releases_and_the_run_goes_on(
         proc.stdout.replace("\n", " ")
     rows = [r for r in load(out / "matrix.json")["rows"] if r["variant"] == "accelerate"]
     assert rows and all(r["status"].startswith(UNSUPPORTED) for r in rows)
+
+
+def test_a_planned_embedding_splits_with_its_tied_head_and_the_ranks_holding_more_are_named(tmp_path, one_rank):
+    """transformers 5.17 adds embed_tokens: embedding_rowwise to a tied model's plan: its 509 rows split 255 / 254,
+    the head with them."""
+    config = load_config("tiny")
+    fields = {**config.to_dict(), "base_model_tp_plan": {**config.base_model_tp_plan, "embed_tokens": "embedding_rowwise"}}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(fields))
+    proc = run_script(["main.py", *TINY, "--model", str(tmp_path / "model"), "--tp_size", "2", "--variants",
+                       ",".join([*TORCH_INTENDED, UNFIXED]), "--output_dir", str(tmp_path / "out")])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = load(tmp_path / "out" / "summary.json")
+    for name in TORCH_INTENDED:
+        assert close(summary["variants"][name]["losses"], one_rank["variants"][name]["losses"]), name
+    assert all(v["accounting_matches_expected"] for v in summary["variants"].values())
+    held = [rank["end_of_training"]["param_bytes"] for rank in summary["variants"][TORCH_INTENDED[0]]["accounting"]]
+    assert held[0] - held[1] == 64 * 4  # one row of the embedding more
+    assert "The ranks hold different parameter bytes" in proc.stdout and "rank 0 holds the most" in proc.stdout
 
 
 def test_tp_with_fsdp_on_four_ranks_trains_as_fsdp_on_two(tmp_path, suite):
