@@ -23,20 +23,24 @@ import os
 import socket
 
 from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with, expect_path,
-                            parse_names, pick_device, save_summary, unwritten)
+                            parse_names, pick_device, refuse_foreign, save_summary, unwritten)
 from fsdp2bench.isolation import (Interrupted, Piece, StoreKeys, gather_records, launcher_keeps_to_one_thread,
                                   leave_together, run_isolated, wait_for_keys)
 from fsdp2bench import simulation, weights
 from fsdp2bench.checkpoints import FORMATS, Checkpoint
 from fsdp2bench.loading import (CHECKPOINT_DTYPES, MODES, NEEDS_PEERS, SIMULABLE, LoadConfig, LoadJob, load_process,
-                                print_simulated, print_table, summarise, write_checkpoint_process)
+                                print_simulated, print_table, summarise, trace_file, write_checkpoint_process)
 from fsdp2bench.model import PRESETS, default_model
 from fsdp2bench.session import ModelFacts, Session, model_facts, open_session, say_interrupted
 from fsdp2bench.versions import check_releases
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = OneLineParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(__doc__.splitlines()[0], [
+        ("torchrun --nproc_per_node N loading.py", "N ranks; rank0_broadcast and accelerate need them (a broadcast)"),
+        ("python3 loading.py", "one rank"),
+        ("python3 loading.py --simulate_world_size 8", f"one rank of any N: {', '.join(SIMULABLE)}")],
+        "docs/loading.md")
     p.add_argument("--model", default=None,
                    help=f"preset ({', '.join(PRESETS)}), local directory with config.json, or Hub id "
                         "(default: the --checkpoint directory's config, else qwen2.5-1.5b on a GPU, tiny on a CPU "
@@ -111,6 +115,18 @@ def check_shard_size(text: str) -> None:
         raise UserError(f"--checkpoint_shard_size: expected a positive integer and a unit (2GB, 500MiB), got {text!r}")
 
 
+def files_written(args: argparse.Namespace, modes: list[str]) -> list[str]:
+    """loading_summary.json and the traces of every mode and rank this launch may write (refuse_foreign)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.simulate_world_size:
+        places = [(simulation.world_size_dir(args.output_dir, n), r) for n in
+                  simulation.parse_world_sizes(args.simulate_world_size) for r in (0, n - 1)]
+    else:
+        places = [(args.output_dir, r) for r in range(world)]
+    return [os.path.join(args.output_dir, "loading_summary.json"),
+            *(trace_file(where, mode, r) for where, r in places for mode in modes)]
+
+
 def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str], ModelFacts, Checkpoint | None]:
     """Everything loading.py refuses, in one line, before any process or file exists: a given
     checkpoint's every file is opened (headers read, ``.bin`` files mapped) here."""
@@ -121,6 +137,7 @@ def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[st
     modes = check_args(args)
     device_type = pick_device(args.device).type
     check_output_dir(args.output_dir, "loading_summary.json")
+    refuse_foreign(files_written(args, modes), "--output_dir")
     checkpoint = Checkpoint(args.checkpoint) if args.checkpoint else None
     facts = model_facts(args.model or args.checkpoint or default_model(device_type, "loading.py"), args.seed)
     if checkpoint is not None:

@@ -21,8 +21,8 @@ import dataclasses
 import os
 
 from fsdp2bench import arguments, matrix, options
-from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with, pick_device,
-                            prepare_output_dir)
+from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with,
+                            pick_device, prepare_output_dir, refuse_foreign)
 from fsdp2bench.simulation import DEFAULT_STEPS, parse_world_sizes
 
 INTERRUPTED = (130, -2, -15)  # main.py's exit code after SIGINT or SIGTERM, or killed by one
@@ -32,7 +32,10 @@ OWNED = tuple(f.name for f in dataclasses.fields(options.FsdpOptions) if f.name 
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    p = OneLineParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(__doc__.splitlines()[0], [
+        ("python3 matrix.py", "main.py per set (torchrun above 1 rank)"),
+        ("python3 matrix.py --nproc_per_node 0 --simulate_world_size 8,32", "simulated ranks only, one GPU")],
+        "docs/fsdp-options.md")
     p.add_argument("--option_sets", default=options.EACH,
                    help=f"comma-separated option sets ({', '.join(options.OPTION_SETS)}; the set all turns every "
                         f"plugin option on at once), or {options.EACH} for every one of them (default: {options.EACH})")
@@ -58,6 +61,7 @@ def check(args: argparse.Namespace, forwarded: list[str]) -> tuple[list[str], di
     if args.sweep_steps != DEFAULT_STEPS and not args.simulate_world_size:
         raise UserError("--sweep_steps needs --simulate_world_size (there is no sweep to run)")
     check_output_dir(args.output_dir, "matrix.json")
+    refuse_foreign([os.path.join(args.output_dir, "matrix.json")], "--output_dir")
     checked = arguments.validate([*forwarded, "--output_dir", args.output_dir])
     given, defaults = checked.args, arguments.parse_args([])
     owned = [name for name in OWNED if getattr(given, name) != getattr(defaults, name)]  # main.py's own flags

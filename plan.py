@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass
 
 from fsdp2bench import arguments, concurrency, fitting, options, weights
-from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with, parse_names,
-                            pick_device, save_summary)
+from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with,
+                            parse_names, pick_device, refuse_foreign, save_summary)
 from fsdp2bench.data import load_tokens
 from fsdp2bench.isolation import Interrupted, launcher_keeps_to_one_thread
 from fsdp2bench.matrix import fitting_sizes
@@ -42,7 +42,9 @@ DEFAULT_UPPER = {BATCH: 4096, BLOCK: 1 << 20}  # the block's is lowered to the m
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = OneLineParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(__doc__.splitlines()[0], [
+        ("python3 plan.py --world_size 8,64 --gpu_memory 24", "one process plays each rank it probes")],
+        "docs/plan.md")
     p.add_argument("--model", default=None,
                    help=f"a preset or a local directory with config.json (default: {GPU_DEFAULT_MODEL} "
                         f"on a GPU, {CPU_DEFAULT_MODEL} on a CPU run)")
@@ -118,6 +120,7 @@ def validate(argv: list[str] | None = None) -> Checked:
     if args.find == BATCH and args.batch_size != 1:
         raise UserError(f"--batch_size is the fixed batch of --find {BLOCK}; with --find {BATCH} it is searched")
     check_output_dir(args.output_dir, "plan.json")
+    refuse_foreign([plan_path(args)], "--output_dir")
     args.model = args.model or default_model(device.type, "plan.py")
     facts = model_facts(args.model, SEED, lambda config: check_blocks(blocks, config))
     upper = search_upper(args, facts.config, blocks)

@@ -24,7 +24,7 @@ import subprocess
 import time
 
 from fsdp2bench.cli import (OneLineParser, UserError, check_ranges, check_writable_file, exit_with, expect_path,
-                            write_json)
+                            refuse_foreign, write_json)
 from fsdp2bench.matrix import read_summary, wait_passing_interrupt
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -88,7 +88,9 @@ def time_baseline(tree: str, nproc: int, main_args: list[str], output_dir: str, 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = OneLineParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(__doc__.splitlines()[0], [
+        ("python3 speed.py --nproc_per_node 2 -- <main.py options>", "times a launch of main.py (torchrun)")],
+        "docs/performance.md")
     p.add_argument("--nproc_per_node", type=int, default=2,
                    help="ranks of the timed launch: 1 runs main.py with python, more with torchrun (default: 2)")
     p.add_argument("--json", default="speed.json", help="where to write the result (default: speed.json)")
@@ -114,6 +116,7 @@ def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[st
     args = parse_args(argv)
     check_ranges(args, {"nproc_per_node": (1, 4096)})
     check_writable_file(args.json, "--json")
+    refuse_foreign([args.json], "--json")
     if args.baseline is not None:  # an empty path would be the current directory's main.py
         expect_path(args.baseline, "--baseline", "directory")
     if args.baseline is not None and not os.path.isfile(os.path.join(args.baseline, "main.py")):

@@ -349,12 +349,26 @@ def accelerate_fsdp2(model: nn.Module | None, ctx: Context) -> Prepared:
         return _accelerate_prepared(model, ctx)
     except torch.OutOfMemoryError:
         raise
-    except Exception as exc:  # noqa: BLE001 - inside accelerate and transformers: reported, never patched
+    except Exception as exc:  # noqa: BLE001 - what accelerate and transformers do: reported, never patched
+        if not isinstance(exc, Unsupported) and not raised_by_libraries(exc):
+            raise  # this benchmark's own failure, not theirs
         import accelerate
         import transformers
 
+        said = str(exc) if isinstance(exc, Unsupported) else failure_said(exc)
         raise Unsupported(f"fails at accelerate {accelerate.__version__} + transformers {transformers.__version__}: "
-                          f"{failure_said(exc)}") from exc
+                          f"{said}") from exc
+
+
+def raised_by_libraries(exc: BaseException) -> bool:
+    """Whether an exception came out of a call into accelerate or transformers (a frame of theirs on its way)."""
+    libraries = tuple(f"{os.sep}{name}{os.sep}" for name in ("accelerate", "transformers"))
+    frame = exc.__traceback__
+    while frame is not None:
+        if any(part in frame.tb_frame.f_code.co_filename for part in libraries):
+            return True
+        frame = frame.tb_next
+    return False
 
 
 def _accelerate_prepared(model: nn.Module | None, ctx: Context) -> Prepared:
@@ -372,9 +386,9 @@ def _accelerate_prepared(model: nn.Module | None, ctx: Context) -> Prepared:
     except Exception as exc:
         if split_wrong is None:
             raise
-        raise RuntimeError(f"{split_wrong}; then prepare() raised {failure_said(exc)}") from exc
+        raise Unsupported(f"{split_wrong}; then prepare() raised {failure_said(exc)}") from exc
     if split_wrong is not None:
-        raise RuntimeError(split_wrong)
+        raise Unsupported(split_wrong)
     if not isinstance(model, FSDPModule):
         raise RuntimeError(f"accelerate did not take its FSDP2 path (distributed type {accelerator.distributed_type})")
     ctx.mark("sharded")

@@ -1,4 +1,5 @@
-"""Plot a benchmark run: memory over time per variant, loss per step, memory against world size, a matrix, a plan.
+"""Plot a benchmark run: memory over time per variant, loss per step, memory against world size or sequence length,
+a matrix, a plan.
 
 Reads only the JSON files main.py (or loading.py, matrix.py, plan.py) wrote: ``python3 visualize.py --dir out``.
 The figures themselves are drawn in ``fsdp2bench/plots.py``.
@@ -16,14 +17,17 @@ if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them i
 import argparse
 import os
 
-from fsdp2bench.cli import OneLineParser, UserError, check_ranges, exit_with, expect_path
+from fsdp2bench.cli import (OneLineParser, UserError, check_ranges, exit_with, expect_path)
 from fsdp2bench.names import VARIANTS, simulated_dir_name
 from fsdp2bench.plots import (InputError, latest_run, load_traces, loading_stems, plot_loading, plot_loading_sweep,
-                              plot_matrix, plot_plan, plot_sweep, plot_training, read_json, reading)
+                              plot_matrix, plot_plan, plot_sequences, plot_sweep, plot_training, read_json, reading,
+                              sequence_runs)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = OneLineParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(" ".join(__doc__.split("\n\n")[0].split()), [
+        ("python3 visualize.py --dir out", "one process, no GPU: draws what the directory's JSON files hold")],
+        "docs/output.md")
     p.add_argument("--dir", default="out", help="output directory of main.py (default: out)")
     p.add_argument("--memory_threshold", type=float, default=0.0, metavar="MIB",
                    help="drop samples below MIB MiB in the first part of each trace (default: 0)")
@@ -79,6 +83,12 @@ def plot(args: argparse.Namespace) -> list[str]:
             where = os.path.join(args.dir, simulated_dir_name(n))
             if os.path.isdir(where):  # committed results often leave the traces out
                 print(f"loading traces of N={n}: python3 visualize.py --dir {where}")
+        return []
+    sequences = sequence_runs(args.dir) if not summary and not loading else []
+    if len(sequences) > 1:  # sweeps at several sequence lengths, one per subdirectory
+        path = os.path.join(args.dir, "sequence_length.png")
+        plot_sequences(sequences, path)
+        print(f"wrote {path}")
         return []
     problems: list[str] = []
     runs = load_traces(args.dir, {name: f"{name}_memory_usage" for name in VARIANTS}, problems)

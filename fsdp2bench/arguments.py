@@ -14,18 +14,21 @@ import torch
 
 from fsdp2bench import concurrency, options, simulation
 from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, expect_path, looks_like_a_path,
-                            parse_names, pick_device)
+                            parse_names, pick_device, refuse_foreign)
 from fsdp2bench.data import load_tokens, rank_batches
 from fsdp2bench.isolation import launcher_keeps_to_one_thread
 from fsdp2bench.layout import CP_STRATEGIES
 from fsdp2bench.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS, default_model, max_positions
-from fsdp2bench.names import VARIANTS
+from fsdp2bench.names import VARIANTS, rank_file
 from fsdp2bench.runner import FailureSpec
 from fsdp2bench.session import ModelFacts, model_facts
 from fsdp2bench.starting import check_launcher_env
 from fsdp2bench.versions import check_releases
 
-DESCRIPTION = "FSDP2 memory and convergence benchmark: four ways to combine an optimizer with fully_shard."
+LAUNCHES = [("torchrun --nproc_per_node N main.py", "N ranks on one machine, one GPU each (or --device cpu, gloo)"),
+     ("accelerate launch --num_processes N main.py", "the same through accelerate's launcher"),
+     ("python3 main.py", "one rank, no launcher"),
+     ("python3 main.py --simulate_world_size 8,64", "one rank of any N, measured by one process on one GPU")]
 
 
 def parse_failure(text: str) -> FailureSpec:
@@ -43,7 +46,8 @@ SIMULATE_RANK_DEFAULT = "0"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = OneLineParser(description=DESCRIPTION)
+    p = OneLineParser("FSDP2 memory and convergence benchmark: four ways to combine an optimizer with fully_shard.",
+                      LAUNCHES, "docs/options.md (every option), docs/output.md (what it writes)")
     p.add_argument("--output_dir", default="out", help="where the JSON files go (default: out)")
     p.add_argument("--save_memory_snapshot", action="store_true",
                    help="also write <run>_memory_snapshot.pkl for pytorch.org/memory_viz, CUDA only (default: off)")
@@ -258,6 +262,20 @@ def layout_refusal(fsdp_options: options.FsdpOptions, config, block_size: int, d
     return None
 
 
+def files_written(args: argparse.Namespace, names: list[str], world: int) -> list[str]:
+    """summary.json and every trace (and snapshot) this launch may write: each rank of a real run, or each rank
+    a sweep plays at each N (refuse_foreign)."""
+    if args.simulate_world_size:
+        sizes = simulation.parse_world_sizes(args.simulate_world_size)
+        places = [(simulation.world_size_dir(args.output_dir, n), n - 1 if r == simulation.LAST else r)
+                  for n in sizes for r in simulation.parse_ranks(args.simulate_rank, sizes)]
+    else:
+        places = [(args.output_dir, r) for r in range(world)]
+    kinds = ["memory_usage.json"] + (["memory_snapshot.pkl"] if args.save_memory_snapshot else [])
+    return [os.path.join(args.output_dir, "summary.json"),
+            *(os.path.join(where, rank_file(name, kind, r)) for where, r in places for name in names for kind in kinds)]
+
+
 def data_share(args: argparse.Namespace, fsdp_options: options.FsdpOptions, rank: int, world: int) -> tuple[int, int]:
     """(which batches, out of how many shares): a rank's cp and tp peers train on its batches. A simulated
     rank has no peers to share the data with: every run takes the batches of a world of one."""
@@ -323,6 +341,7 @@ def validate(argv: list[str] | None = None) -> Checked:
         raise UserError("--gpu_memory needs a GPU (this run is on the CPU)")
     check_context_parallel_device(fsdp_options, device_type)
     check_output_dir(args.output_dir, "summary.json")
+    refuse_foreign(files_written(args, names, launch_world), "--output_dir")
     facts = model_facts(args.model, args.seed, lambda config: check_model(config, args.block_size, fsdp_options))
     tokens = load_tokens(args.dataset, args.tokenizer, facts.config.vocab_size)
     batches = rank_batches(tokens, args.block_size, args.batch_size, args.dataset_fraction,

@@ -15,6 +15,7 @@ import socket
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from typing import Callable
 
@@ -31,8 +32,26 @@ class Stopped(Exception):
     """SIGINT or SIGTERM reached this process (isolation.Interrupted is one)."""
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description's line breaks kept; a switch says that it takes no value (``--quiet``, not ``--quiet
+    true``)."""
+
+    def _get_help_string(self, action) -> str:
+        text = super()._get_help_string(action) or ""
+        if isinstance(action, argparse._StoreTrueAction):
+            return text.replace("(default: off)", "(a switch, no value; default: off)")
+        return text
+
+
 class OneLineParser(argparse.ArgumentParser):
-    """A bad flag gets one line and exit code 2, like every other user error."""
+    """A bad flag gets one line and exit code 2, like every other user error. ``--help`` opens with how to
+    launch the script (``launches``: command, what it is for), then what it does and its documentation page."""
+
+    def __init__(self, what: str, launches: list[tuple[str, str]], docs: str):
+        width = max(len(command) for command, _ in launches)
+        usage = "\n       ".join(f"{command:{width}}  # {why}" for command, why in launches) + "\n       (options below)"
+        super().__init__(usage=usage, description=f"{textwrap.fill(what, CONSOLE_WIDTH)}\n\nDocumentation: {docs}",
+                         formatter_class=HelpFormatter)
 
     def error(self, message: str):
         print(f"error: {message} (see --help)", file=sys.stderr)
@@ -167,6 +186,51 @@ def parse_names(text: str, flag: str, known, noun: str = "name") -> list[str]:
     if len(set(names)) != len(names):
         raise UserError(f"{flag}: {'an' if noun[0] in 'aeiou' else 'a'} {noun} is given twice")
     return names
+
+
+HUB_WAIT_S = 2.0  # how long a name that may be a Hub id waits for the Hub to answer
+
+
+def hub_reachable() -> bool:
+    """Whether the Hugging Face Hub accepts a connection within ``HUB_WAIT_S`` (never in offline mode). In a
+    thread of its own: a name lookup on a machine without a network can hang far longer than that."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    where = urlsplit(constants.ENDPOINT)
+    answered: list[bool] = []
+
+    def connect() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            with socket.create_connection((where.hostname, where.port or 443), timeout=HUB_WAIT_S):
+                answered.append(True)
+
+    probe = threading.Thread(target=connect, daemon=True)
+    probe.start()
+    probe.join(HUB_WAIT_S)
+    return bool(answered)
+
+
+def from_hub(load: Callable, name: str, flag: str, what: str, file: str):
+    """``load(name)`` for a name that is no local path: from the Hub where it answers, else from the local
+    Hugging Face cache alone (the snapshot holding ``file``), so that an offline machine is told at once, not
+    after the Hub's retries."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    reachable = hub_reachable()
+    try:
+        if reachable:
+            return load(name)
+        cached = try_to_load_from_cache(name, file)
+        if isinstance(cached, str):
+            return load(os.path.dirname(cached))
+    except Exception as exc:  # unknown id, gated repo, a cache entry transformers cannot read...
+        raise UserError(f"{flag} {name}: {what}, and the Hub could not provide it ({type(exc).__name__})") from None
+    raise UserError(f"{flag} {name}: {what}, not in the local Hugging Face cache, and the Hub "
+                    f"({constants.ENDPOINT}) cannot be reached")
 
 
 def pick_device(choice: str):
@@ -353,10 +417,52 @@ def write_bytes(path: str, content: bytes) -> None:
         raise OSError(exc.errno, exc.strerror, path) from None  # the file meant, not its temporary name
 
 
+# The mark every file of this benchmark carries (a JSON key, a PNG text chunk): what is at a name it writes
+# is replaced only where it carries the mark (or, written before the mark existed, a run id).
+MARK_KEY, MARK = "written_by", "fsdp2bench"
+SUMMARIES = ("summary.json", "matrix.json", "plan.json", "loading_summary.json")  # what a figure is drawn from
+
+
 def write_json(path: str, data: dict) -> None:
     """Strict JSON, which any reader accepts: a value that is NaN or infinite (a diverged loss,
-    whose step the summary's ``losses_finite`` check names) is written as null."""
-    write_bytes(path, json.dumps(_finite_or_null(data), indent=1, allow_nan=False).encode())
+    whose step the summary's ``losses_finite`` check names) is written as null. Marked as this
+    benchmark's (``MARK_KEY``)."""
+    marked = {**data, MARK_KEY: MARK} if isinstance(data, dict) else data
+    write_bytes(path, json.dumps(_finite_or_null(marked), indent=1, allow_nan=False).encode())
+
+
+def is_ours(path: str) -> bool:
+    """Whether the file at ``path`` was written by this benchmark: a JSON object with the mark or a run id (at
+    its top or in its meta), a figure with the mark, a memory snapshot beside a trace of ours."""
+    try:
+        if path.endswith(".json"):
+            with open(path, "rb") as f:
+                data = json.loads(f.read())
+            meta = data.get("meta") if isinstance(data, dict) else None
+            return isinstance(data, dict) and (data.get(MARK_KEY) == MARK or isinstance(data.get("run_id"), str)
+                                               or isinstance(meta, dict) and isinstance(meta.get("run_id"), str))
+        if path.endswith(".png"):  # marked, or (drawn before the mark) beside a summary of ours
+            from PIL import Image
+
+            with Image.open(path) as image:
+                marked = image.info.get(MARK_KEY) == MARK
+            here = os.path.dirname(path)
+            return marked or any(is_ours(os.path.join(here, name)) for name in SUMMARIES
+                                 if os.path.isfile(os.path.join(here, name)))
+        if path.endswith("_memory_snapshot.pkl") or "_memory_snapshot_rank" in path:
+            return is_ours(path.replace("_memory_snapshot", "_memory_usage").rsplit(".", 1)[0] + ".json")
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return False
+
+
+def refuse_foreign(paths, flag: str) -> None:
+    """Before anything runs: a file at a name this run will write that this benchmark did not write is left
+    untouched, and the run refused in one line."""
+    for path in paths:
+        if os.path.isfile(path) and not is_ours(path):
+            raise UserError(f"{flag}: {path} was not written by this benchmark, and this run would replace it; it "
+                            f"is left untouched: move it away or choose another {flag}")
 
 
 def _finite_or_null(value):

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from fsdp2bench.cli import UserError
+from fsdp2bench.cli import UserError, from_hub
 
 _SUBJECTS = ["the miller", "a sailor", "the old queen", "my brother", "the clerk", "a fox", "the weaver", "our host"]
 _VERBS = ["carried", "counted", "sold", "hid", "found", "painted", "mended", "lost"]
@@ -87,6 +87,9 @@ def read_bytes(dataset: str) -> bytearray:
 def load_tokenizer(tokenizer: str):
     from transformers import AutoTokenizer
 
+    if not os.path.isdir(tokenizer):
+        return from_hub(AutoTokenizer.from_pretrained, tokenizer, "--tokenizer", "not a local directory",
+                        "tokenizer_config.json")
     try:
         return AutoTokenizer.from_pretrained(tokenizer)
     except Exception as exc:

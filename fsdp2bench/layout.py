@@ -38,7 +38,8 @@ class Layout:
                             f"world size {world_size}")
         data = world_size // inner
         r, s = self.dp_replicate_size, self.dp_shard_size
-        said = "the world size" if inner == 1 else f"the {data} data-parallel ranks (world size {world_size} / {inner})"
+        said = f"the world size {world_size}" if inner == 1 else \
+            f"the {data} data-parallel ranks (world size {world_size} / {inner})"
         if r is not None and s is not None and r * s != data:
             raise UserError(f"--dp_replicate_size {r} x --dp_shard_size {s} is not {said}")
         if r is None and s is None:

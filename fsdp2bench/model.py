@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from fsdp2bench.cli import UserError, expect_path, looks_like_a_path, one_line, say
+from fsdp2bench.cli import UserError, expect_path, from_hub, looks_like_a_path, one_line, say
 from fsdp2bench.weights import SharedWeights, place
 
 # Built-in model shapes, so that no run needs the Hub. All are Qwen2 decoders;
@@ -51,11 +51,8 @@ def load_config(model: str):
         except Exception as exc:  # an unknown model_type, a field transformers refuses...
             raise UserError(f"--model {model}: transformers cannot read its config.json ({one_line(exc)})") from None
     else:
-        try:
-            config = AutoConfig.from_pretrained(model)
-        except Exception as exc:  # offline, unknown id, gated repo...
-            raise UserError(f"--model {model}: not a preset ({', '.join(PRESETS)}), not a local directory, "
-                            f"and the Hub could not provide it ({type(exc).__name__})") from None
+        config = from_hub(AutoConfig.from_pretrained, model, "--model",
+                          f"not a preset ({', '.join(PRESETS)}), not a local directory", "config.json")
     check_causal_lm(model, config)
     config.use_cache = False
     return config

@@ -12,6 +12,7 @@ matrix (matrix.py). No torch import at module level: the plots and the matrix la
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass
 
@@ -116,7 +117,7 @@ def parse_bool(text: str) -> bool:
     """``true`` or ``false``, as accelerate's config files write them."""
     value = text.strip().lower()
     if value not in ("true", "false"):
-        raise ValueError(text)
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
     return value == "true"
 
 

@@ -14,7 +14,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from fsdp2bench.cli import MARK, MARK_KEY, refuse_foreign  # noqa: E402
 from fsdp2bench.names import MIB, TRACE_KEYS, VARIANTS, simulated_dir_name, size_unit, state_bytes  # noqa: E402
+
 # The zero of every time axis: all variants are compared from the moment their model is sharded,
 # so the time each spent building the model does not offset the curves.
 ALIGN_EVENT = "sharded"
@@ -161,7 +163,9 @@ def save(fig, path: str, dpi: int = 110, rect: tuple = (0, 0, 1, 1)) -> None:
     fig.tight_layout(rect=rect)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        fig.savefig(tmp, dpi=dpi, format=os.path.splitext(path)[1][1:] or "png")
+        refuse_foreign([path], "--dir")
+        fmt = os.path.splitext(path)[1][1:] or "png"
+        fig.savefig(tmp, dpi=dpi, format=fmt, metadata={MARK_KEY: MARK} if fmt == "png" else None)
         os.replace(tmp, path)
     except OSError as exc:
         raise OSError(exc.errno, exc.strerror, path) from None
@@ -480,6 +484,70 @@ def plot_simulated(summary: dict, path: str) -> None:
         ax.grid(alpha=0.3)
         finish_axes(ax)
     bottom.set_xlabel("world size N (ranks)")
+    save(fig, path)
+
+
+# --------------------------------------------------------------------------- runs at growing sequence lengths
+
+def sequence_runs(directory: str) -> list[dict]:
+    """The sweeps of one simulated N in ``directory``'s subdirectories (one summary.json each): what
+    ``sequence_length.png`` compares, a run per sequence length and context-parallel size."""
+    found = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name, "summary.json")
+        if os.path.isfile(path):
+            with reading(path):
+                summary = read_json(path)
+            if summary.get("simulated"):
+                found.append(summary)
+    return found
+
+
+def _sequence_points(summary: dict) -> list[tuple[str, int, int, float | None]]:
+    """(variant, block size, cp size, peak allocated in training or None where it ran out of memory)."""
+    meta = summary["meta"]
+    block, cp = meta["args"]["block_size"], meta["fsdp_options"].get("layout", {}).get("cp_size", 1)
+    return [(name, block, cp, e["training_peak_allocated_mib"]["max"] if e["status"] == "ok" else None)
+            for by_rank in summary["simulated"].values() for by_variant in by_rank.values()
+            for name, e in by_variant.items() if e["status"] == "ok" or "out of memory" in e["status"]]
+
+
+def plot_sequences(runs: list[dict], path: str) -> None:
+    """sequence_length.png: peak allocated per rank against the tokens of a sequence, one line per variant and
+    way of holding it: FSDP2 alone (every rank the whole sequence), or context parallelism with C growing with
+    it (each rank the same share). A run that ran out of memory is a cross at the top."""
+    points = [p for summary in runs for p in _sequence_points(summary)]
+    if not any(peak is not None for *_, peak in points):
+        raise InputError("no run at any sequence length finished: nothing to draw")
+    top = max(peak for *_, peak in points if peak is not None) / 1024 * 1.25
+    meta = runs[0]["meta"]
+    fig, ax = plt.subplots(figsize=(10, 5))
+    lines = sorted({(name, cp > 1) for name, _, cp, _ in points}, key=lambda k: (k[1], VARIANTS.index(k[0])))
+    for i, (name, with_cp) in enumerate(lines):
+        mine = sorted((block, cp, peak) for n, block, cp, peak in points if n == name and (cp > 1) == with_cp)
+        per_rank = {block // cp for block, cp, _ in mine}
+        how = f"C = L / {min(per_rank)}" if with_cp and len(per_rank) == 1 else "context parallel" if with_cp \
+            else "FSDP2 alone (C = 1)"
+        if with_cp and len(per_rank) == 1:  # its line starts where C = 1 holds the same tokens per rank
+            mine = sorted({*mine, *((b, c, p) for n, b, c, p in points if n == name and c == 1 and b in per_rank)})
+        fits = [(block, peak / 1024) for block, _, peak in mine if peak is not None]
+        ax.plot([b for b, _ in fits], [g for _, g in fits], marker="o", color=f"C{i}", ls="--" if with_cp else "-",
+                label=f"{name}, {how}")
+        failed = [block for block, _, peak in mine if peak is None]
+        if failed:
+            ax.plot(failed, [top] * len(failed), ls="none", marker="x", ms=10, color=f"C{i}",
+                    label=f"{name}, {how}: out of memory (crosses)")
+    blocks = sorted({block for _, block, _, _ in points})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(blocks, [str(b) for b in blocks])
+    ax.set_xlabel("tokens per sequence L (batch 1)")
+    ax.set_ylim(0, top * 1.08)
+    ax.set_ylabel("GiB per rank: peak allocated in training")
+    ax.grid(alpha=0.3)
+    n = next(iter(runs[0]["simulated"]))
+    ax.set_title(f"{meta['model']}, rank 0 of N = {n} (simulated): longer sequences, with and without context "
+                 "parallelism")
+    finish_axes(ax)
     save(fig, path)
 
 

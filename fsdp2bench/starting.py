@@ -65,11 +65,18 @@ def quiet_while_starting() -> None:
     one line, not a traceback (until the script handles interrupts itself: ``interrupts_raise``)."""
     set_up_standard_streams()
     signal.signal(signal.SIGINT, _interrupted_while_starting)
+    signal.signal(signal.SIGTERM, _interrupted_while_starting)
 
 
 def interrupts_raise() -> None:
-    """From here on a Ctrl-C raises KeyboardInterrupt, which the script handles."""
+    """From here on a Ctrl-C or a SIGTERM raises KeyboardInterrupt, which the script handles (as a Ctrl-C:
+    the launch it waits for is told, what was written is kept)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+
+
+def _raise_keyboard_interrupt(signum, _frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _interrupted_while_starting(signum, _frame) -> None:

@@ -215,13 +215,13 @@ def finish(suite: Suite, print_results, any_failed: bool) -> int:
     print_results(suite.summary)
     missing = unwritten()
     entries = report.run_entries(suite.summary)
-    if missing:
-        print(missing, file=sys.stderr, flush=True)
-    elif any(e["status"] == "ok" for _, e in entries):
+    if not missing and any(e["status"] == "ok" for _, e in entries):
         print(f"Wrote per-rank traces and summary.json to {suite.output_dir}/; draw the plots with:\n"
               f"    python3 visualize.py --dir {shlex.quote(suite.output_dir)}", flush=True)
     why = report.why_failed(entries, suite.summary["checks"])
     if why:
         print(f"FAILED: {why}; summary.json says more", file=sys.stderr, flush=True)
+    if missing:  # last: what the run could not keep
+        print(missing, file=sys.stderr, flush=True)
     s.store.set(done, "yes")
     return 1 if any_failed or why or missing else 0

@@ -125,7 +125,7 @@ BAD_INPUTS = {
     "model too big for the host": (["--model", "qwen2.5-7b"], "GiB of host memory (1 process(es) at N = 1"),
     "checkpoint offload alone": (["--activation_checkpointing_offload"],
                                  "--activation_checkpointing_offload needs --activation_checkpointing"),
-    "reshard not a bool": (["--reshard_after_forward", "maybe"], "--reshard_after_forward: invalid parse_bool value"),
+    "reshard not a bool": (["--reshard_after_forward", "maybe"], "--reshard_after_forward: expected true or false, got 'maybe'"),
     "unknown precision policy": (["--mixed_precision_policy", "fp8"], "--mixed_precision_policy: invalid choice"),
     "simulated N zero": (["--simulate_world_size", "4,0"], "every N must be at least 1"),
     "simulated N not an integer": (["--simulate_world_size", "8,x"], "expected comma-separated integers, got 'x'"),

@@ -6,6 +6,7 @@ import argparse
 import re
 
 import pytest
+from conftest import ROOT, run_script
 
 import loading
 import matrix
@@ -78,3 +79,23 @@ def test_the_scripts_write_to_output_dirs_of_their_own(monkeypatch):
             if action.dest == "output_dir":
                 defaults[script] = action.default
     assert len(set(defaults.values())) == len(defaults), defaults
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_opens_with_how_to_launch_and_names_its_docs(script, monkeypatch):
+    shown = parser_of(SCRIPTS[script], monkeypatch).format_help()
+    lines = shown.splitlines()
+    assert lines[0].startswith("usage: ") and script in lines[0] and "#" in lines[0], lines[0]
+    page = re.search(r"Documentation: (docs/[a-z-]+\.md)", shown)
+    assert page and (ROOT / page.group(1)).is_file(), shown[:600]
+    assert all(len(line) <= 120 for line in lines), [line for line in lines if len(line) > 120]
+    for action in options_of(parser_of(SCRIPTS[script], monkeypatch)):
+        if isinstance(action, argparse._StoreTrueAction):
+            own = shown.split(action.option_strings[0], 1)[1].split("\n  -")[0]
+            assert "a switch, no value" in " ".join(own.split()), action
+
+
+def test_a_true_or_false_flag_names_the_values_it_takes():
+    proc = run_script(["main.py", "--device", "cpu", "--reshard_after_forward", "maybe"], nproc=None)
+    assert proc.stderr.strip() == "error: argument --reshard_after_forward: expected true or false, got 'maybe' " \
+                                  "(see --help)"

@@ -151,10 +151,10 @@ def test_a_cpu_plan_of_tiny_finds_the_injected_edge_and_draws_it(tmp_path):
 
 
 def test_main_refuses_a_cap_on_the_cpu(tmp_path):
-    import main
+    from fsdp2bench import arguments
 
     with pytest.raises(UserError, match="--gpu_memory needs a GPU"):
-        main.validate(["--device", "cpu", "--model", "tiny", "--gpu_memory", "8", "--output_dir", str(tmp_path)])
+        arguments.validate(["--device", "cpu", "--model", "tiny", "--gpu_memory", "8", "--output_dir", str(tmp_path)])
 
 
 def test_the_findings_name_the_cheapest_set_that_fits_more_than_the_default():
@@ -171,3 +171,26 @@ def test_the_findings_name_the_cheapest_set_that_fits_more_than_the_default():
                                "v")
     assert nothing == ["N = 8, block 128: 1 does not fit under any set; the smallest peak allocated was 100 MiB "
                        "(default)."]
+
+
+def test_a_block_search_under_cp_moves_in_multiples_of_2c():
+    """CP cuts each sequence into 2C chunks: cp2's searched block is counted in steps of 4 tokens and said
+    in tokens."""
+    from fsdp2bench.probes import BLOCK, Question
+
+    question = Question("cp2", 8, 0, "torch_optimizer_after_fsdp", BLOCK, 1)
+    assert question.unit == 4 and question.batch_and_block(5) == (1, 20)
+    search = Search(32, 1024)  # 128 to 4096 tokens
+    answer(search, probes_with_edge(100))  # fits up to 100 steps: 400 tokens
+    found = fitting.answer_of(question, search, None)
+    assert found["largest"] == 400 and found["above"]["value"] == 404 and found["fit"]["value"] == 400
+    assert found["tokens_per_rank_per_step"] == 400
+    assert all(o["value"] % 4 == 0 for o in found["outcomes"])
+
+
+def test_a_set_whose_layout_cannot_run_here_is_skipped_and_said(tmp_path):
+    checked = plan.validate(["--device", "cpu", "--world_size", "8", "--sets", "default,cp2,tp4", "--find",
+                             "block_size", "--output_dir", str(tmp_path / "out")])
+    assert checked.sets == ["default"]
+    assert checked.skipped[0].startswith("cp2: not planned (--cp_size 2: context parallelism does not run on the CPU")
+    assert checked.skipped[1].startswith("tp4: not planned (--tp_size 4 does not divide the model's 2 key/value heads")

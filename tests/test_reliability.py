@@ -72,17 +72,6 @@ def test_an_empty_lock_is_not_taken_for_a_stale_one(tmp_path):
     assert not (tmp_path / "summary.json").exists() and lock.read_text() == ""
 
 
-def test_two_runs_racing_for_one_directory_run_one(tmp_path):
-    args = ["main.py", *SHORT, "--variants", VARIANTS[0], "--output_dir", str(tmp_path), "--quiet"]
-    procs = [start_script(args, nproc=None) for _ in range(2)]
-    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
-    assert sorted(code for code, _ in results) == [0, 2], results
-    refused = next(err for code, err in results if code == 2)
-    assert "another run (process" in refused and "is writing there" in refused
-    assert statuses(tmp_path) == {VARIANTS[0]: "ok"}
-    assert not (tmp_path / ".fsdp2bench.lock").exists()
-
-
 LAUNCHER = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
 
 

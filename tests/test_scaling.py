@@ -98,7 +98,7 @@ def test_the_matrix_measures_simulated_ranks_of_hsdp_worlds(tmp_path):
                        "4,16", "--sweep_steps", "2", "--output_dir", str(tmp_path), "--model", "tiny", "--device",
                        "cpu", "--quiet"], nproc=None, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "Skipped: hsdp_accumulate: not simulated at N = 4 (its shard size does not divide N)" in proc.stdout
+    assert "Skipped: hsdp_accumulate: not simulated at N = 4 (its layout's sizes do not divide N)" in proc.stdout
     result = load(tmp_path / "matrix.json")
     assert {(r["option_set"], r["world_size"]) for r in result["rows"]} == \
         {("accumulate", 4), ("accumulate", 16), *((s, 16) for s in sets[1:])}

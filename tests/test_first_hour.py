@@ -1,0 +1,112 @@
+"""The first hour on a real machine: a name that may be a Hub id is answered at once offline, nothing a user
+left where a script writes is replaced, and two runs started into one directory run one."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+from conftest import TINY, VARIANTS, load, run_script, start_script
+
+UNREACHABLE = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}  # a port nothing listens on
+CPU = ["--device", "cpu"]
+
+
+@pytest.mark.parametrize("script, flags, flag", [
+    ("main.py", ["--model", "does-not-exist"], "--model"),
+    ("main.py", ["--model", "tiny", "--dataset", "README.md", "--tokenizer", "no-org/no-tokenizer"], "--tokenizer"),
+    ("loading.py", ["--model", "does-not-exist"], "--model"),
+    ("plan.py", ["--model", "org/does-not-exist"], "--model"),
+])
+def test_a_name_that_is_no_preset_nor_directory_is_answered_at_once_when_the_hub_is_unreachable(
+        tmp_path, script, flags, flag):
+    proc = run_script([script, *CPU, *flags, "--output_dir", str(tmp_path / "out")], nproc=None, **UNREACHABLE)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {flag} "), proc.stderr
+    assert "not in the local Hugging Face cache, and the Hub (http://127.0.0.1:9) cannot be reached" in lines[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def foreign(path, content: str = '{"timestamps": [0.0], "allocated_memory": [1.0]}') -> bytes:
+    """A file a user (or the upstream benchmark) left at a name a script writes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("script, flags, name", [
+    ("main.py", [*CPU, "--model", "tiny"], "summary.json"),
+    ("main.py", [*CPU, "--model", "tiny"], "accelerate_memory_usage.json"),
+    ("main.py", [*CPU, "--model", "tiny", "--simulate_world_size", "4", "--simulate_rank", "last"],
+     "simulated_N4/torch_optimizer_after_fsdp_memory_usage_rank3.json"),
+    ("loading.py", [*CPU, "--model", "tiny"], "loading_summary.json"),
+    ("loading.py", [*CPU, "--model", "tiny", "--modes", "naive"], "loading_naive_memory_usage.json"),
+    ("matrix.py", [*CPU, "--model", "tiny", "--option_sets", "default"], "matrix.json"),
+    ("plan.py", [*CPU, "--model", "tiny"], "plan.json"),
+])
+def test_a_file_the_benchmark_did_not_write_is_left_untouched_and_the_run_refused(tmp_path, script, flags, name):
+    out = tmp_path / "out"
+    before = foreign(out / name)
+    proc = run_script([script, *flags, "--output_dir", str(out)], nproc=None)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --output_dir: {out / name} was not written by this benchmark, and this run would replace it; it is "
+        "left untouched: move it away or choose another --output_dir"], proc.stderr
+    assert (out / name).read_bytes() == before
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == [name.rsplit("/", 1)[-1]]
+
+
+def test_speed_and_visualize_leave_a_foreign_file_untouched(tmp_path):
+    before = foreign(tmp_path / "speed.json", '{"mine": true}')
+    proc = run_script(["speed.py", "--json", str(tmp_path / "speed.json"), "--", *CPU, "--model", "tiny"], nproc=None)
+    assert proc.returncode == 2 and "--json: " in proc.stderr and "was not written by this benchmark" in proc.stderr
+    assert (tmp_path / "speed.json").read_bytes() == before
+    # Traces of ours without their summary, beside a figure that is not ours: the figure is not replaced.
+    traces = tmp_path / "traces"
+    assert run_script(["main.py", *TINY, "--max_steps", "2", "--variants", VARIANTS[0], "--output_dir", str(traces)],
+                      nproc=None).returncode == 0
+    (traces / "summary.json").unlink()
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [0, 1])
+    fig.savefig(traces / "rss_memory.png")
+    plt.close(fig)
+    figure = (traces / "rss_memory.png").read_bytes()
+    proc = run_script(["visualize.py", "--dir", str(traces)], nproc=None)
+    assert proc.returncode == 2 and "rss_memory.png was not written by this benchmark" in proc.stderr, \
+        proc.stderr
+    assert (traces / "rss_memory.png").read_bytes() == figure
+
+
+def test_a_run_of_ours_is_replaced_by_the_next_and_its_figures_redrawn(tmp_path):
+    args = ["main.py", *TINY, "--max_steps", "2", "--variants", VARIANTS[0], "--output_dir", str(tmp_path)]
+    first = run_script(args, nproc=None)
+    assert first.returncode == 0, first.stderr
+    assert run_script(["visualize.py", "--dir", str(tmp_path)], nproc=None).returncode == 0
+    run_id = load(tmp_path / "summary.json")["meta"]["run_id"]
+    second = run_script(args, nproc=None)
+    assert second.returncode == 0, second.stderr
+    assert load(tmp_path / "summary.json")["meta"]["run_id"] != run_id
+    assert run_script(["visualize.py", "--dir", str(tmp_path)], nproc=None).returncode == 0
+
+
+def test_two_runs_into_one_directory_at_once_run_one(tmp_path):
+    """The second is started once the first holds the directory (its lock file is there), so the two always
+    overlap: under load a first run of 3 steps could end before the second began, and both ran."""
+    first = start_script(["main.py", *TINY, "--max_steps", "1000", "--variants", VARIANTS[0], "--quiet",
+                          "--output_dir", str(tmp_path)], nproc=None)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / ".fsdp2bench.lock").exists():
+        assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
+        time.sleep(0.05)
+    second = run_script(["main.py", *TINY, "--max_steps", "3", "--variants", VARIANTS[0], "--output_dir",
+                         str(tmp_path)], nproc=None)
+    assert first.poll() is None  # still writing there
+    first.send_signal(signal.SIGINT)
+    assert first.wait(timeout=120) == 130
+    assert second.returncode == 2 and "another run (process" in second.stderr and "is writing there" in second.stderr
+    assert not (tmp_path / ".fsdp2bench.lock").exists()
