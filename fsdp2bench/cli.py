@@ -421,6 +421,9 @@ def write_bytes(path: str, content: bytes) -> None:
 # is replaced only where it carries the mark (or, written before the mark existed, a run id).
 MARK_KEY, MARK = "written_by", "fsdp2bench"
 SUMMARIES = ("summary.json", "matrix.json", "plan.json", "loading_summary.json")  # what a figure is drawn from
+# Beside a "meta", the sections of those files as written before the mark: recognised as the benchmark's (and
+# loading.py's early summaries by their own keys).
+OUR_SECTIONS = {"variants", "simulated", "rows", "answers", "modes"}
 
 
 def write_json(path: str, data: dict) -> None:
@@ -432,15 +435,18 @@ def write_json(path: str, data: dict) -> None:
 
 
 def is_ours(path: str) -> bool:
-    """Whether the file at ``path`` was written by this benchmark: a JSON object with the mark or a run id (at
-    its top or in its meta), a figure with the mark, a memory snapshot beside a trace of ours."""
+    """Whether the file at ``path`` was written by this benchmark: a JSON object with the mark, a run id (at its
+    top or in its meta) or a meta beside the sections of its summaries, a figure with the mark or beside a
+    summary of ours, a memory snapshot beside a trace of ours."""
     try:
         if path.endswith(".json"):
             with open(path, "rb") as f:
                 data = json.loads(f.read())
             meta = data.get("meta") if isinstance(data, dict) else None
             return isinstance(data, dict) and (data.get(MARK_KEY) == MARK or isinstance(data.get("run_id"), str)
-                                               or isinstance(meta, dict) and isinstance(meta.get("run_id"), str))
+                                               or isinstance(meta, dict) and (isinstance(meta.get("run_id"), str)
+                                                                              or bool(OUR_SECTIONS & data.keys()))
+                                               or {"modes", "model_bytes", "checkpoint"} <= data.keys())
         if path.endswith(".png"):  # marked, or (drawn before the mark) beside a summary of ours
             from PIL import Image
 

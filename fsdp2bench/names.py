@@ -11,6 +11,14 @@ VARIANTS = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_not_fixed
 INTENDED = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_fixed", "accelerate"]
 UNFIXED = "torch_optimizer_before_fsdp_not_fixed"
 ACCELERATE = "accelerate"
+# What the figures call them (docs/output.md has the key): the optimizer made after fully_shard, before it
+# and left stale, before it and fixed, and accelerate's prepare().
+SHORT_NAMES = {"torch_optimizer_after_fsdp": "after", "torch_optimizer_before_fsdp_not_fixed": "before, stale",
+               "torch_optimizer_before_fsdp_fixed": "before, fixed", "accelerate": "accelerate"}
+
+
+def short_name(name: str) -> str:
+    return SHORT_NAMES.get(name, name)
 
 # The upstream's per-rank trace: four lists of equal length, one entry per sample.
 TRACE_KEYS = ("timestamps", "allocated_memory", "reserved_memory", "virtual_memory")

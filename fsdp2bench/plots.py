@@ -7,23 +7,24 @@ import glob
 import json
 import os
 import re
-import textwrap
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from fsdp2bench.cli import MARK, MARK_KEY, refuse_foreign  # noqa: E402
-from fsdp2bench.names import MIB, TRACE_KEYS, VARIANTS, simulated_dir_name, size_unit, state_bytes  # noqa: E402
+from fsdp2bench.names import (MIB, TRACE_KEYS, VARIANTS, short_name, simulated_dir_name, size_unit,  # noqa: E402
+                              state_bytes)
 
 # The zero of every time axis: all variants are compared from the moment their model is sharded,
 # so the time each spent building the model does not offset the curves.
 ALIGN_EVENT = "sharded"
-MEMORY_PLOTS = {  # file -> (trace key, per-step peak key, per-step end key, what is measured)
-    "allocated_memory.png": ("allocated_memory", "peak_allocated_mib", "allocated_mib", "GPU memory allocated"),
-    "reserved_memory.png": ("reserved_memory", "peak_reserved_mib", "reserved_mib", "GPU memory reserved"),
-    "rss_memory.png": ("virtual_memory", None, "rss_mib", "host RSS"),
+MEMORY_PLOTS = {  # file -> (trace key, per-step peak key (the allocator's counter), what is measured)
+    "allocated_memory.png": ("allocated_memory", "peak_allocated_mib", "GPU memory allocated"),
+    "reserved_memory.png": ("reserved_memory", "peak_reserved_mib", "GPU memory reserved"),
+    "rss_memory.png": ("virtual_memory", None, "host RSS"),
 }
 
 
@@ -158,9 +159,12 @@ def filtered(times: list[float], values: list, threshold: float, partition: floa
 
 
 def save(fig, path: str, dpi: int = 110, rect: tuple = (0, 0, 1, 1)) -> None:
-    """``rect``: the part of the figure the axes may take (the rest holds a figure legend). Written
-    under a temporary name, then renamed: a full disk or a Ctrl-C never leaves half a figure."""
+    """``rect``: the part of the figure the axes may take (the rest holds a figure legend). Each axes'
+    legend gets a band of its own above the data (``finish_axes``). Written under a temporary name, then
+    renamed: a full disk or a Ctrl-C never leaves half a figure."""
     fig.tight_layout(rect=rect)
+    for ax in fig.axes:
+        make_room_for_legend(ax)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         refuse_foreign([path], "--dir")
@@ -175,21 +179,48 @@ def save(fig, path: str, dpi: int = 110, rect: tuple = (0, 0, 1, 1)) -> None:
             os.remove(tmp)
 
 
-LEGEND_FONT = 7
+LEGEND_FONT = 8
+LEGEND_GAP = 0.03  # of the axes' height, between the legend's band and the highest point
 
 
-def finish_axes(ax, legend_font: float = LEGEND_FONT) -> None:
-    """Every axes' last step: a line drawn over another with the same points says so in its label,
-    the legend goes beside the axes (never over the data), and the title folds to fit."""
+def finish_axes(ax, legend_font: float = LEGEND_FONT, columns: int = 4) -> None:
+    """Every axes' last step: a line drawn over another with the same points says so in its label, and the
+    legend goes inside the axes, at the top, in a band of its own that no data reaches (``save`` sizes it).
+    Titles are one line: the callers keep them short."""
     name_coinciding(ax)
-    if any(not line.get_label().startswith("_") for line in ax.get_lines()):
-        ax.legend(fontsize=legend_font, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
-    title = ax.get_title()
-    if title:  # from the axes' left edge, folded to about half the figure's width (the legend takes the rest)
-        width = ax.figure.get_figwidth() * ax.get_position().width * 0.55
-        ax.set_title("")
-        ax.set_title(textwrap.fill(title, max(30, int(width * 72 / (0.6 * ax.title.get_fontsize())))), loc="left",
-                     fontsize=ax.title.get_fontsize())
+    handles, labels = ax.get_legend_handles_labels()
+    if labels:
+        legend_inside(ax, handles, labels, legend_font, columns)
+
+
+def legend_inside(ax, handles: list, labels: list[str], font: float = LEGEND_FONT, columns: int = 4) -> None:
+    """The legend at the top of the axes, in a band of its own (``make_room_for_legend``)."""
+    ax.legend(handles, labels, fontsize=font, loc="upper center", ncol=min(columns, len(labels)),
+              bbox_to_anchor=(0.5, 1.0), borderaxespad=0.4, framealpha=0.95)
+    ax._legend_band = (handles, labels, font, min(columns, len(labels)))
+
+
+def make_room_for_legend(ax) -> None:
+    """Fewer columns until the legend fits the axes' width; then the top of a linear y axis raised until the
+    data's highest point sits below the legend's band."""
+    if not getattr(ax, "_legend_band", None) or ax.get_legend() is None:
+        return
+    renderer = ax.figure.canvas.get_renderer()
+    handles, labels, font, columns = ax._legend_band
+    while columns > 1 and ax.get_legend().get_window_extent(renderer).width > ax.get_window_extent(renderer).width:
+        columns -= 1
+        legend_inside(ax, handles, labels, font, columns)
+    if ax.get_yscale() != "linear":
+        return
+    band = ax.get_legend().get_window_extent(renderer).height / max(1.0, ax.get_window_extent(renderer).height)
+    values = [v for line in ax.get_lines() for v in np.asarray(line.get_ydata(), dtype=float).ravel()
+              if np.isfinite(v)]
+    values += [p.get_y() + p.get_height() for p in ax.patches if np.isfinite(p.get_y() + p.get_height())]
+    if not values:
+        return
+    low = ax.get_ylim()[0]
+    high = max(max(values), low + 1e-9)
+    ax.set_ylim(low, low + (high - low) / max(0.2, 1.0 - band - LEGEND_GAP))
 
 
 def name_coinciding(ax) -> None:
@@ -245,35 +276,36 @@ def failure_note(trace: dict) -> str:
     return f", {trace['status'].split(':')[0]}{where}" + (f", {asked:.0f} MiB requested" if asked else "")
 
 
+def counter_peak(ranks: dict, key: str | None) -> float | None:
+    """The highest per-step peak of any rank (the allocator's counter), or None where there is none."""
+    values = [s.get(key) for trace in ranks.values() for s in trace["steps"]] if key else []
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
 def plot_memory(runs: dict, keys: tuple, path: str, threshold: float, partition: float) -> bool:
-    """Top: rank 0's polled trace over time. Bottom: per step, the counter peak (solid) and what
-    stays allocated after the step (dotted), rank 0 thick, other ranks thin. False when no data."""
-    trace_key, peak_key, end_key, what = keys
+    """Rank 0's polled trace over time, one line per variant, each named with its peak over the steps (the
+    allocator's counter, every rank; host RSS: rank 0's highest sample; the per-step figures are in the traces
+    and summary.json). False when no data."""
+    trace_key, peak_key, what = keys
     if not any(v is not None for ranks in runs.values() for v in ranks[0][trace_key]):
         return False
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 9))
+    fig, ax = plt.subplots(figsize=(12, 5))
     for i, (name, ranks) in enumerate(runs.items()):
         times, values = filtered(aligned_times(ranks[0]), ranks[0][trace_key], threshold, partition)
-        top.plot(times, values, color=f"C{i}", lw=0.8, alpha=0.75, label=f"{name}{failure_note(ranks[0])}")
+        peak = counter_peak(ranks, peak_key)
+        sampled = [v for v in ranks[0][trace_key] if v is not None]
+        said = f": peak {peak:.0f} MiB" if peak is not None else \
+            f": peak {max(sampled):.0f} MiB sampled" if sampled else ""
+        ax.plot(times, values, color=f"C{VARIANTS.index(name) if name in VARIANTS else i}", lw=0.9, alpha=0.8,
+                label=f"{short_name(name)}{said}{failure_note(ranks[0])}")
         if values and ranks[0].get("status", "ok") != "ok":  # where it stopped
-            top.plot(times[-1:], values[-1:], ls="none", marker="X", ms=11, color=f"C{i}", markeredgecolor="black")
-        for rank, trace in ranks.items():
-            steps = [s["step"] for s in trace["steps"]]
-            width = 1.8 if rank == 0 else 0.7
-            for key, style in ((peak_key, "-"), (end_key, ":")):
-                if key is not None:
-                    kind = "peak within the step" if key == peak_key else "after the step"
-                    bottom.plot(steps, [nan_if_none(s.get(key)) for s in trace["steps"]], color=f"C{i}", lw=width,
-                                ls=style, label=f"{name}, rank {rank}: {kind}")
-    top.set_xlabel(f"seconds since the model was sharded ('{ALIGN_EVENT}' event)")
-    top.set_title(f"{what}, {simulated_label(runs) or 'rank 0'}, sampled over time (MiB)")
-    bottom.set_xlabel("optimizer step")
-    first_line = "peak within each step (allocator counter, solid); " if peak_key else ""
-    bottom.set_title(f"{what} per step: {first_line}after the step (dotted); rank 0 thick, the others thin (MiB)")
-    for ax, font in ((top, 8), (bottom, 6)):
-        fit_y_axis(ax, f"{what} (MiB)")
-        ax.grid(alpha=0.3)
-        finish_axes(ax, font)
+            ax.plot(times[-1:], values[-1:], ls="none", marker="X", ms=11, color=f"C{i}", markeredgecolor="black")
+    ax.set_xlabel(f"seconds since the model was sharded ('{ALIGN_EVENT}' event)")
+    ax.set_title(f"{what}, {simulated_label(runs) or 'rank 0'}, over time")
+    fit_y_axis(ax, f"{what} (MiB)")
+    ax.grid(alpha=0.3)
+    finish_axes(ax)
     save(fig, path)
     return True
 
@@ -284,56 +316,64 @@ def plot_loss(runs: dict, path: str) -> None:
     groups: dict[tuple, list[str]] = {}
     for name, ranks in runs.items():
         groups.setdefault(tuple(s["loss"] for s in ranks[0]["steps"]), []).append(name)
-    fig, ax = plt.subplots(figsize=(11, 6))
+    fig, ax = plt.subplots(figsize=(12, 5))
     for i, (losses, names) in enumerate(groups.items()):
         color = f"C{VARIANTS.index(names[0])}" if names[0] in VARIANTS else f"C{i}"
         ax.plot(range(len(losses)), [nan_if_none(v) for v in losses], color=color, lw=2.5 if len(names) > 1 else 1.4,
                 ls="-" if i == 0 else "--", marker="o" if len(losses) <= 50 else None, ms=3,
-                label=" = ".join(names) + (" (equal at every step)" if len(names) > 1 else ""))
+                label=" = ".join(map(short_name, names)) + (" (equal at every step)" if len(names) > 1 else ""))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (rank 0's batches)")
-    ax.set_title("Loss per step: the unfixed variant never trains")
+    ax.set_title("Loss per step: the stale optimizer's model never trains")
+    ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    finish_axes(ax, 8)
+    finish_axes(ax)
     save(fig, path, dpi=120)
 
 
 def plot_projection(summary: dict, path: str) -> bool:
-    """Expected per-rank state against world size, with the run's own measurements on top."""
+    """Expected per-rank state against world size, with the run's own measurements on top. The variants
+    whose lines coincide (the intended ones) share one legend entry; the styles say which moment."""
     proj = summary.get("projection")
     if not proj:
         return False
     table = proj["per_rank_state_bytes"]
     sizes = [int(n) for n in table]
     unit, unit_name = size_unit(max(v for row in table.values() for cell in row.values() for v in cell.values()))
-    fig, ax = plt.subplots(figsize=(10, 6))
+    fig, ax = plt.subplots(figsize=(12, 5))
+    drawn: dict[tuple, list[str]] = {}
     for i, name in enumerate(VARIANTS):
         if name not in table[str(sizes[0])]:
             continue
         peak = [table[str(n)][name]["before_zero_grad"] / unit for n in sizes]
         held = [table[str(n)][name]["end_of_training"] / unit for n in sizes]
-        ax.plot(sizes, peak, color=f"C{i}", marker="o", ms=3, label=f"{name}: at the step peak")
-        ax.plot(sizes, held, color=f"C{i}", ls=":", label=f"{name}: between steps")
+        drawn.setdefault(tuple(peak + held), []).append(name)
+        ax.plot(sizes, peak, color=f"C{i}", marker="o", ms=3)
+        ax.plot(sizes, held, color=f"C{i}", ls=":")
         measured = proj["measured"]["per_rank_state_bytes"].get(name)
         if measured:
             n = proj["measured"]["world_size"]
-            x = n * 2 ** (0.06 * (i - 1.5))  # nudge the stars apart: the intended ones coincide
+            x = n * 2 ** (0.06 * (i - 1.5))  # nudged apart: the intended ones coincide
             ax.plot([x, x], [measured["before_zero_grad"] / unit, measured["end_of_training"] / unit], ls="none",
-                    marker="*", ms=14, color=f"C{i}", markeredgecolor="black")
+                    marker="*", ms=12, color=f"C{i}", markeredgecolor="black")
+    handles = [plt.Line2D([], [], color=f"C{VARIANTS.index(names[-1])}", lw=2,
+                          label=" = ".join(map(short_name, names)) + (" (one line)" if len(names) > 1 else ""))
+               for names in drawn.values()]
+    handles += [plt.Line2D([], [], color="black", marker="o", ms=3, label="at the step peak"),
+                plt.Line2D([], [], color="black", ls=":", label="between steps"),
+                plt.Line2D([], [], color="grey", marker="*", ms=10, ls="none", label="counted in this run (stars)")]
     crossover = proj.get("unfixed_costs_more_from_world_size")
     if crossover:
         ax.axvline(crossover, color="grey", ls="--", lw=1)
-        ax.annotate(f"unfixed: more\nfrom N = {crossover}", (crossover, ax.get_ylim()[1] * 0.9),
-                    xytext=(4, 0), textcoords="offset points", fontsize=8)
+        handles.append(plt.Line2D([], [], color="grey", ls="--", label=f"stale holds more from N = {crossover}"))
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(n) for n in sizes])
     ax.set_xlabel("world size N (ranks)")
     ax.set_ylabel(f"state per rank ({unit_name})")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"Expected state per rank for {summary['meta']['model']}: parameters + gradients + optimizer state "
-                 "+ stale parameters (the sharding rule); stars: measured in this run")
+    ax.set_title(f"{summary['meta']['model']}: state per rank by the sharding rule (lines), counted here (stars)")
     ax.grid(alpha=0.3)
-    finish_axes(ax)
+    legend_inside(ax, handles, [h.get_label() for h in handles], columns=3)
     save(fig, path)
     return True
 
@@ -366,61 +406,59 @@ def plot_training(runs: dict, directory: str, threshold: float, partition: float
 
 
 def plot_loading(loads: dict, path: str) -> None:
-    """Host RSS and GPU memory while each mode loads the checkpoint; rank 0 solid, others dashed."""
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
-    for i, (mode, ranks) in enumerate(loads.items()):
-        for rank, trace in ranks.items():
-            style = dict(color=f"C{i}", lw=1.6 if rank == 0 else 1.0, ls="-" if rank == 0 else "--",
-                         label=f"{mode} (rank {rank})")
-            for ax, key in zip(axes, ("virtual_memory", "allocated_memory")):
+    """Host RSS and, where there is one, GPU memory while each mode loads the checkpoint; rank 0 solid,
+    others dashed."""
+    panels = [(key, what) for key, what in (("virtual_memory", "host RSS (MiB)"),
+                                            ("allocated_memory", "GPU memory allocated (MiB)"))
+              if any(v is not None for ranks in loads.values() for t in ranks.values() for v in t[key])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(12 if len(panels) == 1 else 16, 5.5), squeeze=False)
+    for ax, (key, what) in zip(axes[0], panels):
+        for i, (mode, ranks) in enumerate(loads.items()):
+            for rank, trace in ranks.items():
                 times, values = filtered(trace["timestamps"], trace[key], 0.0, 1.0)
                 if values:
-                    ax.plot(times, values, **style)
-    for ax, what in zip(axes, ("host RSS (MiB)", "GPU memory allocated (MiB)")):
+                    ax.plot(times, values, color=f"C{i}", lw=1.6 if rank == 0 else 1.0, ls="-" if rank == 0 else "--",
+                            label=f"{mode}, rank {rank}")
         ax.set_xlabel("seconds since the mode's process started")
-        ax.set_ylabel(what)
         ax.set_title(f"{what.split(' (')[0]} while loading")
         ax.grid(alpha=0.3)
-        if ax.lines:
-            fit_y_axis(ax, what)
-            finish_axes(ax)
-        else:
-            ax.text(0.5, 0.5, "no data (CPU run)", ha="center", transform=ax.transAxes)
+        fit_y_axis(ax, what)
+        finish_axes(ax, columns=3)
     save(fig, path)
-
 
 
 def plot_loading_sweep(summary: dict, path: str) -> None:
     """loading.py --simulate_world_size: per mode, what rank 0 of each N added to its host RSS while
-    loading, and its GPU peak; shared_memory's one copy per node as a dotted line of its own."""
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    loading, and (where there is a GPU) its GPU peak; shared_memory's one copy per node dotted."""
     sizes = sorted(int(n) for n in summary["simulated"])
     modes = sorted({m for by_mode in summary["simulated"].values() for m, e in by_mode.items() if e["status"] == "ok"})
+    points = {mode: [(n, summary["simulated"][str(n)][mode]) for n in sizes
+                     if summary["simulated"][str(n)].get(mode, {}).get("status") == "ok"] for mode in modes}
+    gpu = {mode: [(n, e["ranks"][0]["peak_allocated_mib"]) for n, e in found
+                  if e["ranks"][0]["peak_allocated_mib"] is not None] for mode, found in points.items()}
+    fig, axes = plt.subplots(1, 2 if any(gpu.values()) else 1, figsize=(16 if any(gpu.values()) else 12, 5.5),
+                             squeeze=False)
+    rss = axes[0][0]
     for i, mode in enumerate(modes):
-        points = [(n, summary["simulated"][str(n)][mode]) for n in sizes
-                  if summary["simulated"][str(n)].get(mode, {}).get("status") == "ok"]
-        ranks = [(n, entry["ranks"][0]) for n, entry in points]
-        axes[0].plot([n for n, _ in ranks], [r["peak_rss_mib"] - r["baseline_rss_mib"] for _, r in ranks],
-                     marker="o", color=f"C{i}", label=f"{mode}: RSS added, rank 0")
-        gpu = [(n, r["peak_allocated_mib"]) for n, r in ranks if r["peak_allocated_mib"] is not None]
-        if gpu:
-            axes[1].plot(*zip(*gpu), marker="o", color=f"C{i}", label=mode)
-        copies = [(n, entry["node_copy_mib"]) for n, entry in points if "node_copy_mib" in entry]
+        ranks = [(n, e["ranks"][0]) for n, e in points[mode]]
+        rss.plot([n for n, _ in ranks], [r["peak_rss_mib"] - r["baseline_rss_mib"] for _, r in ranks],
+                 marker="o", color=f"C{i}", label=f"{mode}: added, rank 0")
+        copies = [(n, e["node_copy_mib"]) for n, e in points[mode] if "node_copy_mib" in e]
         if copies:
-            axes[0].plot(*zip(*copies), ls=":", color=f"C{i}", label=f"{mode}: the node's one copy")
-    for ax, what in zip(axes, ("host RSS added while loading (MiB)", "GPU peak allocated while loading (MiB)")):
+            rss.plot(*zip(*copies), ls=":", color=f"C{i}", label=f"{mode}: the node's one copy")
+        if gpu[mode]:
+            axes[0][1].plot(*zip(*gpu[mode]), marker="o", color=f"C{i}", label=mode)
+    whats = ("host RSS added while loading (MiB)", "GPU peak allocated while loading (MiB)")
+    for ax, what in zip(axes[0], whats):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(n) for n in sizes])
         ax.set_xlabel("simulated world size N (rank 0 played alone)")
         ax.set_ylabel(what)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        if ax.lines:
-            finish_axes(ax)
-        else:
-            ax.text(0.5, 0.5, "no data (CPU run)", ha="center", transform=ax.transAxes)
-    fig.suptitle(f"loading {summary['model']} from a {summary['checkpoint']['dtype']} "
-                 f"{summary['checkpoint'].get('format', 'safetensors')} checkpoint", fontsize=10)
+        finish_axes(ax, columns=3)
+    rss.set_title(f"Loading {summary['model']} from a {summary['checkpoint']['dtype']} "
+                  f"{summary['checkpoint'].get('format', 'safetensors')} checkpoint")
     save(fig, path)
 
 
@@ -444,36 +482,35 @@ def plot_sweep(summary: dict, directory: str) -> None:
 def plot_simulated(summary: dict, path: str) -> None:
     """Top: the sharding rule's per-rank state for every N (lines) and, at each simulated N, the
     measured peak allocated in training (dots) and the state counted (crosses). Bottom: the
-    measured memory beyond that state (activations, gathered parameters, buffers)."""
+    measured memory beyond that state (activations, gathered parameters, buffers), the finding the
+    rule cannot give."""
     table = summary["projection"]["per_rank_state_bytes"]
     sizes = [int(n) for n in table]
     unit, unit_name = size_unit(max(v for row in table.values() for cell in row.values() for v in cell.values()))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 10), sharex=True)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 8.5), sharex=True)
     measured_any = False
     for i, name in enumerate(VARIANTS):
         if name not in table[str(sizes[0])]:
             continue
         top.plot(sizes, [table[str(n)][name]["before_zero_grad"] / unit for n in sizes], color=f"C{i}", lw=1,
-                 label=f"{name}: state at the step peak (sharding rule)")
+                 label=f"{short_name(name)}: sharding rule")
         points = sweep_points(summary, name)
         x = [n * 2 ** (0.05 * (i - 1.5)) for n, _, _ in points]  # nudged apart: the intended ones coincide
         state = [max(state_bytes(rank["before_zero_grad"]) for rank in e["accounting"]) / unit
                  for _, _, e in points]
         peak = [nan_if_none(e["training_peak_allocated_mib"]["max"]) * MIB / unit for _, _, e in points]
         beyond = [nan_if_none(e["training_peak_beyond_state_mib"]["max"]) * MIB / unit for _, _, e in points]
-        top.plot(x, state, ls="none", marker="x", ms=7, color=f"C{i}", label=f"{name}: state counted (simulated)")
+        top.plot(x, state, ls="none", marker="x", ms=7, color=f"C{i}", label=f"{short_name(name)}: counted (crosses)")
         if any(v == v for v in peak):  # not all NaN: the device has an allocator
             measured_any = True
-            top.plot(x, peak, ls="none", marker="o", ms=7, color=f"C{i}", markeredgecolor="black",
-                     label=f"{name}: measured peak allocated in training (simulated)")
-            bottom.plot(x, beyond, marker="o", ms=6, lw=1, color=f"C{i}", label=name)
+            top.plot(x, peak, ls="none", marker="o", ms=6, color=f"C{i}", markeredgecolor="black",
+                     label=f"{short_name(name)}: peak allocated (dots)")
+            bottom.plot(x, beyond, marker="o", ms=5, lw=1, color=f"C{i}", label=short_name(name))
     ranks = sorted({int(r) for by_rank in summary["simulated"].values() for r in by_rank})
     played = "rank 0" if ranks == [0] else f"ranks {', '.join(map(str, ranks))}"
-    top.set_title(f"{summary['meta']['model']}, per rank against world size N: simulated N, one process playing "
-                  f"{played}")
-    top.set_ylabel(f"{unit_name} per rank: lines and crosses state only" + (", dots measured peaks" if measured_any
-                                                                              else ""))
-    bottom.set_title("measured beyond the state: peak allocated in training minus the state held at the step peak")
+    top.set_title(f"{summary['meta']['model']}, {played} of simulated N: state at the step peak and peak allocated")
+    top.set_ylabel(f"{unit_name} per rank")
+    bottom.set_title("Measured beyond the state: peak allocated in training minus the state at the step peak")
     bottom.set_ylabel(f"{unit_name} per rank")
     if not measured_any:
         bottom.text(0.5, 0.5, "no allocator counters (CPU run)", ha="center", transform=bottom.transAxes)
@@ -482,7 +519,7 @@ def plot_simulated(summary: dict, path: str) -> None:
         ax.set_xticks(sizes, [str(n) for n in sizes])
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        finish_axes(ax)
+        finish_axes(ax, legend_font=7)
     bottom.set_xlabel("world size N (ranks)")
     save(fig, path)
 
@@ -545,8 +582,8 @@ def plot_sequences(runs: list[dict], path: str) -> None:
     ax.set_ylabel("GiB per rank: peak allocated in training")
     ax.grid(alpha=0.3)
     n = next(iter(runs[0]["simulated"]))
-    ax.set_title(f"{meta['model']}, rank 0 of N = {n} (simulated): longer sequences, with and without context "
-                 "parallelism")
+    ax.set_title(f"{meta['num_parameters'] / 1e9:.2f}B {meta['model_type']}, rank 0 of simulated N = {n}: longer "
+                 "sequences, with and without CP")
     finish_axes(ax)
     save(fig, path)
 
@@ -583,7 +620,7 @@ def plot_matrix(matrix: dict, path: str) -> None:
         for i, name in enumerate(VARIANTS):
             xs = [j + (i - 1.5) * width for j in range(len(sets))]
             ys = [values.get((s, n, simulated, name), float("nan")) / 1024 for s in sets]
-            ax.bar(xs, ys, width, color=f"C{i}", label=name if ax is axes[0][0] else None)
+            ax.bar(xs, ys, width, color=f"C{i}", label=short_name(name) if ax is axes[0][0] else None)
             if name == VARIANTS[1]:  # the unfixed variant
                 base = [values.get((s, n, simulated, VARIANTS[0]), float("nan")) / 1024 for s in sets]
                 extra = [max(0.0, y - b) for y, b in zip(ys, base)]
@@ -596,7 +633,8 @@ def plot_matrix(matrix: dict, path: str) -> None:
     what = "measured peak allocated in training" if figure == "training_peak_allocated_mib" else \
         "state held at the step peak (counted; no allocator on CPU)"
     axes[0][0].set_ylabel(f"GiB per rank: {what}")
-    fig.suptitle(f"{' '.join(matrix['meta']['main_args'])}: per option set and variant", y=0.995, fontsize=9)
+    fig.suptitle(f"Peak per rank by option set and variant ({' '.join(matrix['meta']['main_args'])})"[:140],
+                 y=0.995, fontsize=9)
     wide = len(columns) >= 3  # room for the legend on one row
     fig.legend(loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=5 if wide else 2, fontsize=8)
     save(fig, path, rect=(0, 0.1 if wide else 0.2, 1, 0.97))
@@ -635,7 +673,7 @@ def plot_plan(plan: dict, path: str) -> None:
             if cap:
                 ax.axhline(cap["allocator_limit_mib"] / 1024, color="black", ls="--", lw=1)
             other = "block" if answers[0]["searched"] == "batch_size" else "batch"
-            ax.set_title(f"{variant}\nN = {n}, {other} {fixed}", fontsize=9)
+            ax.set_title(f"{short_name(variant)}, N = {n}, {other} {fixed}", fontsize=9)
             ax.grid(alpha=0.3)
             ax.set_ylim(bottom=0)
         axes[row][0].set_ylabel("GiB " + ("reserved (peak)" if figure == "peak_reserved_mib" else "host RSS (peak)"))

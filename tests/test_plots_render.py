@@ -60,12 +60,34 @@ def figure_problems(fig) -> list[str]:
                 if a.shape == b.shape and len(a) > 1 and np.allclose(a, b, equal_nan=True) and \
                         not any(w in low.get_label() for w in COINCIDE):
                     problems.append(f"{low.get_label()!r} lies under {high.get_label()!r} and does not say so")
+    for legend in _legends(fig):  # inside the canvas, and an axes' legend inside its axes
+        frame, owner = legend.get_window_extent(renderer), legend.axes
+        inside = owner.get_window_extent(renderer) if owner is not None else box
+        if frame.x0 < inside.x0 - 1 or frame.x1 > inside.x1 + 1 or frame.y0 < inside.y0 - 1 or frame.y1 > inside.y1 + 1:
+            problems.append(f"a legend outside its {'axes' if owner is not None else 'figure'}")
+    for ax in fig.axes:
+        for loc in ("left", "center", "right"):
+            if "\n" in ax.get_title(loc):
+                problems.append(f"a title of more than one line: {ax.get_title(loc)[:60]!r}")
+    share = sum(ax.get_window_extent(renderer).width * ax.get_window_extent(renderer).height for ax in fig.axes)
+    if share < 0.45 * box.width * box.height:
+        problems.append(f"the axes take {share / (box.width * box.height):.0%} of the canvas")
     texts = [t.get_text() for t in fig.findobj(matplotlib.text.Text)]
     markers = {ln.get_marker() for ax in fig.axes for ln in ax.get_lines() if len(_points(ln))}
     for word, kinds in MARKER_WORDS.items():
         if any(word in t for t in texts) and not markers & set(kinds):
             problems.append(f"a label promises {word} and none is drawn")
     return problems
+
+
+def png_problems(path: Path) -> list[str]:
+    """The drawn file itself: nothing touches its border (a cut label, a legend off the edge)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        pixels = np.asarray(image.convert("L"), dtype=float)
+    border = np.concatenate([pixels[0], pixels[-1], pixels[:, 0], pixels[:, -1]])
+    return [] if border.min() >= 250 else [f"{path.name}: something is drawn on its border"]
 
 
 @pytest.fixture
@@ -76,8 +98,11 @@ def drawn(monkeypatch) -> dict[str, list[str]]:
 
     def checked_save(fig, path, dpi=110, rect=(0, 0, 1, 1)):
         fig.tight_layout(rect=rect)
-        found[Path(path).name] = figure_problems(fig)
+        for ax in fig.axes:
+            plots.make_room_for_legend(ax)
+        problems = figure_problems(fig)
         real_save(fig, path, dpi, rect)
+        found[Path(path).name] = problems + png_problems(Path(path))
 
     monkeypatch.setattr(plots, "save", checked_save)
     return found
@@ -93,7 +118,8 @@ def draw(directory: Path, tmp_path: Path, monkeypatch) -> None:
 
 
 COMMITTED = ["results/h200/default_1.5b", "results/h200/sweep_1.5b", "results/h200/matrix_1.5b",
-             "results/h200/loading_1.5b/simulated", "results/h200x2", "results/h200/plan_1.5b/cap80_partial"]
+             "results/h200/loading_1.5b/simulated", "results/h200x2", "results/h200/plan_1.5b/cap80_partial",
+             "results/h200/parallel_7b", "results/h200/long_context_1.5b"]
 
 
 @pytest.mark.parametrize("directory", COMMITTED)
@@ -133,3 +159,19 @@ def test_the_checker_sees_a_label_outside_and_a_legend_over_data():
     ax.legend(loc="upper center")  # right on top of the line's peak
     assert any("a legend covers a point of 'c'" in p for p in figure_problems(fig))
     plt.close(fig)
+
+
+def test_the_checker_sees_a_legend_off_the_axes_a_title_in_lines_small_axes_and_a_cut_border(tmp_path):
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot([0, 1], [0, 1], label="a line")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, as the figures once had it
+    ax.set_title("a title\nin two lines")
+    fig.subplots_adjust(left=0.1, right=0.5, top=0.6, bottom=0.2)
+    problems = figure_problems(fig)
+    assert "a legend outside its axes" in problems
+    assert "a title of more than one line: 'a title\\nin two lines'" in problems
+    assert any(p.startswith("the axes take ") for p in problems), problems
+    fig.text(0.9, 0.5, "MMMMMM", fontsize=30)  # runs off the right edge
+    fig.savefig(tmp_path / "cut.png")
+    plt.close(fig)
+    assert png_problems(tmp_path / "cut.png") == ["cut.png: something is drawn on its border"]

@@ -106,22 +106,22 @@ def drawn(monkeypatch, draw) -> list:
 
 
 def test_plots_hide_no_series_and_say_what_they_count(suite, monkeypatch):
-    """Coinciding losses are one line labelled with every variant; every memory series is in the
-    legend with its rank; magnitudes start at zero; a tiny model's state is drawn in MiB, as state only."""
+    """Coinciding losses are one line labelled with every variant; every variant's memory is in the legend,
+    short-named, with its peak; magnitudes start at zero; a tiny model's state is drawn in MiB, as state only."""
     out, _ = suite
     runs = __import__("fsdp2bench.plots", fromlist=["load_traces"]).load_traces(
         str(out), {name: f"{name}_memory_usage" for name in VARIANTS}, [])
     loss, = drawn(monkeypatch, lambda plots: plots.plot_loss(runs, "loss.png"))
     labels = [t.get_text() for t in loss.axes[0].get_legend().get_texts()]
-    intended = [VARIANTS[0], VARIANTS[2], VARIANTS[3]]
-    assert labels == [" = ".join(intended) + " (equal at every step)", VARIANTS[1]]
+    assert labels == ["after = before, fixed = accelerate (equal at every step)", "before, stale"]
     rss, = drawn(monkeypatch, lambda plots: plots.plot_memory(runs, plots.MEMORY_PLOTS["rss_memory.png"], "x", 0, 2))
-    bottom = [t.get_text() for t in rss.axes[1].get_legend().get_texts()]
-    assert len(bottom) == len(rss.axes[1].lines) == 2 * len(VARIANTS)
-    assert any(label.startswith(f"{VARIANTS[1]}, rank 1: after the step") for label in bottom)
+    labels = [t.get_text() for t in rss.axes[0].get_legend().get_texts()]
+    assert len(rss.axes) == 1 and len(labels) == len(rss.axes[0].lines) == len(VARIANTS)
+    peaks = {name: max(v for v in runs[name][0]["virtual_memory"] if v is not None) for name in VARIANTS}
+    assert labels[1] == f"before, stale: peak {peaks[VARIANTS[1]]:.0f} MiB sampled"
     # From zero, or zoomed where the lines lie within a tenth of their height, and then said.
     assert all(ax.get_ylim()[0] <= 0 or ax.get_ylabel().endswith("axis not from zero") for ax in rss.axes)
     summary = json.loads((out / "summary.json").read_text())
     projection, = drawn(monkeypatch, lambda plots: plots.plot_projection(summary, "x"))
     assert projection.axes[0].get_ylabel() == "state per rank (MiB)"
-    assert "parameters + gradients + optimizer state" in projection.axes[0].get_title(loc="left").replace("\n", " ")
+    assert projection.axes[0].get_title() == "tiny: state per rank by the sharding rule (lines), counted here (stars)"
