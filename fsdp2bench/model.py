@@ -192,6 +192,6 @@ def default_model(device_type: str, script: str = "main.py") -> str:
         return GPU_DEFAULT_MODEL
     if os.environ.get("RANK", "0") == "0":
         say(f"No --model given and no GPU: {script} takes the {CPU_DEFAULT_MODEL} model, a functional run of a few "
-            f"minutes (main.py: 224 s on 2 cores). The real one on the CPU (hours): add --model {GPU_DEFAULT_MODEL}.")
+            f"minutes (main.py: 127 s on 2 cores). The real one on the CPU (hours): add --model {GPU_DEFAULT_MODEL}.")
         sys.stdout.flush()
     return CPU_DEFAULT_MODEL
