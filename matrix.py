@@ -25,7 +25,7 @@ from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ra
                             pick_device, prepare_output_dir, refuse_foreign)
 from fsdp2bench.simulation import DEFAULT_STEPS, parse_world_sizes
 
-INTERRUPTED = (130, -2, -15)  # main.py's exit code after SIGINT or SIGTERM, or killed by one
+INTERRUPTED = (130, 143, -2, -15)  # main.py's exit code after SIGINT or SIGTERM (torchrun's: 128 + it), or killed by one
 NUMBER_RANGES = {"nproc_per_node": (0, 4096), "sweep_steps": (1, 10_000_000)}  # 0 processes: sweeps only
 # main.py's FSDP2, accumulation and layout options: each launch gets those of its option set.
 OWNED = tuple(f.name for f in dataclasses.fields(options.FsdpOptions) if f.name != "layout") + options.LAYOUT_OPTIONS

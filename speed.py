@@ -72,17 +72,20 @@ def launch_phases(timeline: dict, launched: float, wall: float) -> dict:
     return {name: max(0.0, seconds) for name, seconds in phases_s.items()}
 
 
-def launcher(nproc: int, tree: str, main_args: list[str], python: str = sys.executable) -> list[str]:
-    return [python, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", os.path.join(tree, "main.py"),
-            *main_args]
+def launcher(nproc: int, tree: str, main_args: list[str], python: str = sys.executable,
+             module: str = "fsdp2bench.torchrun") -> list[str]:
+    """torchrun, or this project's quiet form of it (``fsdp2bench.torchrun``) where the tree has it."""
+    return [python, "-m", module, f"--nproc_per_node={nproc}", os.path.join(tree, "main.py"), *main_args]
 
 
 def time_baseline(tree: str, nproc: int, main_args: list[str], output_dir: str, python: str) -> dict:
     """The other version's (or environment's) run on the same work, timed from launch to exit."""
     tree, output_dir = os.path.abspath(tree), os.path.abspath(f"{output_dir}_baseline")
     start = time.perf_counter()
+    module = "fsdp2bench.torchrun" if os.path.isfile(os.path.join(tree, "fsdp2bench", "torchrun.py")) else \
+        "torch.distributed.run"  # a version from before it
     code = wait_passing_interrupt(subprocess.Popen(
-        launcher(nproc, tree, [*main_args, "--output_dir", output_dir], python), cwd=tree))
+        launcher(nproc, tree, [*main_args, "--output_dir", output_dir], python, module), cwd=tree))
     return {"tree": tree, "python": python, "output_dir": output_dir, "suite_wall_s": time.perf_counter() - start,
             "exit_code": code}
 
@@ -196,7 +199,8 @@ def timed(args: argparse.Namespace, extra: list[str]) -> int:
         return 2
     command = launcher(args.nproc_per_node, ROOT, [*extra, "--tracker_overhead", "--output_dir", args.output_dir])
     launched, start = time.time(), time.perf_counter()
-    code = wait_passing_interrupt(subprocess.Popen(command))
+    here = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    code = wait_passing_interrupt(subprocess.Popen(command, env=here))  # fsdp2bench.torchrun from any directory
     wall = time.perf_counter() - start
     summary = read_summary(args.output_dir)
     if summary is None:

@@ -35,7 +35,7 @@ def launch_command(nproc: int, args: list[str]) -> list[str]:
     """main.py as a user runs it: plain python for one process, torchrun for several."""
     if nproc == 1:
         return [sys.executable, "main.py", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "main.py", *args]
+    return [sys.executable, "-m", "fsdp2bench.torchrun", "--standalone", f"--nproc_per_node={nproc}", "main.py", *args]
 
 
 def fitting_sizes(option_set: str, sizes: list[int]) -> list[int]:

@@ -69,6 +69,7 @@ def test_an_interrupt_ends_speed_in_one_line_and_keeps_what_the_run_wrote(tmp_pa
     assert stderr.strip().splitlines()[-1] == f"Interrupted; what the runs wrote is in {out}; {record} was not written"
     assert load(out / "summary.json")["variants"]["torch_optimizer_after_fsdp"]["status"] == "interrupted"
     assert not record.exists()
+    assert "Traceback" not in stderr and "torchrun: stopped by SIGINT" in stderr, stderr  # no launcher's stack
 
 
 def test_a_baseline_that_did_other_work_gives_no_ratio(tmp_path):
