@@ -26,7 +26,7 @@ import psutil
 
 from fsdp2bench import concurrency, options, simulation, weights
 from fsdp2bench.arguments import build_threads, per_optimizer_step, validate, versions
-from fsdp2bench.cli import exit_with
+from fsdp2bench.cli import exit_with, say
 from fsdp2bench.isolation import Interrupted
 from fsdp2bench.runner import TrainConfig
 from fsdp2bench.session import Session, open_session, say_interrupted
@@ -34,20 +34,29 @@ from fsdp2bench.suite import Suite, run_sweep, run_variants
 
 
 def variants_at_once(args: argparse.Namespace, session: Session, names: list[str],
-                     fsdp_options: options.FsdpOptions, cap: concurrency.GpuCap | None) -> int:
-    """``--concurrent_variants``: a number as given; auto decided by rank 0 for every rank. A sweep's
-    runs are sized by its smallest N, whose runs hold the most."""
+                     fsdp_options: options.FsdpOptions, cap: concurrency.GpuCap | None,
+                     shared_weights: bool) -> tuple[int, concurrency.SweepRoom | None]:
+    """``--concurrent_variants``: a number as given; auto: for a sweep on a GPU, each run as its own need
+    allows when it starts (``SweepRoom``), else decided by rank 0 for every rank (the variants' groups must be
+    the same on all of them; a sweep's processes each run their own share)."""
     if args.concurrent_variants != "auto":
-        return int(args.concurrent_variants)
+        return int(args.concurrent_variants), None
     sizes = simulation.parse_world_sizes(args.simulate_world_size) if args.simulate_world_size else None
-    world, pieces = (min(sizes), len(names) * len(sizes)) if sizes else (session.world_size, len(names))
     logits = concurrency.rank_logits_bytes(args.batch_size, args.block_size, session.config, fsdp_options)
-    decision = concurrency.decide(session.shapes, world, names, args.init_device, session.device.type, fsdp_options,
-                                  pieces, logits, cap) if session.rank == 0 else None
-    k, reason = concurrency.agree(session.store, session.rank, decision)
+    room = concurrency.sweep_room(session.shapes, sizes, names, args.init_device, fsdp_options, logits, cap,
+                                  shared_weights) if sizes and session.device.type == "cuda" else None
+    if room is not None:
+        k, reason = room.most, room.said()
+    elif sizes:  # sized by the smallest N, whose runs hold the most
+        k, reason = concurrency.decide(session.shapes, min(sizes), names, args.init_device, session.device.type,
+                                       fsdp_options, len(names) * len(sizes), logits, cap)
+    else:
+        decision = concurrency.decide(session.shapes, session.world_size, names, args.init_device, session.device.type,
+                                      fsdp_options, len(names), logits, cap) if session.rank == 0 else None
+        k, reason = concurrency.agree(session.store, session.rank, decision)
     if session.rank == 0 and session.device.type == "cuda":
-        print(f"{'Runs' if sizes else 'Variants'} at a time: {reason} (--concurrent_variants K chooses)", flush=True)
-    return k
+        say(f"{'Runs' if sizes else 'Variants'} at a time: {reason} (--concurrent_variants K chooses)")
+    return k, room
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -71,7 +80,8 @@ def run(argv: list[str] | None = None) -> int:
             "per_optimizer_step": per_optimizer_step(args, fsdp_options, session.world_size),
             "gpu_memory": checked.cap.as_dict() if checked.cap else None,
             "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()}}
-    concurrent = variants_at_once(args, session, names, fsdp_options, checked.cap)
+    shared = weights.create() if args.init_device == "cpu" else None
+    concurrent, room = variants_at_once(args, session, names, fsdp_options, checked.cap, shared is not None)
     cores = build_threads()
     meta["concurrent_variants"] = concurrent
     meta["threads_per_variant"] = max(1, cores // concurrent)
@@ -79,10 +89,10 @@ def run(argv: list[str] | None = None) -> int:
                         save_memory_snapshot=args.save_memory_snapshot, tracker_overhead=args.tracker_overhead,
                         inject_failure=args.inject_failure, init_device=args.init_device, build_threads=cores,
                         compute_threads=meta["threads_per_variant"],
-                        weights=weights.create() if args.init_device == "cpu" else None, quiet=args.quiet,
+                        weights=shared, quiet=args.quiet,
                         options=fsdp_options, allocator_limit=checked.cap.allocator_bytes if checked.cap else None)
     suite = Suite(session, names, train, batches, meta, args.output_dir, concurrent,
-                  {"meta": {**meta, "timeline": timeline}})
+                  {"meta": {**meta, "timeline": timeline}}, room)
     if session.rank == 0 and session.device.type == "cpu":
         print(f"Running on CPU{'' if args.simulate_world_size else ' with gloo'}: a functional run. Allocator "
               "figures are n/a; RSS is host memory, not GPU memory.")

@@ -375,6 +375,11 @@ def _accelerate_prepared(model: nn.Module | None, ctx: Context) -> Prepared:
     accelerator = make_accelerator(ctx.device, ctx.layer_classes, options=ctx.options)
     split_wrong = None
     if ctx.options.layout.tensor_parallel:
+        missing = name_prepare_cannot_import()
+        if missing is not None:
+            raise Unsupported(f"prepare() under FSDP2 + TP imports ReplicateParallel from "
+                              f"transformers.integrations.tensor_parallel: {missing} (asked before transformers "
+                              "builds the model: prepare() fails there whatever it is given)")
         model = tensor_parallel_by_transformers(ctx.config, accelerator)
         split = getattr(model, "tp_size", None) or 1
         if split != ctx.options.layout.tp_size:
@@ -396,6 +401,24 @@ def _accelerate_prepared(model: nn.Module | None, ctx: Context) -> Prepared:
         buffers=buffers, buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers))) \
         if ctx.options.layout.context_parallel else whole_sequences
     return Prepared(model, optimizer, accelerator.backward, lambda last: accelerator.accumulate(model), inputs)
+
+
+def name_prepare_cannot_import() -> str | None:
+    """The ImportError that accelerate's ``prepare()`` meets under FSDP2 + TP where transformers lacks the name it
+    imports there (accelerate 1.11.0 to 1.15.0 with transformers 5.1.0 to 5.24.0), asked first: reached the long
+    way, it comes after ``from_pretrained`` has built the whole model. None where the installed accelerate does
+    not import it, or the import works."""
+    import inspect
+
+    import accelerate.accelerator
+
+    if "import ReplicateParallel" not in inspect.getsource(accelerate.accelerator):
+        return None
+    try:
+        from transformers.integrations.tensor_parallel import ReplicateParallel  # noqa: F401
+    except ImportError as exc:
+        return failure_said(exc)
+    return None
 
 
 def failure_said(exc: BaseException) -> str:

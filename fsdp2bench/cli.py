@@ -155,7 +155,7 @@ CONSOLE_WIDTH = 120
 def say(text: str, indent: str = "") -> None:
     """A paragraph on the console, each of its lines folded at ``CONSOLE_WIDTH`` columns."""
     print("\n".join(textwrap.fill(line, CONSOLE_WIDTH, subsequent_indent=indent, break_long_words=False,
-                                   break_on_hyphens=False) if line else "" for line in text.split("\n")))
+                                   break_on_hyphens=False) if line else "" for line in text.split("\n")), flush=True)
 
 
 def check_ranges(args, ranges: dict[str, tuple[float, float]]) -> None:

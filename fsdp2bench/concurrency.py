@@ -30,6 +30,9 @@ FIXED_MARGIN = 1 * GIB  # the CUDA context and cuBLAS workspaces
 # N >= 2 (0.42 P for 7B), about 0.5 P more with blocks kept gathered after forward, 0.2 P more with
 # fp32 gradient reduction, 0.3 P more under CPU offload; test_memory_model checks every row.
 BEYOND_STATE, NO_RESHARD, FP32_REDUCE, OFFLOADED = 0.7, 0.5, 0.2, 0.3
+# Under TP, 0.1 P more: the 7B shape under tp2 reserved up to 0.77 P beyond its state at N = 128
+# (results/h200/parallel_7b: 42 rows of TP and CP sets, N = 8 to 128).
+TENSOR_PARALLEL = 0.1
 LOGITS_COPIES = 3  # the fp32 logits, their gradient and the bf16 ones
 # What a token adds to a step's peak on one rank, beyond the logits: per block, bf16 activations of
 # about 16 hidden and 4 intermediate widths (4 hidden widths under activation checkpointing, the
@@ -65,7 +68,8 @@ def variant_need(shapes, world_size: int, name: str, options: FsdpOptions, logit
     temporaries = expected_state(shapes, world_size, 0, name, "before_zero_grad", options)["param_bytes"] \
         if steps_on_gpu else 0
     fraction = BEYOND_STATE + (0 if options.reshard_after_forward else NO_RESHARD) + \
-        (FP32_REDUCE if options.mixed_precision_policy != AUTOCAST else 0) + (OFFLOADED if options.cpu_offload else 0)
+        (FP32_REDUCE if options.mixed_precision_policy != AUTOCAST else 0) + (OFFLOADED if options.cpu_offload else 0) + \
+        (TENSOR_PARALLEL if options.layout.tensor_parallel else 0)
     return state + temporaries + int(model_bytes(shapes) * fraction) + LOGITS_COPIES * logits_bytes + FIXED_MARGIN
 
 
@@ -101,11 +105,12 @@ def gpu_need(shapes, world_size: int, names: list[str], init_device: str, option
 
 
 def host_bytes(shapes, world_size: int, names: list[str], init_device: str, options: FsdpOptions,
-               device_type: str) -> int:
+               device_type: str, shared_build: bool = False) -> int:
     """Host memory of one variant's process at its peak: the runtime and the larger of the model built
-    on the host (``fully_shard`` frees it as it shards) and the state kept on the host (all of it on a
-    CPU run; under CPU offload all but the unfixed variant's stale parameters, which stay on the GPU)."""
-    build = model_bytes(shapes) if init_device == "cpu" else 0
+    on the host (``fully_shard`` frees it as it shards; ``shared_build``: counted once for all processes,
+    not here) and the state kept on the host (all of it on a CPU run; under CPU offload all but the unfixed
+    variant's stale parameters, which stay on the GPU)."""
+    build = model_bytes(shapes) if init_device == "cpu" and not shared_build else 0
     on_host = 0
     if device_type == "cpu" or options.cpu_offload:
         on_host = max(sum(expected_state(shapes, world_size, 0, name, "before_zero_grad", options).values())
@@ -142,6 +147,57 @@ def decide(shapes, world_size: int, names: list[str], init_device: str, device_t
     k = max(1, min(pieces, by_gpu, by_host))
     return k, (f"{k} at a time: about {need / GIB:.1f} GiB per variant on a {total / GIB:.0f} GiB GPU, "
                f"{per_process / GIB:.1f} GiB of host RAM per process")
+
+
+@dataclass(frozen=True)
+class SweepRoom:
+    """A sweep's runs side by side on one GPU: each starts once its own need (``gpu_need`` at its N, for its
+    variant) fits beside the runs going, so that runs at a large N, which hold a fraction of those at a small
+    one, run more at a time (each need covers the reserved peak of every run on one H200:
+    test_memory_model). The host holds the weights once (weights.py: every run maps the same pages,
+    29.7 GiB of RSS in each 7B run on one H200 for one copy) and each run's process beside them."""
+    gpu: int  # the GPU's bytes
+    host: int  # host bytes for their processes, the shared weights taken out
+    needs: dict  # (N, variant) -> (GPU bytes, host bytes) of one run
+
+    def fits(self, runs: list) -> bool:
+        """Whether ``runs`` (each with ``world_size`` and ``variant``) can run together."""
+        wanted = [self.needs[(r.world_size, r.variant)] for r in runs]
+        return sum(g for g, _ in wanted) <= self.gpu and sum(h for _, h in wanted) <= self.host
+
+    @property
+    def most(self) -> int:
+        """Runs at once at best (the cheapest ones together): what the host's cores are shared by."""
+        gpu, host = min(g for g, _ in self.needs.values()), max(1, min(h for _, h in self.needs.values()))
+        return max(1, min(len(self.needs), self.gpu // gpu, self.host // host))
+
+    def said(self) -> str:
+        by_n: dict[int, int] = {}
+        for (n, _), (g, _) in self.needs.items():
+            by_n[n] = max(g, by_n.get(n, 0))
+        span = ", ".join(f"{g / GIB:.1f} at N = {n}" for n, g in sorted(by_n.items()))
+        return (f"as many as fit on the {self.gpu / GIB:.0f} GiB GPU, each by its own need (GiB, the most costly "
+                f"variant: {span})")
+
+
+def sweep_room(shapes, sizes: list[int], names: list[str], init_device: str, options: FsdpOptions,
+               logits_bytes: int, cap: GpuCap | None, shared_build: bool) -> SweepRoom | None:
+    """The room of a sweep on this node's GPU (None where nvidia-smi does not say it). A launch started
+    ahead of its turn (matrix.py) counts the host's whole memory, as ``check_fits`` does."""
+    total = gpu_memory()
+    if total is None:
+        return None
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    memory = psutil.virtual_memory()
+    host = (memory.total if started_ahead() else memory.available) // processes
+    host -= model_bytes(shapes) if shared_build and init_device == "cpu" else 0
+    needs = {}
+    for n in sizes:
+        for name in names:
+            gpu = gpu_need(shapes, n, [name], init_device, options, logits_bytes)
+            needs[(n, name)] = (gpu if cap is None else min(gpu, cap.process_bytes),
+                                host_bytes(shapes, n, [name], init_device, options, "cuda", shared_build))
+    return SweepRoom(total, host, needs)
 
 
 @dataclass(frozen=True)

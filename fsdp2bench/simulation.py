@@ -145,9 +145,10 @@ def _outcome_key(run: SimulatedRun) -> str:
 
 
 def run_share(runs: list[SimulatedRun], make_job: Callable[[SimulatedRun], object], target: Callable,
-              rank: int, world_size: int, store: dist.TCPStore, device: torch.device, at_once: int) -> bool:
-    """Run this launch process's share of the sweep (every ``world_size``-th run), ``at_once`` at a
-    time, each alone in a fresh process, the next as soon as one ends; post each outcome ("ok" or the
+              rank: int, world_size: int, store: dist.TCPStore, device: torch.device,
+              together: Callable[[list[SimulatedRun]], bool]) -> bool:
+    """Run this launch process's share of the sweep (every ``world_size``-th run), each alone in a fresh
+    process, the next as soon as it can run ``together`` with those going; post each outcome ("ok" or the
     failure) as it ends. True if any of them failed."""
     mine, outcomes = runs[rank::world_size], {}
 
@@ -162,7 +163,8 @@ def run_share(runs: list[SimulatedRun], make_job: Callable[[SimulatedRun], objec
             print(f"[process {rank}] {mine[i].variant} ({mine[i].label}) {said}", flush=True)
 
     try:
-        run_rolling([Piece(target, (make_job(r),), r.keys) for r in mine], lambda _, running: len(running) < at_once,
+        run_rolling([Piece(target, (make_job(r),), r.keys) for r in mine],
+                    lambda i, running: together([mine[j] for j in running] + [mine[i]]),
                     rank, store, device, started, ended)
     except Interrupted:
         for i, r in enumerate(mine):  # so that rank 0 need not wait for runs that will never end

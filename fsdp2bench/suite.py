@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from fsdp2bench import report, simulation
 from fsdp2bench.cli import save_summary, unwritten
+from fsdp2bench.concurrency import SweepRoom
 from fsdp2bench.isolation import (Interrupted, Piece, StoreKeys, StoreLost, failed, gather_records, has_keys,
                                   leave_together, run_isolated, status_of, wait_for_keys)
 from fsdp2bench.memory_model import PROJECTION_WORLD_SIZES
@@ -26,8 +27,9 @@ class Suite:
     batches: list
     meta: dict
     output_dir: str
-    concurrent: int  # pieces of work at a time on this rank
+    concurrent: int  # pieces of work at a time on this rank (at most, in a sweep with ``room``)
     summary: dict
+    room: SweepRoom | None = None  # a sweep's runs side by side by their own needs
 
     @property
     def steps_said(self) -> str:
@@ -156,8 +158,9 @@ def run_sweep(suite: Suite, sizes: list[int], rank_specs: list) -> int:
                          simulation.world_size_dir(suite.output_dir, run.world_size), simulated=True)
 
     try:
+        together = suite.room.fits if suite.room else (lambda group: len(group) <= suite.concurrent)
         own_failed = simulation.run_share(runs, make_job, variant_process, s.rank, s.world_size, s.store, s.device,
-                                          suite.concurrent)
+                                          together)
         if s.rank == 0:
             simulation.wait_for_sweep(runs, s.store)
     except Interrupted as exc:

@@ -149,3 +149,37 @@ def test_runs_side_by_side_start_as_others_end_and_measure_what_they_measure_alo
             for name, entry in by_variant.items():
                 assert together[n][rank][name]["status"] == "ok"
                 assert together[n][rank][name]["accounting"] == entry["accounting"], (n, rank, name)
+
+
+def test_a_sweep_on_a_gpu_packs_each_run_by_its_own_need(monkeypatch):
+    """The 7B shape under tp2 on a GPU of 140 GiB and a host of 128: three runs at N = 8, five at N = 128,
+    never more than the GPU together; the weights, mapped by every run, counted once on the host (each run
+    drawing its own would leave room for four)."""
+    import psutil
+
+    from fsdp2bench import concurrency
+    from fsdp2bench.names import GIB
+    from fsdp2bench.options import OPTION_SETS
+    from fsdp2bench.session import model_facts
+    from fsdp2bench.simulation import SimulatedRun
+
+    class Host:
+        total = available = 128 * GIB
+
+    monkeypatch.setattr(concurrency, "gpu_memory", lambda: 140 * GIB)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Host)
+    facts, options = model_facts("qwen2.5-7b", 421), OPTION_SETS["tp2"]
+    logits = concurrency.rank_logits_bytes(2, 128, facts.config, options)
+
+    def room(shared: bool) -> concurrency.SweepRoom:
+        return concurrency.sweep_room(facts.shapes, [8, 128], VARIANTS, "cpu", options, logits, None, shared)
+
+    def most_at(room: concurrency.SweepRoom, n: int) -> int:
+        runs = [SimulatedRun(n, 0, "torch_optimizer_after_fsdp")] * 8
+        return max(k for k in range(1, 9) if room.fits(runs[:k]))
+
+    shared = room(True)
+    assert (most_at(shared, 8), most_at(shared, 128)) == (3, 5)
+    assert 5 * shared.needs[(128, "torch_optimizer_after_fsdp")][0] <= 140 * GIB
+    assert shared.most == 5 and "the 140 GiB GPU" in shared.said()
+    assert most_at(room(False), 128) == 4  # 30.5 GB of weights per process: the host holds four
