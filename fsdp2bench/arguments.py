@@ -321,7 +321,7 @@ class Checked:
     names: list[str]
     fsdp_options: options.FsdpOptions
     facts: ModelFacts
-    batches: list  # this rank's
+    batches: torch.Tensor  # this rank's: (steps, sequences, block)
     cap: concurrency.GpuCap | None  # --gpu_memory
 
 

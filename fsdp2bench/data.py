@@ -97,12 +97,14 @@ def load_tokenizer(tokenizer: str):
 
 
 def rank_batches(tokens: torch.Tensor, block_size: int, batch_size: int, fraction: float,
-                 rank: int, world_size: int, max_steps: int | None, microbatches: int = 1) -> list[torch.Tensor]:
+                 rank: int, world_size: int, max_steps: int | None, microbatches: int = 1) -> torch.Tensor:
     """Cut tokens into blocks, keep ``fraction`` of them, deal them round-robin to ranks, batch them:
-    one tensor per optimizer step, its ``microbatches`` microbatches of ``batch_size`` blocks one after
+    (steps, K x B, block), each step its ``microbatches`` microbatches of ``batch_size`` blocks one after
     the other (so K microbatches of B see the blocks that one batch of K x B would).
 
     Every rank gets the same number of batches, in a fixed order, so all variants see identical data.
+    One tensor, not one per step: a child of the fork server receives each tensor's storage as a file
+    descriptor of its own, and Python passes at most 252 (1280 steps failed with "too many fds").
     """
     n_blocks = int(tokens.numel() // block_size * fraction)
     per_step = batch_size * microbatches
@@ -115,5 +117,5 @@ def rank_batches(tokens: torch.Tensor, block_size: int, batch_size: int, fractio
                         f"few for one step on {world_size} rank(s)")
     blocks = tokens[: n_blocks * block_size].view(n_blocks, block_size)
     mine = blocks[rank::world_size]
-    # int64 copies of the batches kept alone: the rest of the data is freed with ``tokens``.
-    return [mine[i * per_step:(i + 1) * per_step].to(torch.long) for i in range(steps)]
+    # An int64 copy of the batches kept alone: the rest of the data is freed with ``tokens``.
+    return mine[:steps * per_step].to(torch.long).view(steps, per_step, block_size)

@@ -95,7 +95,7 @@ def search_for(question: Question, lower: int, upper: int, cap: GpuCap | None, c
     return Search(lower, upper, cap.allocator_bytes / MIB, per_unit / MIB, logits / MIB, BLOCK_SHARE)
 
 
-def probe_batches(tokens: torch.Tensor, batch: int, block: int, microbatches: int) -> list[torch.Tensor]:
+def probe_batches(tokens: torch.Tensor, batch: int, block: int, microbatches: int) -> torch.Tensor:
     """``PROBE_STEPS`` steps of data at any batch and block: the built-in text repeated as often as it
     takes (a simulated rank's losses mean nothing, its memory is the same for any tokens)."""
     need = PROBE_STEPS * microbatches * batch * block

@@ -64,7 +64,7 @@ class Job:
     train: TrainConfig
     device: torch.device
     config: object
-    batches: list
+    batches: torch.Tensor  # (steps, sequences, block): data.rank_batches
     layer_classes: list
     meta: dict
     rank: int
@@ -197,9 +197,9 @@ def collector_paused():
         gc.unfreeze()
 
 
-def host_batches(job: Job) -> list[torch.Tensor]:
+def host_batches(job: Job) -> torch.Tensor:
     """The batches in pinned memory on a GPU run: a copy from pageable memory waits for the device."""
-    return [b.pin_memory() for b in job.batches] if job.device.type == "cuda" else job.batches
+    return job.batches.pin_memory() if job.device.type == "cuda" else job.batches
 
 
 def build(job: Job, tracker: MemoryTracker):

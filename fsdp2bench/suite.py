@@ -8,6 +8,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
+
 from fsdp2bench import report, simulation
 from fsdp2bench.cli import save_summary, unwritten
 from fsdp2bench.concurrency import SweepRoom
@@ -24,7 +26,7 @@ class Suite:
     session: Session
     names: list[str]
     train: TrainConfig
-    batches: list
+    batches: torch.Tensor  # (steps, sequences, block): data.rank_batches
     meta: dict
     output_dir: str
     concurrent: int  # pieces of work at a time on this rank (at most, in a sweep with ``room``)

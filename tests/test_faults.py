@@ -378,3 +378,14 @@ def test_plain_python_children_from_the_fork_server_reach_the_store(tmp_path):
                        "--output_dir", str(tmp_path)], nproc=None, FSDP2_BENCH_START_METHOD="forkserver")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert load(tmp_path / "summary.json")["variants"]["torch_optimizer_after_fsdp"]["status"] == "ok"
+
+
+def test_a_run_of_more_steps_than_the_fork_server_passes_descriptors_trains_them_all(tmp_path):
+    """The GPU path's children come from the fork server, which receives each tensor's storage as a
+    file descriptor and takes at most 252: the README's plain run (1280 steps at one rank) failed there
+    with "too many fds" while every run of the tests (12 steps) passed. The batches travel as one tensor."""
+    proc = run_script(["main.py", *TINY, "--max_steps", "300", "--variants", "torch_optimizer_after_fsdp",
+                       "--output_dir", str(tmp_path)], nproc=None, FSDP2_BENCH_START_METHOD="forkserver")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    variant = load(tmp_path / "summary.json")["variants"]["torch_optimizer_after_fsdp"]
+    assert variant["status"] == "ok" and len(variant["losses"]) == 300
