@@ -20,7 +20,9 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import socket
+from typing import Callable
 
 from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with, expect_path,
                             parse_names, pick_device, refuse_foreign, save_summary, unwritten)
@@ -76,10 +78,17 @@ def write_checkpoint(session: Session, options: LoadConfig, model_name: str) -> 
         print(f"Writing a {options.checkpoint_dtype} checkpoint of {model_name} to {path} ...", flush=True)
     writer = LoadJob("write-checkpoint", options, session.device, session.config, session.layer_classes, None,
                      session.rank, session.world_size, StoreKeys("load-write-checkpoint"))
-    failure, = run_isolated([Piece(write_checkpoint_process, (writer, path), writer.keys)], session.rank,
-                            range(session.world_size), session.store, session.device)
+    try:
+        failure, = run_isolated([Piece(write_checkpoint_process, (writer, path), writer.keys)], session.rank,
+                                range(session.world_size), session.store, session.device)
+    except Interrupted:
+        if session.rank == 0:  # a checkpoint cut short would be read by the next run as a whole one
+            shutil.rmtree(path, ignore_errors=True)
+        raise
     if failure:
-        raise UserError(f"writing the checkpoint failed: {failure}")
+        if session.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        raise UserError(f"writing the checkpoint failed: {failure}; the incomplete checkpoint was removed")
     return path, json.loads(session.store.get(writer.keys.record(0)))["write_s"]
 
 
@@ -153,6 +162,10 @@ def run(argv: list[str] | None = None) -> int:
     summary_path = os.path.join(args.output_dir, "loading_summary.json")
     try:
         path, write_s = (args.checkpoint, None) if given else write_checkpoint(s, options, facts.name)
+    except Interrupted as exc:
+        return say_interrupted(s, exc, " while writing the checkpoint; nothing was loaded, and the incomplete "
+                                       "checkpoint was removed")
+    try:
         checkpoint = given or Checkpoint(path)
         summary = {"run_id": s.run_id, "model": facts.name, "world_size": s.world_size, "device": s.device.type,
                    "model_bytes": s.model_bytes, "modes": {},
@@ -164,50 +177,77 @@ def run(argv: list[str] | None = None) -> int:
         else:
             run_modes(s, modes, checkpoint, options, summary, summary_path)
         leave_together(s.store, s.rank, s.world_size)
-    except Interrupted as exc:
-        return say_interrupted(s, exc, f"; finished modes are in {summary_path}")
+    except Interrupted as exc:  # the summary marks the mode it stopped and those never started
+        return say_interrupted(s, exc, f"; {summary_path} has every mode's status and the finished ones' figures")
     if s.rank != 0:
         return 0
     if args.simulate_world_size:
         print_simulated(summary)
     else:
         print_table(summary)
-    found = [*summary["modes"].values(), *(m for by_mode in summary.get("simulated", {}).values()
-                                          for m in by_mode.values() if not m["status"].startswith("skipped"))]
+    found = [(mode, m) for mode, m in summary["modes"].items()] + \
+        [(f"{mode} at N = {n}", m) for n, by_mode in summary.get("simulated", {}).items()
+         for mode, m in by_mode.items() if not m["status"].startswith("skipped")]
+    wrong = [f"{mode}: {m['status'] if m['status'] != 'ok' else 'its shards differ from the checkpoint'}"
+             for mode, m in found if m["status"] != "ok" or not m["weights_match"]]
+    if wrong:
+        print(f"FAILED: {'; '.join(wrong)}", file=sys.stderr, flush=True)
     missing = unwritten()
-    if missing:
+    if missing:  # last: what the run could not keep
         print(missing, file=sys.stderr, flush=True)
-    return 1 if missing or any(m["status"] != "ok" or not m["weights_match"] for m in found) else 0
+    return 1 if missing or wrong else 0
 
 
 def run_modes(s: Session, modes: list[str], checkpoint: Checkpoint, options: LoadConfig, summary: dict,
               summary_path: str) -> None:
     """Each mode on every rank, one after the other; rank 0 rewrites the summary after each."""
     records: dict = {}
+
+    def keep() -> None:
+        summary["modes"] = summarise(records)
+        save_summary(summary_path, summary)
+
     for mode in modes:
         if s.rank == 0:
             print(f"[{mode}] loading on {s.world_size} rank(s)...", flush=True)
-        records[mode] = load_mode(s, mode, checkpoint, options, s.world_size, simulated=False)
+        with kept_when_interrupted(records, mode, modes, keep if s.rank == 0 else None):
+            records[mode] = load_mode(s, mode, checkpoint, options, s.world_size, simulated=False)
         if s.rank == 0:
-            summary["modes"] = summarise(records)
-            save_summary(summary_path, summary)
+            keep()
 
 
 def run_simulated(s: Session, modes: list[str], sizes: list[int], checkpoint: Checkpoint, options: LoadConfig,
                   summary: dict, summary_path: str) -> None:
     """Rank 0 of each N, played alone, for each mode that needs nothing from the other ranks."""
     summary["simulated"] = {}
-    for n in sizes:
+    for i, n in enumerate(sizes):
         os.makedirs(simulation.world_size_dir(options.output_dir, n), exist_ok=True)
-        records: dict = {}
-        for mode in modes:
-            if mode not in SIMULABLE:
-                records[mode] = f"skipped: {NEEDS_PEERS}"
-                continue
-            print(f"[{mode}] loading as rank 0 of a simulated {n}...", flush=True)
-            records[mode] = load_mode(s, mode, checkpoint, options, n, simulated=True)
-            summary["simulated"][str(n)] = summarise(records)
+        records: dict = {m: f"skipped: {NEEDS_PEERS}" for m in modes if m not in SIMULABLE}
+
+        def keep() -> None:
+            summary["simulated"][str(n)] = summarise({m: records[m] for m in modes if m in records})
+            summary["simulated"].update({str(later): {m: {"status": "not run"} for m in modes} for later in sizes[i + 1:]})
             save_summary(summary_path, summary)
+
+        for mode in (m for m in modes if m in SIMULABLE):
+            print(f"[{mode}] loading as rank 0 of a simulated {n}...", flush=True)
+            with kept_when_interrupted(records, mode, modes, keep):
+                records[mode] = load_mode(s, mode, checkpoint, options, n, simulated=True)
+            keep()
+
+
+@contextlib.contextmanager
+def kept_when_interrupted(records: dict, mode: str, modes: list[str], keep: Callable[[], None] | None):
+    """An interrupt during ``mode`` marks it and the modes after it in ``records`` and, on rank 0 (``keep``),
+    writes the summary with them: the summary the last line names exists, whole, whatever stopped."""
+    try:
+        yield
+    except Interrupted:
+        records[mode] = "interrupted"
+        records.update({m: "not run" for m in modes if m not in records})
+        if keep is not None:
+            keep()
+        raise
 
 
 def load_mode(s: Session, mode: str, checkpoint: Checkpoint, options: LoadConfig, world_size: int,

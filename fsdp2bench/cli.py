@@ -404,17 +404,20 @@ def check_replaceable(path: str) -> None:
 
 
 def write_bytes(path: str, content: bytes) -> None:
-    """Write to a temporary name, then rename: a reader never sees half a file, and a failed
-    write leaves nothing behind."""
+    """Write to a temporary name, then rename: a reader never sees half a file, and a failed or
+    interrupted write (a signal arrives as KeyboardInterrupt) leaves the file as it was and nothing
+    beside it."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             f.write(content)
         os.replace(tmp, path)
-    except OSError as exc:
-        if os.path.exists(tmp):
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
             os.remove(tmp)
-        raise OSError(exc.errno, exc.strerror, path) from None  # the file meant, not its temporary name
+        if isinstance(exc, OSError):
+            raise OSError(exc.errno, exc.strerror, path) from None  # the file meant, not its temporary name
+        raise
 
 
 # The mark every file of this benchmark carries (a JSON key, a PNG text chunk): what is at a name it writes

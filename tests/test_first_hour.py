@@ -110,3 +110,79 @@ def test_two_runs_into_one_directory_at_once_run_one(tmp_path):
     assert first.wait(timeout=120) == 130
     assert second.returncode == 2 and "another run (process" in second.stderr and "is writing there" in second.stderr
     assert not (tmp_path / ".fsdp2bench.lock").exists()
+
+
+def signal_when(proc, marker: str, signum: int) -> tuple[str, str]:
+    """Send ``signum`` half a second after ``marker`` starts a line of the output; (stdout, stderr)."""
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(marker):
+            break
+    time.sleep(0.5)
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=120)
+    return "".join(seen) + stdout, stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("marker, kept", [
+    ("Writing a", {}),  # while the checkpoint is written: nothing loaded, no half checkpoint left
+    ("[naive]", {"naive": "interrupted"}),
+    ("[sharded_read]", {"naive": "ok", "rank0_broadcast": "ok", "accelerate": "ok", "sharded_read": "interrupted"}),
+])
+def test_a_signal_to_loading_ends_in_one_line_naming_what_exists(tmp_path, signum, marker, kept):
+    out = tmp_path / "out"
+    proc = start_script(["loading.py", *CPU, "--model", "small", "--output_dir", str(out)], nproc=None)
+    _, stderr = signal_when(proc, marker, signum)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Interrupted ({signal.Signals(signum).name})"), stderr
+    assert not list(out.glob("**/*.tmp*"))
+    if not kept:
+        assert "the incomplete checkpoint was removed" in lines[0]
+        assert not list(out.glob("checkpoint-*")) and not (out / "loading_summary.json").exists()
+        return
+    named = out / "loading_summary.json"
+    assert str(named) in lines[0]
+    statuses = {mode: entry["status"] for mode, entry in load(named)["modes"].items()}
+    assert statuses == {**{m: "not run" for m in ("naive", "rank0_broadcast", "accelerate", "sharded_read",
+                                                  "shared_memory")}, **kept}
+
+
+def test_an_interrupt_while_a_file_is_written_leaves_the_file_as_it_was_and_nothing_beside_it(tmp_path,
+                                                                                               monkeypatch):
+    import os
+
+    from fsdp2bench import cli
+
+    path = tmp_path / "summary.json"
+    cli.write_json(str(path), {"step": 1})
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cli.write_json(str(path), {"step": 2})
+    assert load(path)["step"] == 1 and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_a_signal_to_one_loading_process_fails_its_mode_only_and_the_last_line_says_so(tmp_path):
+    import psutil
+
+    out = tmp_path / "out"
+    proc = start_script(["loading.py", *CPU, "--model", "small", "--output_dir", str(out)], nproc=None)
+    for line in proc.stdout:
+        if line.startswith("[naive]"):
+            break
+    launcher = psutil.Process(proc.pid)
+    while not (children := [c for c in launcher.children() if "loading.py" in " ".join(c.cmdline())]):
+        time.sleep(0.05)
+    children[0].send_signal(signal.SIGTERM)  # the process of the mode loading now, not the launcher
+    _, stderr = proc.communicate(timeout=120)
+    statuses = {mode: entry["status"] for mode, entry in load(out / "loading_summary.json")["modes"].items()}
+    failed = [mode for mode, status in statuses.items() if status != "ok"]
+    assert proc.returncode == 1 and len(failed) == 1 and "Interrupted: SIGTERM" in statuses[failed[0]], statuses
+    assert stderr.strip().splitlines()[-1].startswith(f"FAILED: {failed[0]}: failed: "), stderr
+    assert "Traceback" not in stderr
