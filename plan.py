@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from fsdp2bench import arguments, concurrency, fitting, options, weights
 from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with,
-                            parse_names, pick_device, refuse_foreign, save_summary)
+                            parse_names, pick_device, refuse_foreign, save_summary, say)
 from fsdp2bench.data import load_tokens
 from fsdp2bench.isolation import Interrupted, launcher_keeps_to_one_thread
 from fsdp2bench.matrix import fitting_sizes
@@ -107,10 +107,13 @@ def validate(argv: list[str] | None = None) -> Checked:
     if check_launcher_env()[1] != 1:
         raise UserError("plan.py is one process that plays every rank: run it with python3, not a launcher")
     check_ranges(args, NUMBER_RANGES)
-    sets = options.parse_sets(args.sets)
+    sets = options.parse_sets(args.sets, "--sets")
     sizes = parse_world_sizes(args.world_size, "--world_size")
     variants = parse_names(args.variants, "--variants", VARIANTS)
     blocks = sorted(set(parse_block_sizes(args.block_size)))
+    if args.find == BLOCK and len(blocks) > 1:
+        raise UserError(f"--block_size {args.block_size}: with --find {BLOCK} it is the search's lower bound, one "
+                        f"value (a list is for --find {BATCH}, one answer per block)")
     check_fake_group_available()
     device = pick_device(args.device)
     if device.type != "cuda" and args.gpu_memory is not None:
@@ -212,13 +215,17 @@ def run(argv: list[str] | None = None) -> int:
     meta["rounds"] = 0
     for note in checked.skipped:
         print(f"Skipped: {note}", flush=True)
-    print(f"Planning {len(searches)} answers ({args.find} per option set, N and variant), each probe "
-          f"{PROBE_STEPS} steps of one simulated rank{cap_said(checked.cap)}...", flush=True)
+    say(f"Planning {len(searches)} answers ({args.find} per option set, N and variant), each probe "
+        f"{PROBE_STEPS} steps of one simulated rank{cap_said(checked.cap)}...")
+    landed: set = set()
+
     def save(rounds: int, interrupted: bool = False) -> dict:
         """plan.json as it stands: after every round, so that an interrupt or a failure loses no probe."""
         meta.update(rounds=rounds, wall_s=time.time() - started)
         plan = fitting.plan_record(meta, questions, searches, runner.probes, interrupted)
         save_summary(plan_path(args), plan)
+        if not interrupted:
+            say_landed(plan, questions, searches, landed, time.time() - started)
         return plan
 
     try:
@@ -228,8 +235,26 @@ def run(argv: list[str] | None = None) -> int:
         return say_interrupted(session, exc, f"; the probes that ended are in {plan_path(args)}")
     plan = save(rounds)
     fitting.print_plan(plan)
-    print(f"Wrote {plan_path(args)}; draw it with:\n    python3 visualize.py --dir {args.output_dir}")
-    return 1 if any(a["error"] for a in plan["answers"]) else 0
+    print(f"Wrote {plan_path(args)}; draw it with:\n    python3 visualize.py --dir {args.output_dir}", flush=True)
+    failed = [a["error"] for a in plan["answers"] if a["error"]]  # each names its probe
+    if failed:  # last: the answers the plan could not give
+        print(f"FAILED: {len(failed)} answer(s): {'; '.join(failed)}", file=sys.stderr, flush=True)
+    return 1 if failed else 0
+
+
+def say_landed(plan: dict, questions: dict, searches: dict, landed: set, elapsed: float) -> None:
+    """A line for each answer that has just landed: the running count, and the time left at the pace so far
+    (a rough estimate: the answers left may take more or fewer probes)."""
+    answers = dict(zip(searches, plan["answers"]))
+    new = [key for key, search in searches.items() if search.done and key not in landed]
+    landed.update(new)
+    for key in new:
+        a, left = answers[key], len(searches) - len(landed)
+        value = f"failed ({a['error']})" if a["error"] else f"{'B' if a['searched'] == BATCH else 'L'} = " \
+            f"{a['largest'] or 'nothing fits'}"
+        eta = f", about {elapsed / len(landed) * left:.0f} s left" if left else ""
+        print(f"[answer {len(landed)}/{len(searches)}] {questions[key].title}: {value} "
+              f"({a['probes']} probes; {elapsed:.0f} s{eta})", flush=True)
 
 
 def plan_path(args: argparse.Namespace) -> str:

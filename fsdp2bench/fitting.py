@@ -158,7 +158,10 @@ class Search:
         lo, hi = self.largest_fit, self.smallest_failure
         above = next((o for o in self.outcomes if o.value == hi), None)
         best = next((o for o in self.outcomes if o.value == lo and o.fits), None)
-        return {"largest": lo, "finished": self.done, "fit": _said(best), "above": _said(above),
+        # Unfinished (interrupted), the edge is only known to lie in [at_least, below): no largest value.
+        bounds = {} if self.done else {"at_least": lo, "below": hi}
+        return {"largest": lo if self.done else None, **bounds, "finished": self.done, "fit": _said(best),
+                "above": _said(above),
                 "fits_above_edge": self.fits_above_edge,
                 "at_upper_bound": lo == self.upper, "probes": len(self.outcomes), "error": self.error,
                 "smallest_peak_mib": min((o.peak_mib for o in self.outcomes if o.peak_mib is not None), default=None)}
@@ -248,7 +251,8 @@ def in_units(found: dict | None, unit: int) -> dict | None:
     """A search's answer or outcome with its values times ``unit``."""
     if found is None or unit == 1:
         return found
-    scaled = {k: None if found.get(k) is None else found[k] * unit for k in ("largest", "value") if k in found}
+    scaled = {k: None if found.get(k) is None else found[k] * unit for k in ("largest", "value", "at_least", "below")
+              if k in found}
     scaled.update({k: in_units(found[k], unit) for k in ("fit", "above") if k in found})
     if "fits_above_edge" in found:
         scaled["fits_above_edge"] = [v * unit for v in found["fits_above_edge"]]
@@ -260,9 +264,15 @@ def findings(answers: list[dict], reference: str) -> list[str]:
     probe's time per token; or, where nothing fits, the smallest peak seen."""
     out = []
     for n, fixed in sorted({(a["world_size"], a["fixed"]) for a in answers}):
-        cell = [a for a in answers if a["world_size"] == n and a["fixed"] == fixed and a["variant"] == reference
-                and not a["error"]]
+        cell = [a for a in answers if a["world_size"] == n and a["fixed"] == fixed and a["variant"] == reference]
         where = f"N = {n}{_fixed_said(cell[0] if cell else None)}"
+        open_ = [a for a in cell if a["error"] or not a["finished"]]
+        if open_:  # a comparison with an answer that failed or was cut short would rest on a bound
+            out.append(f"{where}: no finding, {len(open_)} of {len(cell)} answers open ("
+                       + ", ".join(f"{a['option_set']} {'failed' if a['error'] else 'interrupted'}" for a in open_)
+                       + ")" + "".join(f"; {a['option_set']} fits {_fit_said(a)}" for a in cell
+                                       if a not in open_ and a["largest"]) + ".")
+            continue
         fitting_ones = [a for a in cell if a["largest"]]
         if cell and not fitting_ones:
             smallest = min((a for a in cell if a["smallest_peak_mib"] is not None),
@@ -315,7 +325,7 @@ def _above_said(answer: dict) -> str:
     if answer["at_upper_bound"]:
         return "the upper bound"
     if not answer["finished"]:
-        return "(interrupted)"
+        return "interrupted" + (f": below {answer['below']}" if answer.get("below") else "")
     if above is None:
         return "-"
     failed = above.get("failed_allocation_mib")
@@ -334,7 +344,8 @@ def print_plan(plan: dict) -> None:
           f"{'probes':>6}  above it")
     for a in plan["answers"]:
         fit = a["fit"] or {}
-        print(f"{a['option_set']:20} {a['world_size']:>5} {a['variant'][:26]:26} {str(a['largest'] or '-'):>6} "
+        largest = a["largest"] or (f">={a['at_least']}" if a.get("at_least") else "-")
+        print(f"{a['option_set']:20} {a['world_size']:>5} {a['variant'][:26]:26} {largest:>6} "
               f"{_mib(a['tokens_per_rank_per_step']):>9} {_mib(fit.get('peak_reserved_mib')):>8} "
               f"{_mib(a['headroom_mib']):>8} {a['probes']:>6}  {_above_said(a)}")
     cap = meta.get("gpu_memory")

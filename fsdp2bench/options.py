@@ -197,11 +197,11 @@ def check_scaling_libraries(options: FsdpOptions) -> None:
         raise UserError("--requires_all_reduce: this torch's FSDPModule has no set_requires_all_reduce")
 
 
-def parse_sets(text: str) -> list[str]:
-    """``--option_sets``: names of OPTION_SETS, or ``each`` for all of them."""
+def parse_sets(text: str, flag: str = "--option_sets") -> list[str]:
+    """``flag`` (matrix.py's ``--option_sets``, plan.py's ``--sets``): names of OPTION_SETS, or ``each`` for all."""
     if text.strip() == EACH:
         return list(OPTION_SETS)
-    return parse_names(text, "--option_sets", list(OPTION_SETS), noun="option set")
+    return parse_names(text, flag, list(OPTION_SETS), noun="option set")
 
 
 def check_parallel_libraries(layout: Layout) -> None:

@@ -682,6 +682,9 @@ def plot_plan(plan: dict, path: str) -> None:
     handles = [plt.Line2D([], [], color=f"C{i % 10}", marker="o", label=name) for i, name in enumerate(sets)]
     handles += [plt.Line2D([], [], color="gray", marker="o", ms=11, mfc="none", ls="", label="the largest that fits"),
                 plt.Line2D([], [], color="gray", marker="x", ls="", label="ran out of memory (drawn on the cap)")]
+    if any(a.get("at_least") for a in answers):
+        handles.append(plt.Line2D([], [], color="gray", marker=">", ms=10, mfc="none", ls="",
+                                  label="interrupted: the largest fit so far, a lower bound"))
     if cap:
         handles.append(plt.Line2D([], [], color="black", ls="--",
                                   label=f"the allocator's limit ({cap['gib']:g} GiB less the CUDA context)"))
@@ -697,6 +700,9 @@ def _plan_answer(ax, answer: dict, figure: str, color: str, cap: dict | None) ->
     best = next((y for x, y in fits if x == answer["largest"]), None)
     if best is not None:
         ax.plot([answer["largest"]], [best], color=color, marker="o", ms=11, mfc="none", ls="")
+    bound = next((y for x, y in fits if x == answer.get("at_least")), None)
+    if bound is not None:  # unfinished: the edge lies above this point, not at it
+        ax.plot([answer["at_least"]], [bound], color=color, marker=">", ms=10, mfc="none", ls="")
     failed = [o["value"] for o in answer["outcomes"] if not o["fits"]]
     if failed and cap:
         ax.plot(failed, [cap["allocator_limit_mib"] / 1024] * len(failed), color=color, marker="x", ls="")

@@ -69,6 +69,11 @@ class Question:
         batch, block = self.batch_and_block(value)
         return self.options.gradient_accumulation_steps * batch * block
 
+    @property
+    def title(self) -> str:
+        """The answer's name: its set, N and variant, and the value held fixed."""
+        return f"{self.option_set} N={self.world_size} {self.variant} {'L' if self.searched == BATCH else 'B'}={self.fixed}"
+
     def label(self, value: int) -> str:
         batch, block = self.batch_and_block(value)
         return f"{self.option_set} N={self.world_size} {self.variant} B={batch} L={block}"

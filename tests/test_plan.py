@@ -3,8 +3,11 @@ plan of the tiny model whose probes run out of memory above a chosen batch."""
 
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
-from conftest import load, run_script
+from conftest import load, run_script, start_script
 
 import plan
 from fsdp2bench import concurrency, fitting
@@ -85,7 +88,8 @@ def test_finished_searches_aim_the_others_with_the_edge_they_found():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--sets", "nonesuch"], "option set"),
+    (["--sets", "nonesuch"], "--sets: unknown option set"),
+    (["--find", "block_size", "--block_size", "128,256"], "with --find block_size it is the search's lower bound"),
     (["--world_size", "0"], "--world_size: every N must be at least 1"),
     (["--world_size", "8,x"], "--world_size: expected comma-separated integers"),
     (["--world_size", "70000"], "more than the 65536 ranks"),
@@ -160,7 +164,7 @@ def test_main_refuses_a_cap_on_the_cpu(tmp_path):
 def test_the_findings_name_the_cheapest_set_that_fits_more_than_the_default():
     def answer_of(name, largest, step_s):
         return {"option_set": name, "world_size": 8, "fixed": 128, "variant": "v", "searched": "batch_size",
-                "error": None, "largest": largest, "tokens_per_rank_per_step": largest * 128,
+                "error": None, "finished": True, "largest": largest, "tokens_per_rank_per_step": largest * 128,
                 "fit": {"median_step_time_s": step_s}, "smallest_peak_mib": 100.0}
     lines = fitting.findings([answer_of("default", 29, 0.5), answer_of("ac", 65, 1.5), answer_of("cpu_offload", 40, 3.0)],
                              "v")
@@ -194,3 +198,71 @@ def test_a_set_whose_layout_cannot_run_here_is_skipped_and_said(tmp_path):
     assert checked.sets == ["default"]
     assert checked.skipped[0].startswith("cp2: not planned (--cp_size 2: context parallelism does not run on the CPU")
     assert checked.skipped[1].startswith("tp4: not planned (--tp_size 4 does not divide the model's 2 key/value heads")
+
+
+def test_an_answer_cut_short_is_a_bound_and_no_finding_rests_on_it():
+    """An interrupted search knows only that its edge lies in [at_least, below): no largest value, no
+    tokens, and the findings at its N compare nothing (a set probed only at 1 said 'no other set fits more')."""
+    from fsdp2bench.probes import BATCH, Question
+
+    search = Search(1, 4096)
+    search.record(Outcome(1, True, 100.0))
+    search.record(Outcome(32, True, 900.0))
+    search.record(Outcome(48, False, None))
+    found = fitting.answer_of(Question("ac", 8, 0, "v", BATCH, 128), search, None)
+    assert (found["largest"], found["at_least"], found["below"], found["finished"]) == (None, 32, 48, False)
+    assert found["tokens_per_rank_per_step"] is None
+    done = {"option_set": "default", "world_size": 8, "fixed": 128, "variant": "v", "searched": BATCH, "error": None,
+            "finished": True, "largest": 29, "tokens_per_rank_per_step": 29 * 128, "fit": {}, "smallest_peak_mib": 1.0}
+    failed = {**done, "option_set": "no_reshard", "error": "no_reshard N=8 v B=1 L=128: rank 0: Interrupted: SIGTERM",
+              "largest": None, "tokens_per_rank_per_step": None}
+    lines = fitting.findings([done, {**found, "smallest_peak_mib": 100.0}, failed], "v")
+    assert lines == ["N = 8, block 128: no finding, 2 of 3 answers open (ac interrupted, no_reshard failed); default "
+                     "fits 3,712 tokens per rank per step (B = 29)."]
+
+
+def plan_until(tmp_path, probes_seen: int, extra: list[str] | None = None):
+    """A CPU plan of tiny with an edge at 40, started and left running once ``probes_seen`` probes ended."""
+    proc = start_script(["plan.py", "--device", "cpu", "--world_size", "2,4", "--sets", "default,ac",
+                         "--variants", "torch_optimizer_after_fsdp", "--inject_oom_above", "40",
+                         "--output_dir", str(tmp_path / "plan"), *(extra or [])], nproc=None)
+    seen = 0
+    for line in proc.stdout:
+        seen += line.startswith("[probe]")
+        if seen >= probes_seen:
+            break
+    time.sleep(0.3)
+    return proc
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_plan_says_what_it_kept_and_claims_nothing(tmp_path, signum):
+    proc = plan_until(tmp_path, 5)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=120)
+    plan_json = tmp_path / "plan" / "plan.json"
+    assert proc.returncode == 130 and stderr.strip().splitlines() == [
+        f"Interrupted ({signal.Signals(signum).name}); the probes that ended are in {plan_json}"], stderr
+    result = load(plan_json)
+    assert result["meta"]["interrupted"] is True and result["meta"]["probes"] >= 5
+    unfinished = [a for a in result["answers"] if not a["finished"]]
+    assert unfinished and all(a["largest"] is None and a["tokens_per_rank_per_step"] is None for a in unfinished)
+    assert all(line.split(":")[1].startswith(" no finding") for line in result["findings"]), result["findings"]
+    drawn = run_script(["visualize.py", "--dir", str(tmp_path / "plan")], nproc=None)
+    assert drawn.returncode == 0, drawn.stderr
+
+
+def test_a_signal_to_one_probe_fails_its_answer_and_the_last_line_says_so(tmp_path):
+    import psutil
+
+    proc = plan_until(tmp_path, 3)
+    while not (probes := [c for c in psutil.Process(proc.pid).children() if "plan.py" in " ".join(c.cmdline())]):
+        time.sleep(0.05)
+    probes[0].send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    result = load(tmp_path / "plan" / "plan.json")
+    failed = [a for a in result["answers"] if a["error"]]
+    assert proc.returncode == 1 and len(failed) == 1 and "Interrupted: SIGTERM" in failed[0]["error"], stderr
+    assert stderr.strip().splitlines()[-1] == f"FAILED: 1 answer(s): {failed[0]['error']}"
+    where = f"N = {failed[0]['world_size']}, block 128: no finding"
+    assert any(line.startswith(where) for line in result["findings"]), result["findings"]
