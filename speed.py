@@ -206,6 +206,12 @@ def timed(args: argparse.Namespace, extra: list[str]) -> int:
     if summary is None:
         print(f"error: the run wrote no readable {args.output_dir}/summary.json (exit code {code})", file=sys.stderr)
         return 2
+    if "variants_finished" not in summary["meta"]["timeline"]:  # a signal to the launch alone, or its crash
+        interrupted = code in (130, 143)  # SIGINT, SIGTERM (torchrun passes 128 + the signal on)
+        said = f"was interrupted (exit code {code})" if interrupted else f"ended before it finished (exit code {code})"
+        print(f"error: the timed run {said}; what it wrote is in {args.output_dir}/; {args.json} was not written",
+              file=sys.stderr)
+        return 130 if interrupted else 1
     result = {"suite_wall_s": wall, "exit_code": code, "command": command[2:],
               "steps_per_variant": summary["meta"]["steps_per_variant"],
               "world_size": summary["meta"]["world_size"], "gpu_name": summary["meta"].get("gpu_name"),

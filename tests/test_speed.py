@@ -72,6 +72,24 @@ def test_an_interrupt_ends_speed_in_one_line_and_keeps_what_the_run_wrote(tmp_pa
     assert "Traceback" not in stderr and "torchrun: stopped by SIGINT" in stderr, stderr  # no launcher's stack
 
 
+def test_a_signal_to_the_timed_launch_alone_ends_speed_in_one_line_without_a_stack(tmp_path):
+    """SIGTERM to the launch speed.py times, not to speed.py: the run stops unfinished, and speed.py says so
+    (it read a timeline without its end and stopped on a KeyError before)."""
+    out, record = tmp_path / "run", tmp_path / "speed.json"
+    proc = start_script(["speed.py", "--nproc_per_node", "1", "--json", str(record), "--output_dir", str(out), "--",
+                         *TINY, "--max_steps", "400", "--variants", "torch_optimizer_after_fsdp"], nproc=None)
+    for line in proc.stdout:
+        if line.startswith("[torch_optimizer_after_fsdp]"):
+            break
+    time.sleep(2)
+    psutil.Process(proc.pid).children()[0].send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1].startswith("error: the timed run was interrupted (exit code 1")
+    assert f"what it wrote is in {out}/; {record} was not written" in stderr
+    assert (out / "summary.json").exists() and not record.exists()
+
+
 def test_a_baseline_that_did_other_work_gives_no_ratio(tmp_path):
     """A tree whose main.py runs and writes nothing (or another configuration): refused, not recorded."""
     tree, record = tmp_path / "tree", tmp_path / "speed.json"
