@@ -121,6 +121,18 @@ def test_ctrl_c_while_starting_gives_one_line_and_no_traceback(tmp_path, after_s
     assert not (tmp_path / "out" / ".fsdp2bench.lock").exists()
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_loading_starts_gives_one_line_and_no_traceback(tmp_path, signum):
+    """loading.py during its imports and checks: one line, nothing written."""
+    proc = start_script(["loading.py", "--device", "cpu", "--model", "small", "--output_dir", str(tmp_path / "out")],
+                        nproc=None)
+    time.sleep(1.5)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and stderr.strip().splitlines() == ["Interrupted while starting; nothing ran"], stderr
+    assert not (tmp_path / "out").exists()
+
+
 def max_rss_mib(args: list[str]) -> float:
     """The largest resident set of any process of one launch, in MiB (the kernel's own peak, not polled)."""
     import sys
