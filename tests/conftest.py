@@ -69,6 +69,25 @@ def run_script(args: list[str], nproc: int | None = 2, timeout: int = 300, launc
                           text=True, timeout=timeout)
 
 
+def child_running(pid: int, marker: str, timeout: float = 60.0):
+    """The first child process of ``pid`` whose command line holds ``marker``, waited for; a child that
+    has just ended (a zombie, or gone) is passed over."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in psutil.Process(pid).children():
+            try:
+                if marker in " ".join(child.cmdline()):
+                    return child
+            except psutil.Error:
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"no child of {pid} running {marker} within {timeout} s")
+
+
 def load(path: Path) -> dict:
     with open(path) as f:
         return json.load(f)

@@ -3,12 +3,11 @@ left where a script writes is replaced, and two runs started into one directory 
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 
 import pytest
-from conftest import TINY, VARIANTS, load, run_script, start_script
+from conftest import TINY, VARIANTS, child_running, load, run_script, start_script
 
 UNREACHABLE = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}  # a port nothing listens on
 CPU = ["--device", "cpu"]
@@ -169,17 +168,12 @@ def test_an_interrupt_while_a_file_is_written_leaves_the_file_as_it_was_and_noth
 
 
 def test_a_signal_to_one_loading_process_fails_its_mode_only_and_the_last_line_says_so(tmp_path):
-    import psutil
-
     out = tmp_path / "out"
     proc = start_script(["loading.py", *CPU, "--model", "small", "--output_dir", str(out)], nproc=None)
     for line in proc.stdout:
         if line.startswith("[naive]"):
             break
-    launcher = psutil.Process(proc.pid)
-    while not (children := [c for c in launcher.children() if "loading.py" in " ".join(c.cmdline())]):
-        time.sleep(0.05)
-    children[0].send_signal(signal.SIGTERM)  # the process of the mode loading now, not the launcher
+    child_running(proc.pid, "loading.py").send_signal(signal.SIGTERM)  # the mode loading now, not the launcher
     _, stderr = proc.communicate(timeout=120)
     statuses = {mode: entry["status"] for mode, entry in load(out / "loading_summary.json")["modes"].items()}
     failed = [mode for mode, status in statuses.items() if status != "ok"]

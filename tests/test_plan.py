@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from conftest import load, run_script, start_script
+from conftest import child_running, load, run_script, start_script
 
 import plan
 from fsdp2bench import concurrency, fitting
@@ -253,12 +253,8 @@ def test_an_interrupted_plan_says_what_it_kept_and_claims_nothing(tmp_path, sign
 
 
 def test_a_signal_to_one_probe_fails_its_answer_and_the_last_line_says_so(tmp_path):
-    import psutil
-
     proc = plan_until(tmp_path, 3)
-    while not (probes := [c for c in psutil.Process(proc.pid).children() if "plan.py" in " ".join(c.cmdline())]):
-        time.sleep(0.05)
-    probes[0].send_signal(signal.SIGTERM)
+    child_running(proc.pid, "plan.py").send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=300)
     result = load(tmp_path / "plan" / "plan.json")
     failed = [a for a in result["answers"] if a["error"]]
