@@ -185,7 +185,7 @@ def run(argv: list[str] | None = None) -> int:
         print_simulated(summary)
     else:
         print_table(summary)
-    found = [(mode, m) for mode, m in summary["modes"].items()] + \
+    found = list(summary["modes"].items()) + \
         [(f"{mode} at N = {n}", m) for n, by_mode in summary.get("simulated", {}).items()
          for mode, m in by_mode.items() if not m["status"].startswith("skipped")]
     wrong = [f"{mode}: {m['status'] if m['status'] != 'ok' else 'its shards differ from the checkpoint'}"
