@@ -53,7 +53,8 @@ def test_speed_times_a_simulated_sweep_against_a_baseline(tmp_path):
     assert same["losses_bit_equal"] is None  # a fake process group's losses are not compared
 
 
-def test_an_interrupt_ends_speed_in_one_line_and_keeps_what_the_run_wrote(tmp_path):
+def speed_training(tmp_path):
+    """speed.py timing a long run, left running once that run trains: (process, its output dir, its record)."""
     out, record = tmp_path / "run", tmp_path / "speed.json"
     proc = start_script(["speed.py", "--nproc_per_node", "1", "--json", str(record), "--output_dir", str(out), "--",
                          *TINY, "--max_steps", "400", "--variants", "torch_optimizer_after_fsdp"], nproc=None)
@@ -61,6 +62,11 @@ def test_an_interrupt_ends_speed_in_one_line_and_keeps_what_the_run_wrote(tmp_pa
         if line.startswith("[torch_optimizer_after_fsdp]"):
             break
     time.sleep(2)
+    return proc, out, record
+
+
+def test_an_interrupt_ends_speed_in_one_line_and_keeps_what_the_run_wrote(tmp_path):
+    proc, out, record = speed_training(tmp_path)
     speed = psutil.Process(proc.pid)
     for p in [speed, *speed.children(recursive=True)]:  # Ctrl-C at a terminal reaches the whole group
         p.send_signal(signal.SIGINT)
@@ -75,13 +81,7 @@ def test_an_interrupt_ends_speed_in_one_line_and_keeps_what_the_run_wrote(tmp_pa
 def test_a_signal_to_the_timed_launch_alone_ends_speed_in_one_line_without_a_stack(tmp_path):
     """SIGTERM to the launch speed.py times, not to speed.py: the run stops unfinished, and speed.py says so
     (it read a timeline without its end and stopped on a KeyError before)."""
-    out, record = tmp_path / "run", tmp_path / "speed.json"
-    proc = start_script(["speed.py", "--nproc_per_node", "1", "--json", str(record), "--output_dir", str(out), "--",
-                         *TINY, "--max_steps", "400", "--variants", "torch_optimizer_after_fsdp"], nproc=None)
-    for line in proc.stdout:
-        if line.startswith("[torch_optimizer_after_fsdp]"):
-            break
-    time.sleep(2)
+    proc, out, record = speed_training(tmp_path)
     psutil.Process(proc.pid).children()[0].send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in stderr, stderr
