@@ -258,7 +258,8 @@ def test_a_signal_to_one_probe_fails_its_answer_and_the_last_line_says_so(tmp_pa
     _, stderr = proc.communicate(timeout=300)
     result = load(tmp_path / "plan" / "plan.json")
     failed = [a for a in result["answers"] if a["error"]]
-    assert proc.returncode == 1 and len(failed) == 1 and "Interrupted: SIGTERM" in failed[0]["error"], stderr
+    # The probe's own words depend on where the signal found it (Interrupted, or torch's RuntimeError).
+    assert proc.returncode == 1 and len(failed) == 1 and "SIGTERM" in failed[0]["error"], stderr
     assert stderr.strip().splitlines()[-1] == f"FAILED: 1 answer(s): {failed[0]['error']}"
     where = f"N = {failed[0]['world_size']}, block 128: no finding"
     assert any(line.startswith(where) for line in result["findings"]), result["findings"]
