@@ -180,16 +180,20 @@ class SweepRoom:
                 f"variant: {span})")
 
 
+def host_memory_for_launch() -> int:
+    """Host memory this launch may count on. A launch started ahead of its turn (matrix.py) sees the memory
+    of the launch before it, which will be gone when it trains: it counts the host's whole memory."""
+    memory = psutil.virtual_memory()
+    return memory.total if started_ahead() else memory.available
+
+
 def sweep_room(shapes, sizes: list[int], names: list[str], init_device: str, options: FsdpOptions,
                logits_bytes: int, cap: GpuCap | None, shared_build: bool) -> SweepRoom | None:
-    """The room of a sweep on this node's GPU (None where nvidia-smi does not say it). A launch started
-    ahead of its turn (matrix.py) counts the host's whole memory, as ``check_fits`` does."""
+    """The room of a sweep on this node's GPU (None where nvidia-smi does not say it)."""
     total = gpu_memory()
     if total is None:
         return None
-    processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    memory = psutil.virtual_memory()
-    host = (memory.total if started_ahead() else memory.available) // processes
+    host = host_memory_for_launch() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     host -= model_bytes(shapes) if shared_build and init_device == "cpu" else 0
     needs = {}
     for n in sizes:
@@ -268,10 +272,7 @@ def check_fits(shapes, world_size: int, names: list[str], init_device: str, devi
     on_gpu = device_state(shapes, world_size, names, options, device_type) + logits_bytes
     host = processes * (host_bytes(shapes, world_size, names, init_device, options, device_type)
                         + (logits_bytes if device_type == "cpu" else 0))
-    # A launch started ahead of its turn (matrix.py) sees the memory of the launch before it, which
-    # will be gone when it trains: it is checked against the host's whole memory.
-    memory = psutil.virtual_memory()
-    available = memory.total if started_ahead() else memory.available
+    available = host_memory_for_launch()
     if host > available:
         raise UserError(f"--model (with --batch_size and --block_size) needs about {host / GIB:.1f} GiB of host memory "
                         f"({processes} process(es) at N = {world_size}: the model built on the host, its state and "
