@@ -25,7 +25,6 @@ from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ra
                             pick_device, prepare_output_dir, refuse_foreign)
 from fsdp2bench.simulation import DEFAULT_STEPS, parse_world_sizes
 
-INTERRUPTED = (130, 143, -2, -15)  # main.py's exit code after SIGINT or SIGTERM (torchrun's: 128 + it), or killed by one
 NUMBER_RANGES = {"nproc_per_node": (0, 4096), "sweep_steps": (1, 10_000_000)}  # 0 processes: sweeps only
 # main.py's FSDP2, accumulation and layout options: each launch gets those of its option set.
 OWNED = tuple(f.name for f in dataclasses.fields(options.FsdpOptions) if f.name != "layout") + options.LAYOUT_OPTIONS
@@ -106,7 +105,7 @@ def run(args: argparse.Namespace, forwarded: list[str]) -> int:
             try:
                 code = launches.run(i)
             except KeyboardInterrupt:
-                code = INTERRUPTED[0]
+                code = matrix.INTERRUPTED_CODES[0]
             if code == 2:  # main.py refused the launch and said why
                 return 2
             failed = failed or code != 0
@@ -114,7 +113,7 @@ def run(args: argparse.Namespace, forwarded: list[str]) -> int:
             if summary is not None:
                 summaries[directory] = (option_set, summary)
                 matrix.write_matrix(args.output_dir, meta, summaries)
-            if code in INTERRUPTED:  # here, or in the launch alone (a signal this process may not have had)
+            if code in matrix.INTERRUPTED_CODES:  # here, or in the launch alone (a signal this process may not have had)
                 matrix.write_matrix(args.output_dir, meta, summaries)
                 print(f"Interrupted; the option sets that ran are in {args.output_dir}/matrix.json", file=sys.stderr)
                 return 130

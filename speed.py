@@ -25,7 +25,7 @@ import time
 
 from fsdp2bench.cli import (OneLineParser, UserError, check_ranges, check_writable_file, exit_with, expect_path,
                             refuse_foreign, write_json)
-from fsdp2bench.matrix import read_summary, wait_passing_interrupt
+from fsdp2bench.matrix import INTERRUPTED_CODES, read_summary, wait_passing_interrupt
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # The upstream scripts timed on 2x H200 on the same work: 282 s and 302 s for two launches.
@@ -207,7 +207,7 @@ def timed(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"error: the run wrote no readable {args.output_dir}/summary.json (exit code {code})", file=sys.stderr)
         return 2
     if "variants_finished" not in summary["meta"]["timeline"]:  # a signal to the launch alone, or its crash
-        interrupted = code in (130, 143)  # SIGINT, SIGTERM (torchrun passes 128 + the signal on)
+        interrupted = code in INTERRUPTED_CODES
         said = f"was interrupted (exit code {code})" if interrupted else f"ended before it finished (exit code {code})"
         print(f"error: the timed run {said}; what it wrote is in {args.output_dir}/; {args.json} was not written",
               file=sys.stderr)

@@ -23,6 +23,8 @@ from fsdp2bench.names import INTENDED, MIB, UNFIXED, step_peak_state
 from fsdp2bench.options import OPTION_SETS
 from fsdp2bench.starting import CANCELLED, GO, START_GATE, open_gate
 
+# A launch's exit code after SIGINT or SIGTERM (main.py's 130; torchrun's 128 + the signal), or killed by one.
+INTERRUPTED_CODES = (130, 143, -2, -15)
 ACCELERATE, REFERENCE = "accelerate", INTENDED[0]  # accelerate against torch's intended way
 SWEEP_DIR = "sweep"
 
