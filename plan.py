@@ -30,8 +30,9 @@ from fsdp2bench.isolation import Interrupted, launcher_keeps_to_one_thread
 from fsdp2bench.matrix import fitting_sizes
 from fsdp2bench.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, default_model, max_positions
 from fsdp2bench.names import INTENDED, MIB, VARIANTS
-from fsdp2bench.probes import BATCH, BLOCK, PROBE_STEPS, ProbeRunner, Question, heaviest_rank, search_for
+from fsdp2bench.probes import BATCH, BLOCK, ProbeRunner, Question, heaviest_rank, search_for
 from fsdp2bench.runner import TrainConfig
+from fsdp2bench.series import PROBE_STEPS
 from fsdp2bench.session import ModelFacts, model_facts, open_session, say_interrupted
 from fsdp2bench.simulation import check_fake_group_available, parse_world_sizes
 from fsdp2bench.versions import check_releases
@@ -215,21 +216,24 @@ def run(argv: list[str] | None = None) -> int:
     meta["rounds"] = 0
     for note in checked.skipped:
         print(f"Skipped: {note}", flush=True)
-    say(f"Planning {len(searches)} answers ({args.find} per option set, N and variant), each probe "
-        f"{PROBE_STEPS} steps of one simulated rank{cap_said(checked.cap)}...")
+    say(f"Planning {len(searches)} answers ({args.find} per option set, N and variant): a shared process per "
+        f"answer measures a few values, then fresh probes confirm each edge, {PROBE_STEPS} steps of one simulated "
+        f"rank each{cap_said(checked.cap)}...")
     landed: set = set()
 
     def save(rounds: int, interrupted: bool = False) -> dict:
         """plan.json as it stands: after every round, so that an interrupt or a failure loses no probe."""
         meta.update(rounds=rounds, wall_s=time.time() - started)
-        plan = fitting.plan_record(meta, questions, searches, runner.probes, interrupted)
+        plan = fitting.plan_record(meta, questions, searches, runner.probes, runner.shared, interrupted)
         save_summary(plan_path(args), plan)
         if not interrupted:
             say_landed(plan, questions, searches, landed, time.time() - started)
         return plan
 
     try:
-        rounds = fitting.run_searches(searches, runner, save)
+        runner.run_shared()
+        save(0)
+        rounds = fitting.run_searches(searches, runner, save, group=lambda key: key[0])  # by option set
     except Interrupted as exc:
         save(meta.get("rounds", 0), interrupted=True)
         return say_interrupted(session, exc, f"; the probes that ended are in {plan_path(args)}")
@@ -246,9 +250,8 @@ def say_landed(plan: dict, questions: dict, searches: dict, landed: set, elapsed
     """A line for each answer that has just landed: the running count, and the time left at the pace so far
     (a rough estimate: the answers left may take more or fewer probes)."""
     answers = dict(zip(searches, plan["answers"]))
-    new = [key for key, search in searches.items() if search.done and key not in landed]
-    landed.update(new)
-    for key in new:
+    for key in [key for key, search in searches.items() if search.done and key not in landed]:
+        landed.add(key)
         a, left = answers[key], len(searches) - len(landed)
         value = f"failed ({a['error']})" if a["error"] else f"{'B' if a['searched'] == BATCH else 'L'} = " \
             f"{a['largest'] or 'nothing fits'}"

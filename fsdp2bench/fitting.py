@@ -31,6 +31,43 @@ class Outcome:
 
 
 STEP_BACK = 0.85  # after the first aim fails, the next probe is this far from the largest fit to it
+# A shared process runs under its own allocator limit, SHARED_LIMIT of the probes'. After the lower bound its
+# values aim at these shares of the way from that value's peak to SHARED_TOP of its limit (room for a slope
+# that is wrong by 10%): far enough up that the blocks' activations, not the optimizer's transients, make the
+# slope between the last two.
+SHARED_LIMIT, SHARED_TOP, SHARED_TARGETS = 0.7, 0.9, (0.4, 1.0)
+# A slope between two values where the smaller is below this share of the larger is bent by the optimizer's
+# transients (large beside a small batch's activations): the model's estimate aims instead.
+SHARED_NEAR = 0.25
+SHARED_DOUBLINGS = 6  # without peaks (a CPU run) a shared process doubles from the lower bound this often
+
+
+@dataclass(frozen=True)
+class Ladder:
+    """The values one shared process measures, each chosen from the peaks of those before it (no torch: the
+    child calls ``next_value``). Always upward, so the first out-of-memory error ends the series."""
+    lower: int
+    upper: int
+    limit_mib: float | None  # the probes' allocator limit (None on a CPU run: no peaks, the series doubles)
+    slope_mib: float | None  # the memory model's estimate of what one unit adds
+    inject_oom_above: int | None = None
+
+    def next_value(self, points: list[tuple[int, float | None]]) -> int | None:
+        """The next value after ``points`` (value, peak allocated), or None once the series is done."""
+        if not points:
+            return self.lower
+        x, y = points[-1]
+        if self.limit_mib is None or y is None:
+            return min(self.upper, 2 * x) if len(points) <= SHARED_DOUBLINGS and x < self.upper else None
+        if len(points) > len(SHARED_TARGETS):
+            return None
+        slope = _slope(points, SHARED_NEAR) or self.slope_mib
+        first = points[0][1]
+        target = first + SHARED_TARGETS[len(points) - 1] * (SHARED_TOP * SHARED_LIMIT * self.limit_mib - first)
+        if not slope or y >= target:
+            return None
+        value = min(self.upper, x + math.floor((target - y) / slope))
+        return value if value > x else None
 
 
 class Search:
@@ -51,14 +88,35 @@ class Search:
         self.lower, self.upper, self.limit_mib, self.slope_mib = lower, upper, limit_mib, slope_mib
         self.block_mib, self.block_share = block_mib, block_share
         self.outcomes: list[Outcome] = []
+        self.shared: list[Outcome] = []  # measured in one shared process: they aim the probes, never decide
         self.error: str | None = None  # a probe failed for a reason other than memory
 
     def target_mib(self, value: int) -> float:
         """The peak allocated aimed at for ``value``."""
-        return self.limit_mib - self.block_share * self.block_mib * value
+        return self.limit_mib - self.share() * self.block_mib * value
+
+    def share(self) -> float:
+        """``block_share``, kept within what this search's own probes allow: a value that fit left at most the
+        share its peak left free, one that failed at least the share the line leaves free there."""
+        if not self.block_mib or self.limit_mib is None:
+            return self.block_share
+        def free(value: int, peak: float | None) -> float | None:
+            return None if peak is None else (self.limit_mib - peak) / (self.block_mib * value)
+        line = self.line()
+        above = [free(o.value, o.peak_mib) for o in self.outcomes if o.fits]
+        below = [free(o.value, line[1] + line[2] * (o.value - line[0])) if line else None
+                 for o in self.outcomes if not o.fits]
+        most = min((f for f in above if f is not None), default=math.inf)
+        least = max((f for f in below if f is not None), default=-math.inf)
+        return self.block_share if least >= most else min(max(self.block_share, least), most)
 
     def record(self, outcome: Outcome) -> None:
         self.outcomes.append(outcome)
+
+    def take_shared(self, outcomes: list[Outcome]) -> None:
+        """A shared process's values: their line aims the first probes, and where it has no peaks (a CPU run),
+        the edge it met in its own process is where the probes start."""
+        self.shared = sorted(outcomes, key=lambda o: o.value)
 
     def stop(self, error: str) -> None:
         self.error = error
@@ -93,7 +151,7 @@ class Search:
             return []
         lo, hi = self.largest_fit, self.smallest_failure
         if lo is None:
-            return [self.lower]
+            return self.first_values()
         ceiling = self.upper if hi is None else hi - 1
         guess, close = self.aim()
         failures = sum(1 for o in self.outcomes if not o.fits)
@@ -101,26 +159,61 @@ class Search:
             # The first aim was too high, most often by a little: step back by as much, not by half.
             return [min(ceiling, max(lo + 1, lo + math.floor((hi - lo) * STEP_BACK)))]
         if guess is None or (hi is not None and guess >= hi):  # no line, or it was wrong above
+            shared_hi = self.shared_edge()[1]
+            if hi is None and shared_hi is not None and shared_hi > lo:  # up to where a shared process failed
+                return [min(ceiling, lo + max(1, (shared_hi - lo) // 2))]
             return [min(ceiling, 2 * lo) if hi is None else (lo + hi) // 2]
         if guess <= lo:  # the line puts the edge at the largest fit: its next value decides, unless
             return [min(ceiling, lo + self.step_up())]  # the fits went past the aim
         value = min(guess, ceiling)
         return [value, value + 1] if close and value + 1 <= ceiling else [value]
 
+    def first_values(self) -> list[int]:
+        """Before any probe fits: with a shared process's line, both sides of the edge it aims at, then one
+        below, then halfway down to the shared process's largest value; without one, halfway into the edge
+        the shared process met (both sides at once where it is one value wide), or the lower bound."""
+        hi = self.smallest_failure
+        guess = self.aim()[0] if self.shared else None
+        if guess is not None:
+            if hi is None:
+                value = min(self.upper, max(self.lower, guess))
+                return [value, value + 1] if value + 1 <= self.upper else [value]
+            # Most often off by one; then down twice as far after each failure.
+            failures = sum(1 for o in self.outcomes if not o.fits)
+            return [max(self.lower, min(guess, hi - 2 ** max(0, failures - 2)))]
+        shared_lo, shared_hi = self.shared_edge()
+        top = hi if hi is not None else shared_hi
+        bottom = shared_lo if shared_lo is not None and (top is None or shared_lo < top) else None
+        if top is None:
+            return [bottom or self.lower]
+        if bottom is None:
+            return [max(self.lower, top // 2)]
+        if top - bottom == 1:
+            return [bottom] if hi is not None else [bottom, top]
+        return [(bottom + top) // 2]
+
+    def shared_edge(self) -> tuple[int | None, int | None]:
+        """The largest value a shared process measured and the value it ran out of memory at, if it did."""
+        return (max((o.value for o in self.shared if o.fits), default=None),
+                min((o.value for o in self.shared if not o.fits), default=None))
+
     def line(self) -> tuple[float, float, float] | None:
         """(value, peak, slope) of the line that aims: through the largest value that fits, with the
         slope between it and the next largest where that one is near it (further down, a step's peak
-        is the optimizer's, not the activations', so the line bends), else the model's slope."""
-        lo = self.largest_fit
+        is the optimizer's, not the activations', so the line bends), else the model's; the shared process's
+        slope before both. Before a probe fits, the line starts at the shared process's largest value."""
+        lo, hi = self.largest_fit, self.smallest_failure
         points = sorted((o.value, o.peak_mib) for o in self.outcomes
                         if o.fits and o.peak_mib is not None and lo is not None and o.value <= lo)
-        if not points:
+        shared = [(o.value, o.peak_mib) for o in self.shared
+                  if o.fits and o.peak_mib is not None and (hi is None or o.value < hi)]
+        x2, y2 = (points or shared or [(None, None)])[-1]
+        if x2 is None:
             return None
-        x2, y2 = points[-1]
-        if len(points) >= 2 and points[-2][0] >= x2 / 2 and points[-1][1] > points[-2][1]:
-            (x1, y1) = points[-2]
-            return x2, y2, (y2 - y1) / (x2 - x1)
-        return (x2, y2, self.slope_mib) if self.slope_mib else None
+        # The shared process's values lie far apart: their slope is the surest; two probes' (often adjacent)
+        # only where there is none.
+        slope = _slope(shared, SHARED_NEAR) or _slope(points, 0.5) or self.slope_mib
+        return (x2, y2, slope) if slope else None
 
     def step_up(self) -> int:
         """1, or where the largest fit already holds more than the aim (a cap whose largest blocks are
@@ -141,7 +234,7 @@ class Search:
         if line is None:
             return None, False
         x, y, slope = line  # the peak y + slope (v - x) meets the target at v:
-        guess = math.floor((self.limit_mib - y + slope * x) / (slope + self.block_share * self.block_mib))
+        guess = math.floor((self.limit_mib - y + slope * x) / (slope + self.share() * self.block_mib))
         return guess, abs(guess - x) <= max(2, x // 4)
 
     def predicted_peak(self, value: int) -> float | None:
@@ -167,6 +260,15 @@ class Search:
                 "smallest_peak_mib": min((o.peak_mib for o in self.outcomes if o.peak_mib is not None), default=None)}
 
 
+def _slope(points: list[tuple[int, float]], near: float) -> float | None:
+    """The slope between the two largest values, where the second is at least ``near`` of the largest and the
+    peak grew; else None."""
+    if len(points) < 2:
+        return None
+    (x1, y1), (x2, y2) = points[-2:]
+    return (y2 - y1) / (x2 - x1) if x2 > x1 and x1 >= near * x2 and y2 > y1 else None
+
+
 def _said(outcome: Outcome | None) -> dict | None:
     return None if outcome is None else {"value": outcome.value, "fits": outcome.fits, "peak_mib": outcome.peak_mib,
                                          **outcome.detail}
@@ -187,28 +289,35 @@ def edge_share(search: Search) -> float | None:
     return max(0.0, (search.limit_mib - y - slope / 2) / (search.block_mib * (lo + 0.5)))
 
 
-def share_edges(searches: dict[Hashable, Search]) -> None:
+def share_edges(searches: dict[Hashable, Search], group: Callable[[Hashable], Hashable] = lambda key: None) -> None:
     """Aim every unfinished search with the edges the finished ones found under the same cap: the
-    median share of the largest block they left free."""
-    shares = sorted(e for e in (edge_share(s) for s in searches.values() if s.done) if e is not None)
-    if shares:
-        for search in searches.values():
-            if not search.done:
-                search.block_share = shares[len(shares) // 2]
+    median share of the largest block they left free, among those of its own group where there are any
+    (one option set leaves much the same share at every N and variant, another set not)."""
+    found: dict[Hashable, list[float]] = {}
+    for key, search in searches.items():
+        if search.done and (share := edge_share(search)) is not None:
+            found.setdefault(group(key), []).append(share)
+    every = sorted(f for shares in found.values() for f in shares)
+    for key, search in searches.items():
+        shares = sorted(found.get(group(key), every))
+        if shares and not search.done:
+            search.block_share = shares[len(shares) // 2]
 
 
 def run_searches(searches: dict[Hashable, Search], run_round: RoundRunner,
-                 after_round: Callable[[int], None] = lambda rounds: None) -> int:
+                 after_round: Callable[[int], None] = lambda rounds: None,
+                 group: Callable[[Hashable], Hashable] = lambda key: None) -> int:
     """Every search to its end, the probes they want next run a round at a time (a runner may run a
     round's probes side by side), ``after_round(rounds so far)`` told after each; returns the rounds.
-    Each round's finished searches aim the others (``share_edges``)."""
-    rounds, pilot = 0, next(iter(searches), None)
+    Each round's finished searches aim the others (``share_edges``): until one search of a group has
+    found its edge (the group's first, its pilot), the others of the group wait."""
+    rounds, pilots = 0, {}
+    for key in searches:
+        pilots.setdefault(group(key), key)
     while True:
-        # Until one search has found its edge (the first, the pilot), the others take only their
-        # first probe: the edge the pilot finds aims them (``share_edges``).
-        held = not any(s.done for s in searches.values())
+        ready = {group(key) for key, search in searches.items() if search.done}
         wanted = [(key, value) for key, search in searches.items()
-                  if not (held and key != pilot and search.outcomes) for value in search.next_values()]
+                  if group(key) in ready or pilots[group(key)] == key for value in search.next_values()]
         if not wanted:
             return rounds
         rounds += 1
@@ -217,20 +326,23 @@ def run_searches(searches: dict[Hashable, Search], run_round: RoundRunner,
                 searches[key].stop(found)
             else:
                 searches[key].record(found)
-        share_edges(searches)
+        share_edges(searches, group)
         after_round(rounds)
 
 
 # --------------------------------------------------------------------------- plan.json and the console
 
-def plan_record(meta: dict, questions: dict, searches: dict[Hashable, Search], probes: list,
+def plan_record(meta: dict, questions: dict, searches: dict[Hashable, Search], probes: list, shared: dict,
                 interrupted: bool = False) -> dict:
-    """plan.json: an answer per question with every probe it took, the counts, and the findings."""
+    """plan.json: an answer per question with every probe it took (fresh, and its shared process's values),
+    the counts, and the findings."""
     limit = (meta.get("gpu_memory") or {}).get("allocator_limit_mib")
-    answers = [answer_of(questions[key], search, limit) for key, search in searches.items()]
+    answers = [{**answer_of(questions[key], search, limit),
+                "shared_process": shared[key].as_dict() if key in shared else None} for key, search in searches.items()]
     reruns = sum(1 for p in probes if p.attempt)
     meta = {**meta, "probes": len(probes), "probes_run_again_alone": reruns, "interrupted": interrupted,
-            "probes_per_answer": len(probes) / len(answers) if answers else None}
+            "probes_per_answer": len(probes) / len(answers) if answers else None,
+            "shared_processes": len(shared), "shared_values": sum(len(s.points) for s in shared.values())}
     return {"meta": meta, "answers": answers, "findings": findings(answers, meta["variants"][0])}
 
 
@@ -244,7 +356,17 @@ def answer_of(question, search: Search, limit_mib: float | None) -> dict:
             **found, "headroom_mib": headroom,
             "tokens_per_rank_per_step": question.tokens_per_rank_per_step(largest // question.unit) if largest
             else None,
-            "outcomes": [in_units(_said(o), question.unit) for o in sorted(search.outcomes, key=lambda o: o.value)]}
+            "outcomes": [in_units(_said(o), question.unit) for o in sorted(search.outcomes, key=lambda o: o.value)],
+            "shared": [in_units(_said(o), question.unit) for o in search.shared], "line": line_of(search, question.unit)}
+
+
+def line_of(search: Search, unit: int) -> dict | None:
+    """The line that aimed the search's last probes, in the answer's units (plan.png draws it)."""
+    line = search.line()
+    if line is None:
+        return None
+    x, y, slope = line
+    return {"value": x * unit, "peak_allocated_mib": y, "slope_mib": slope / unit}
 
 
 def in_units(found: dict | None, unit: int) -> dict | None:
@@ -351,8 +473,9 @@ def print_plan(plan: dict) -> None:
     cap = meta.get("gpu_memory")
     said = f"resv: the probe's peak reserved at the largest value; headroom: the allocator's limit of " \
         f"{cap['allocator_limit_mib']:,.0f} MiB less it." if cap else "A CPU run: no allocator, no cap."
-    say(f"tokens: per rank per optimizer step at the largest value. {said} {meta['probes']} probes "
+    say(f"tokens: per rank per optimizer step at the largest value. {said} {meta['probes']} fresh probes "
         f"({meta['probes_per_answer']:.1f} per answer, {meta['probes_run_again_alone']} run again alone) in "
-        f"{meta['rounds']} rounds; plan.json has each probe's phase and failed allocation.")
+        f"{meta['rounds']} rounds, after {meta['shared_values']} values in {meta['shared_processes']} shared "
+        f"processes, in {meta['wall_s']:.0f} s; plan.json has each probe's phase and failed allocation.")
     for line in plan["findings"]:
         say(line)

@@ -642,24 +642,26 @@ def plot_matrix(matrix: dict, path: str) -> None:
 
 # --------------------------------------------------------------------------- a plan of what fits
 
-def plan_figure(answer: dict) -> str:
-    """The peak drawn: the allocator's reserved peak, or on a CPU run (no allocator) the host RSS."""
-    fits = [o for o in answer["outcomes"] if o["fits"]]
-    return "peak_reserved_mib" if any(o.get("peak_reserved_mib") is not None for o in fits) else "peak_rss_mib"
+def plan_figure(answers: list[dict]) -> str:
+    """The peak drawn: the allocator's peak allocated (what the aiming line fits), or on a CPU run (no
+    allocator) the host RSS."""
+    points = [o for a in answers for o in a["outcomes"] + a.get("shared", []) if o["fits"]]
+    return "peak_allocated_mib" if any(o.get("peak_allocated_mib") is not None for o in points) else "peak_rss_mib"
 
 
 def plot_plan(plan: dict, path: str) -> None:
     """plan.png: per variant (rows) and N (columns) a panel; per option set the peak of every probe
-    that fit against its value, the edge (the largest value that fits) ringed, the probes that ran out
-    of memory as crosses on the cap, and the cap itself as a line."""
+    that fit against its value (filled) and of its shared process's values (hollow), the line that aimed
+    the probes, the edge (the largest value that fits) ringed, the probes that ran out of memory as
+    crosses on the cap, and the cap itself as a line."""
     answers = plan["answers"]
-    if not any(o["fits"] for a in answers for o in a["outcomes"]):
+    if not any(o["fits"] for a in answers for o in a["outcomes"] + a.get("shared", [])):
         raise InputError("plan.json has no probe that fit: nothing to draw")
     variants = list(dict.fromkeys(a["variant"] for a in answers))
     columns = sorted({(a["world_size"], a["fixed"]) for a in answers})
     sets = list(dict.fromkeys(a["option_set"] for a in answers))
     cap = plan["meta"].get("gpu_memory")
-    figure = plan_figure(answers[0])
+    figure = plan_figure(answers)
     fig, axes = plt.subplots(len(variants), len(columns), figsize=(4.6 * len(columns), 3.6 * len(variants)),
                              squeeze=False, sharey=True)
     for row, variant in enumerate(variants):
@@ -676,11 +678,18 @@ def plot_plan(plan: dict, path: str) -> None:
             ax.set_title(f"{short_name(variant)}, N = {n}, {other} {fixed}", fontsize=9)
             ax.grid(alpha=0.3)
             ax.set_ylim(bottom=0)
-        axes[row][0].set_ylabel("GiB " + ("reserved (peak)" if figure == "peak_reserved_mib" else "host RSS (peak)"))
+        axes[row][0].set_ylabel("GiB " + ("allocated (peak)" if figure == "peak_allocated_mib" else "host RSS (peak)"))
     for ax in axes[-1]:
         ax.set_xlabel(answers[0]["searched"].replace("_", " "))
+    _plan_legend(fig, answers, sets, cap, len(variants), path)
+
+
+def _plan_legend(fig, answers: list[dict], sets: list[str], cap: dict | None, rows: int, path: str) -> None:
     handles = [plt.Line2D([], [], color=f"C{i % 10}", marker="o", label=name) for i, name in enumerate(sets)]
     handles += [plt.Line2D([], [], color="gray", marker="o", ms=11, mfc="none", ls="", label="the largest that fits"),
+                plt.Line2D([], [], color="gray", marker="s", ms=5, mfc="none", ls="",
+                           label="a shared process's value (aims, decides nothing)"),
+                plt.Line2D([], [], color="gray", ls=":", label="the line that aimed the probes"),
                 plt.Line2D([], [], color="gray", marker="x", ls="", label="ran out of memory (drawn on the cap)")]
     if any(a.get("at_least") for a in answers):
         handles.append(plt.Line2D([], [], color="gray", marker=">", ms=10, mfc="none", ls="",
@@ -688,15 +697,23 @@ def plot_plan(plan: dict, path: str) -> None:
     if cap:
         handles.append(plt.Line2D([], [], color="black", ls="--",
                                   label=f"the allocator's limit ({cap['gib']:g} GiB less the CUDA context)"))
-    fig.legend(handles=handles, loc="lower center", ncol=min(5, len(handles)), fontsize=8)
-    rows_of_legend = -(-len(handles) // 5)
-    save(fig, path, rect=(0, 0.04 + 0.05 * rows_of_legend / len(variants), 1, 1))
+    fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=8)
+    rows_of_legend = -(-len(handles) // 4)
+    save(fig, path, rect=(0, 0.04 + 0.05 * rows_of_legend / rows, 1, 1))
 
 
 def _plan_answer(ax, answer: dict, figure: str, color: str, cap: dict | None) -> None:
     fits = sorted((o["value"], o[figure] / 1024) for o in answer["outcomes"] if o["fits"] and o.get(figure) is not None)
     if fits:
         ax.plot(*zip(*fits), color=color, marker="o", ms=3, lw=1)
+    shared = [(o["value"], o[figure] / 1024) for o in answer.get("shared", []) if o["fits"] and o.get(figure) is not None]
+    if shared:
+        ax.plot(*zip(*shared), color=color, marker="s", ms=4, mfc="none", ls="")
+    line = answer.get("line")
+    if line and figure == "peak_allocated_mib":
+        xs = [min(v for v, _ in shared + fits), max(v for v, _ in shared + fits)]
+        ax.plot(xs, [(line["peak_allocated_mib"] + line["slope_mib"] * (x - line["value"])) / 1024 for x in xs],
+                color=color, ls=":", lw=1)
     best = next((y for x, y in fits if x == answer["largest"]), None)
     if best is not None:
         ax.plot([answer["largest"]], [best], color=color, marker="o", ms=11, mfc="none", ls="")

@@ -1,6 +1,8 @@
 """A probe: one simulated rank, in a fresh process, trained a few steps at one batch and block under
 the memory cap; it fits when it completes. plan.py's searches (fitting.py) ask for probes a round at
-a time; this module runs each round's probes side by side where the GPU holds them together.
+a time; this module runs each round's probes side by side where the GPU holds them together. Before
+them, one shared process per answer (series.py) measures a ladder of values below the cap: its line
+aims the first probes.
 
 A probe that is expected to stay well under the cap (the line of its search says so) is given the
 room of that expectation plus a margin, so that several share the GPU; one that may reach the cap is
@@ -11,6 +13,7 @@ crowded out, not capped: it is run again alone, and only what it finds then coun
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import time
@@ -22,21 +25,21 @@ import torch
 from fsdp2bench import report
 from fsdp2bench.concurrency import (GpuCap, activation_bytes_per_token, host_bytes, microbatch_logits_bytes,
                                     rank_logits_bytes, variant_need)
-from fsdp2bench.data import rank_batches
-from fsdp2bench.fitting import Outcome, Search
+from fsdp2bench.fitting import SHARED_LIMIT, Ladder, Outcome, Search
 from fsdp2bench.isolation import Piece, StoreKeys, gather_records, has_keys, run_rolling
 from fsdp2bench.memory_model import expected_state
 from fsdp2bench.names import MIB, PEAK_PHASES, phases
 from fsdp2bench.options import OPTION_SETS, FsdpOptions
 from fsdp2bench.runner import FailureSpec, Job, TrainConfig, variant_process
+from fsdp2bench.series import SeriesJob, point_key, probe_batches, series_process
 from fsdp2bench.session import Session
 
-PROBE_STEPS = 2  # the first creates AdamW's state; the second's step runs with it
 ROOM_MARGIN = 1.15  # on the line's peak, for a probe that shares the GPU
 # The share of a step's largest block (the fp32 logits) the edge leaves free under the limit: on one
-# H200 the 1.5B model's probes under 24 GiB left 0.7-1.5 of it (fitting.Search; a plan's finished
-# answers then aim the others with what they found).
-BLOCK_SHARE = 1.0
+# H200 the 1.5B model's default set left 1.5 of it at N = 8 under both 24 and 80 GiB (fitting.Search;
+# a plan's finished answers then aim the others with what they found).
+BLOCK_SHARE = 1.5
+BLOCK_STEP = 64  # tokens: a searched block is a multiple of it (a finer edge is not a length people train at)
 BATCH, BLOCK = "batch_size", "block_size"
 
 
@@ -57,9 +60,9 @@ class Question:
 
     @property
     def unit(self) -> int:
-        """Tokens per step of a searched block: CP cuts each sequence into 2C chunks, so a block moves in
-        multiples of 2C (the search counts these steps; 1 for a batch)."""
-        return self.options.layout.sequence_divisor if self.searched == BLOCK else 1
+        """Tokens per step of a searched block: ``BLOCK_STEP`` tokens, and a multiple of 2C under CP, whose load
+        balancing cuts each sequence into 2C chunks (the search counts these steps; 1 for a batch)."""
+        return math.lcm(BLOCK_STEP, self.options.layout.sequence_divisor) if self.searched == BLOCK else 1
 
     def batch_and_block(self, value: int) -> tuple[int, int]:
         """The batch and block of the search's ``value`` (in ``unit`` steps)."""
@@ -100,14 +103,6 @@ def search_for(question: Question, lower: int, upper: int, cap: GpuCap | None, c
     return Search(lower, upper, cap.allocator_bytes / MIB, per_unit / MIB, logits / MIB, BLOCK_SHARE)
 
 
-def probe_batches(tokens: torch.Tensor, batch: int, block: int, microbatches: int) -> torch.Tensor:
-    """``PROBE_STEPS`` steps of data at any batch and block: the built-in text repeated as often as it
-    takes (a simulated rank's losses mean nothing, its memory is the same for any tokens)."""
-    need = PROBE_STEPS * microbatches * batch * block
-    repeated = tokens.repeat(max(1, math.ceil(need / max(1, tokens.numel()))))
-    return rank_batches(repeated, block, batch, 1.0, 0, 1, PROBE_STEPS, microbatches)
-
-
 @dataclass
 class Probe:
     question_key: object
@@ -124,6 +119,24 @@ class Probe:
 
 
 @dataclass
+class Shared:
+    """One answer's shared process (series.py): the values it measured, and how it ended."""
+    question_key: object
+    question: Question
+    ladder: Ladder
+    room: int  # bytes of GPU it was given (its allocator limit and the context; 0 on a CPU run)
+    started: float = 0.0
+    ended: float = 0.0
+    points: list[dict] = dataclasses.field(default_factory=list)
+    error: str | None = None  # its out-of-memory error (the value after its points) or another failure
+    setup_s: float | None = None
+
+    def as_dict(self) -> dict:
+        return {"room_mib": self.room / MIB, "wall_s": self.ended - self.started, "setup_s": self.setup_s,
+                "values": [p["value"] for p in self.points], "error": self.error}
+
+
+@dataclass
 class ProbeRunner:
     """Runs the rounds of plan.py's searches on this process's device (callable as a
     ``fitting.RoundRunner``). ``inject_oom_above``: a test option, every probe above that value
@@ -137,6 +150,7 @@ class ProbeRunner:
     output_dir: str
     inject_oom_above: int | None = None
     probes: list[Probe] = dataclasses.field(default_factory=list)
+    shared: dict[object, Shared] = dataclasses.field(default_factory=dict)
 
     def __call__(self, wanted: list[tuple[object, int]]) -> dict:
         first = [Probe(key, self.questions[key], value, 0, self.room(key, value)) for key, value in wanted]
@@ -150,6 +164,74 @@ class ProbeRunner:
         kept = {(p.question_key, p.value): p.found for p in first}
         kept.update({(p.question_key, p.value): p.found for p in again})
         return kept
+
+    # ----------------------------------------------------------------- the shared processes
+
+    def run_shared(self) -> None:
+        """One shared process per answer, side by side as their rooms allow; each search takes the values its
+        process measured."""
+        series = [Shared(key, self.questions[key], self.ladder(key), self.shared_room()) for key in self.searches]
+        jobs = [self.series_job(s) for s in series]
+        pieces = [Piece(series_process, (job,), job.keys) for job in jobs]
+
+        def room(i: int, running: list[int]) -> bool:
+            return self.fits_beside(series[i], [series[r] for r in running])
+
+        def started(i: int) -> None:
+            series[i].started = time.monotonic()
+
+        def ended(i: int, failure: str | None) -> None:
+            self.take_series(series[i], jobs[i], failure)
+
+        run_rolling(pieces, room, 0, self.session.store, self.session.device, started, ended)
+
+    def ladder(self, key) -> Ladder:
+        search = self.searches[key]
+        return Ladder(search.lower, search.upper, search.limit_mib, search.slope_mib, self.inject_oom_above)
+
+    def shared_room(self) -> int:
+        """A shared process's allocator limit is ``SHARED_LIMIT`` of a probe's: its room is that and the context."""
+        if self.cap is None or self.session.device.type != "cuda":
+            return 0
+        return int(self.cap.allocator_bytes * SHARED_LIMIT) + self.cap.context
+
+    def series_job(self, shared: Shared) -> SeriesJob:
+        q, s = shared.question, self.session
+        name = f"{q.option_set}_N{q.world_size}_{q.variant}_{'L' if q.searched == BATCH else 'B'}{q.fixed}_shared"
+        directory = os.path.join(self.output_dir, "probes", name)
+        os.makedirs(directory, exist_ok=True)
+        limit = shared.room - self.cap.context if shared.room else self.train.allocator_limit
+        train = dataclasses.replace(self.train, options=q.options, allocator_limit=limit)
+        meta = {"run_id": s.run_id, "rank": q.rank, "world_size": q.world_size, "simulated": True,
+                "shared": dataclasses.asdict(q)}
+        return SeriesJob(q.variant, train, s.device, s.config, self.tokens[:0], s.layer_classes, meta, q.rank,
+                         q.world_size, StoreKeys(f"probe/{name}"), directory, simulated=True, question=q,
+                         ladder=shared.ladder, tokens=self.tokens)
+
+    def take_series(self, shared: Shared, job: SeriesJob, failure: str | None) -> None:
+        """What a shared process measured (its points are in the store even when it failed), given to its search:
+        an out-of-memory error is the ladder's next value not fitting, in that process."""
+        shared.ended = time.monotonic()
+        store, i = self.session.store, 0
+        while has_keys(store, [point_key(job, i)]):
+            shared.points.append(json.loads(store.get(point_key(job, i))))
+            i += 1
+        shared.error = failure
+        if failure is None:
+            shared.setup_s = gather_records(store, job.keys, [job.rank])[0].get("setup_s")
+        found = [Outcome(p["value"], True, p["peak_allocated_mib"], {"kind": "shared", **p}) for p in shared.points]
+        search = self.searches[shared.question_key]
+        if failure is not None and "out of memory" in failure:
+            above = shared.ladder.next_value([(p["value"], p["peak_allocated_mib"]) for p in shared.points])
+            found.append(Outcome(above, False, None, {"kind": "shared", "error": failure}))
+        elif failure is not None:  # as a probe's: any failure but memory ends the answer with its reason
+            search.stop(f"{shared.question.title} (its shared process): {failure}")
+        search.take_shared(found)
+        self.shared[shared.question_key] = shared
+        values = ", ".join(f"{p['value']}: {p['peak_allocated_mib']:.0f} MiB" if p["peak_allocated_mib"] is not None
+                           else str(p["value"]) for p in shared.points)
+        print(f"[shared] {shared.question.title}: {values or 'nothing measured'}"
+              + (f"; {failure}" if failure else ""), flush=True)
 
     # ----------------------------------------------------------------- room on the GPU and the host
 
@@ -168,7 +250,7 @@ class ProbeRunner:
                                                       question.options))
         return min(self.cap.process_bytes, expected)
 
-    def fits_beside(self, probe: Probe, running: list[Probe]) -> bool:
+    def fits_beside(self, probe: Probe | Shared, running: list[Probe | Shared]) -> bool:
         if self.session.device.type != "cuda" or self.cap is None:
             return False  # a CPU run: probes beside one another would only share the cores
         gpu = sum(p.room for p in running) + probe.room <= self.cap.total
@@ -182,7 +264,9 @@ class ProbeRunner:
         if not isinstance(probe.found, Outcome) or probe.found.fits:
             return False
         beside = [other for other in round_probes if probe.overlaps(other)]
-        return bool(beside) and (not self.kept_to_room(probe) or not all(self.kept_to_room(o) for o in beside))
+        if not beside or (self.cap and (len(beside) + 1) * self.cap.process_bytes <= self.cap.total):
+            return False  # each held to its cap, they could not all reach it and fill the GPU
+        return not self.kept_to_room(probe) or not all(self.kept_to_room(o) for o in beside)
 
     def kept_to_room(self, probe: Probe) -> bool:
         if self.cap is None:
@@ -234,7 +318,8 @@ class ProbeRunner:
     def outcome(self, probe: Probe, job: Job, failure: str | None) -> Outcome | str:
         """Fits, with its peaks; out of memory, with where it stood; or the other failure, as a string."""
         q, store = probe.question, self.session.store
-        common = {"attempt": probe.attempt, "room_mib": probe.room / MIB, "wall_s": probe.ended - probe.started}
+        common = {"kind": "fresh", "attempt": probe.attempt, "room_mib": probe.room / MIB,
+                  "wall_s": probe.ended - probe.started}
         if failure is None:
             record, = gather_records(store, job.keys, [q.rank])
             summary = report.memory_summary(q.variant, [record], self.session.shapes, q.world_size, [q.rank],

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 import utils
 from fsdp2bench import snapshots
@@ -212,16 +213,20 @@ def build(job: Job, tracker: MemoryTracker):
     return model
 
 
-def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None) -> dict:
-    """Build, prepare and train one variant; return this rank's record beyond the trace."""
-    start = time.perf_counter()
+def prepare(job: Job, tracker: MemoryTracker, meshes: Meshes | None) -> utils.Prepared:
+    """The variant's model and optimizer, ready to train (the model built here goes with this frame)."""
     # accelerate under TP loads a model that transformers made tensor-parallel itself (utils.accelerate_fsdp2).
     own = job.name == ACCELERATE and job.train.options.layout.tensor_parallel
     model = None if own else build(job, tracker)
     ctx = utils.Context(job.device, meshes, job.train.learning_rate, job.layer_classes, tracker.mark,
                         job.train.options, job.config)
-    prep = utils.VARIANTS[job.name](model, ctx)
-    del model
+    return utils.VARIANTS[job.name](model, ctx)
+
+
+def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.Store) -> dict:
+    """Build, prepare and train one variant; return this rank's record beyond the trace."""
+    start = time.perf_counter()
+    prep = prepare(job, tracker, meshes)
     accounting = {"end_of_setup": account(prep.model, prep.optimizer)}
     batches = host_batches(job)  # before the clock of the first step starts
     tracker.mark("training_started")
@@ -293,6 +298,15 @@ def limit_allocator(device: torch.device, limit: int) -> None:
 
 def variant_process(job: Job) -> None:
     """Entry point of the child process: one variant on one rank."""
+    run_variant_child(job, train)
+
+
+Body = Callable[[Job, MemoryTracker, "Meshes | None", dist.Store], dict]
+
+
+def run_variant_child(job: Job, body: Body) -> None:
+    """A child that plays ``job``'s rank: ``body`` does the work once its group (or fake group) is up, and
+    returns what its trace adds."""
     # Processes side by side that each take every core spin against one another: under CPU offload
     # four AdamW steps on the host took 31-48 s a step instead of a few (1.5B, 16 cores, one H200).
     torch.set_num_threads(job.train.compute_threads)
@@ -311,7 +325,7 @@ def variant_process(job: Job) -> None:
         meshes = init_simulated_group(job.device, job.rank, job.world_size, degrees) if job.simulated else \
             init_group(job.device, job.keys, store, job.rank, job.world_size, degrees)
         tracker.mark("group_ready")
-        extra = train(job, tracker, meshes)
+        extra = body(job, tracker, meshes, store)
         if records_history(job):
             torch.cuda.memory._dump_snapshot(os.path.join(job.output_dir,
                                                           rank_file(job.name, "memory_snapshot.pkl", job.rank)))

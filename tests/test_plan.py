@@ -79,12 +79,80 @@ def test_a_probe_failing_for_another_reason_ends_its_search_with_that_reason():
 
 
 def test_finished_searches_aim_the_others_with_the_edge_they_found():
-    searches = {k: Search(1, 4096, LIMIT, PER_SEQUENCE, 74.0, 1.0) for k in "abc"}
-    run = probes_with_edge(29)
-    run_searches(searches, run)
-    shares = {s.block_share for s in searches.values()}
-    assert all(s.answer()["largest"] == 29 for s in searches.values())
-    assert shares != {1.0}  # the pilot's edge reached the others
+    done, waiting = Search(1, 4096, LIMIT, PER_SEQUENCE, 74.0, 1.5), Search(1, 4096, LIMIT, PER_SEQUENCE, 74.0, 1.5)
+    for value, fits in [(1, True), (28, True), (29, True), (30, False)]:
+        done.record(Outcome(value, fits, STATE + PER_SEQUENCE * value))
+    fitting.share_edges({"a": done, "b": waiting})
+    assert done.done and waiting.block_share == fitting.edge_share(done) != 1.5
+
+
+BEND = 2400.0  # MiB: AdamW's transients, the peak of a small batch (the line through batch 1 bends)
+BLOCK = 74.0  # MiB: one sequence's fp32 logits, the largest block of a step
+
+
+def gpu_rank(limit: float, share: float, quirk: int | None = None):
+    """A simulated rank under a cap: its peak allocated bends at small batches; a value fits while its peak
+    leaves ``share`` of its largest block free under ``limit``, except ``quirk``, which fits above the edge
+    (the allocator's packing: a reserved peak that is not monotone)."""
+    def peak(v: int) -> float:
+        return STATE + max(BEND, PER_SEQUENCE * v)
+
+    def fits(v: int) -> bool:
+        return v == quirk or peak(v) + share * BLOCK * v <= limit
+    return peak, fits
+
+
+def shared_then_fresh(limit: float, share: float, quirk: int | None = None, answers: int = 1) -> list[Search]:
+    """plan.py's order for ``answers`` answers of one option set: a shared process's ladder each (under its own
+    lower limit), then fresh probes, the first answer's (the pilot's) edge aiming the others."""
+    peak, fits = gpu_rank(limit, share, quirk)
+    ladder = fitting.Ladder(1, 4096, limit, PER_SEQUENCE * 1.1)
+    points = []
+    while (value := ladder.next_value(points)) is not None:
+        assert peak(value) <= fitting.SHARED_LIMIT * limit, "a shared process's values stay under its own limit"
+        points.append((value, peak(value)))
+    assert len(points) == 3 and points[-1][1] > 0.5 * limit  # batch 1, then two far above it
+    searches = {i: Search(1, 4096, limit, PER_SEQUENCE * 1.1, BLOCK, 1.5) for i in range(answers)}
+    for search in searches.values():
+        search.take_shared([Outcome(v, True, y) for v, y in points])
+    run_searches(searches, lambda wanted: {(k, v): Outcome(v, fits(v), peak(v)) for k, v in wanted})
+    return list(searches.values())
+
+
+@pytest.mark.parametrize("limit", [24049.0, 40433.0, 81393.0])
+@pytest.mark.parametrize("share", [0.6, 1.2, 1.5, 1.8])
+def test_a_shared_line_aims_the_fresh_probes_at_the_edge(limit, share):
+    """The probes confirm each edge from both sides, at most 3 fresh ones per answer on average over an option
+    set's four answers, whether its edges leave the share a search starts from free, less, or more."""
+    peak, fits = gpu_rank(limit, share)
+    edge = max(v for v in range(1, 4096) if fits(v))
+    searches = shared_then_fresh(limit, share, answers=4)
+    for found in (search.answer() for search in searches):
+        assert found["largest"] == edge and found["above"]["value"] == edge + 1 and not found["above"]["fits"]
+    counts = [search.answer()["probes"] for search in searches]
+    assert sum(counts) / len(counts) <= 3, counts
+
+
+def test_a_fit_above_the_edge_of_a_shared_line_does_not_move_it():
+    """A reserved peak that is not monotone: the value above the first failure fits; the edge is the failure's."""
+    limit, share = 24049.0, 1.5
+    edge = max(v for v in range(1, 4096) if gpu_rank(limit, share)[1](v))
+    search, = shared_then_fresh(limit, share, quirk=edge + 2)
+    assert search.answer()["largest"] == edge and search.answer()["above"]["value"] == edge + 1
+
+
+@pytest.mark.parametrize("edge", [1, 3, 5, 40, 100])
+def test_without_peaks_the_fresh_probes_start_inside_the_edge_a_shared_process_met(edge):
+    """On a CPU run the shared process doubles until a value fails; the fresh probes search that bracket."""
+    ladder, points = fitting.Ladder(1, 4096, None, None, inject_oom_above=edge), []
+    while (value := ladder.next_value(points)) is not None and value <= edge:
+        points.append((value, None))
+    search = Search(1, 4096)
+    search.take_shared([Outcome(v, True) for v, _ in points] + ([Outcome(value, False)] if value else []))
+    run_searches({"q": search}, lambda wanted: {(k, v): Outcome(v, v <= edge) for k, v in wanted})
+    found = search.answer()
+    assert found["largest"] == edge and found["above"]["value"] == edge + 1
+    assert found["probes"] <= max(2, edge.bit_length() + 1), [o.value for o in search.outcomes]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -147,8 +215,15 @@ def test_a_cpu_plan_of_tiny_finds_the_injected_edge_and_draws_it(tmp_path):
         assert a["largest"] == 3 and a["finished"] and a["tokens_per_rank_per_step"] == 3 * 128
         assert a["above"]["value"] == 4 and a["above"]["error"].startswith("rank 0: out of memory")
         assert a["above"]["phase"] == "training_started" and a["above"]["failed_allocation_mib"] == 1024
-        assert [o["value"] for o in a["outcomes"] if o["fits"]] == [1, 2, 3]
-    assert result["meta"]["probes"] == sum(a["probes"] for a in result["answers"])
+        assert [(o["value"], o["fits"]) for o in a["outcomes"]] == [(3, True), (4, False)]  # fresh, both sides
+        assert [(o["value"], o["fits"]) for o in a["shared"]] == [(1, True), (2, True), (4, False)]
+        assert a["shared_process"]["values"] == [1, 2] and "out of memory" in a["shared_process"]["error"]
+    assert result["meta"]["probes"] == sum(a["probes"] for a in result["answers"]) == 8
+    assert result["meta"]["shared_processes"] == 4 and result["meta"]["shared_values"] == 8
+    trace = load(next((out / "probes").glob("default_N2_*_shared/*memory_usage*.json")))
+    names = [e["name"] for e in trace["events"]]  # one process: built once, then each value
+    assert names.count("model_built") == 1 and [n for n in names if n.startswith("value_")] == \
+        ["value_1_start", "value_1", "value_2_start", "value_2"]
     assert "N = 2, block 128: the default fits 384 tokens per rank per step (B = 3)" in proc.stdout
     drawn = run_script(["visualize.py", "--dir", str(out)], nproc=None)
     assert drawn.returncode == 0 and (out / "plan.png").stat().st_size > 10_000, drawn.stderr
@@ -177,19 +252,20 @@ def test_the_findings_name_the_cheapest_set_that_fits_more_than_the_default():
                        "(default)."]
 
 
-def test_a_block_search_under_cp_moves_in_multiples_of_2c():
-    """CP cuts each sequence into 2C chunks: cp2's searched block is counted in steps of 4 tokens and said
-    in tokens."""
+def test_a_block_search_moves_in_steps_of_64_tokens_and_of_2c():
+    """A block is searched in steps of 64 tokens, a multiple of 2C under CP (which cuts each sequence into 2C
+    chunks), counted in those steps and said in tokens."""
     from fsdp2bench.probes import BLOCK, Question
 
     question = Question("cp2", 8, 0, "torch_optimizer_after_fsdp", BLOCK, 1)
-    assert question.unit == 4 and question.batch_and_block(5) == (1, 20)
-    search = Search(32, 1024)  # 128 to 4096 tokens
-    answer(search, probes_with_edge(100))  # fits up to 100 steps: 400 tokens
+    assert question.unit == 64 and question.batch_and_block(5) == (1, 320)  # 64 tokens, a multiple of 2C = 4
+    assert Question("default", 8, 0, "torch_optimizer_after_fsdp", BLOCK, 1).unit == 64
+    search = Search(2, 64)  # 128 to 4096 tokens
+    answer(search, probes_with_edge(10))  # fits up to 10 steps: 640 tokens
     found = fitting.answer_of(question, search, None)
-    assert found["largest"] == 400 and found["above"]["value"] == 404 and found["fit"]["value"] == 400
-    assert found["tokens_per_rank_per_step"] == 400
-    assert all(o["value"] % 4 == 0 for o in found["outcomes"])
+    assert found["largest"] == 640 and found["above"]["value"] == 704 and found["fit"]["value"] == 640
+    assert found["tokens_per_rank_per_step"] == 640
+    assert all(o["value"] % 64 == 0 for o in found["outcomes"])
 
 
 def test_a_set_whose_layout_cannot_run_here_is_skipped_and_said(tmp_path):
@@ -253,7 +329,7 @@ def test_an_interrupted_plan_says_what_it_kept_and_claims_nothing(tmp_path, sign
 
 
 def test_a_signal_to_one_probe_fails_its_answer_and_the_last_line_says_so(tmp_path):
-    proc = plan_until(tmp_path, 3)
+    proc = plan_until(tmp_path, 2)  # the pilots' first probes (48) fail; the third (40) fits: it trains
     child_running(proc.pid, "plan.py").send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=300)
     result = load(tmp_path / "plan" / "plan.json")
@@ -263,3 +339,20 @@ def test_a_signal_to_one_probe_fails_its_answer_and_the_last_line_says_so(tmp_pa
     assert stderr.strip().splitlines()[-1] == f"FAILED: 1 answer(s): {failed[0]['error']}"
     where = f"N = {failed[0]['world_size']}, block 128: no finding"
     assert any(line.startswith(where) for line in result["findings"]), result["findings"]
+
+
+def test_a_signal_to_a_shared_process_fails_its_answer_and_the_last_line_says_so(tmp_path):
+    proc = start_script(["plan.py", "--device", "cpu", "--world_size", "2", "--sets", "default,ac",
+                         "--variants", "torch_optimizer_after_fsdp", "--inject_oom_above", "3",
+                         "--output_dir", str(tmp_path / "plan")], nproc=None)
+    for line in proc.stdout:  # the first shared process has ended: the second one runs
+        if line.startswith("[shared]"):
+            break
+    child_running(proc.pid, "plan.py").send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    result = load(tmp_path / "plan" / "plan.json")
+    failed = [a for a in result["answers"] if a["error"]]
+    assert proc.returncode == 1 and len(failed) == 1 and "its shared process" in failed[0]["error"], stderr
+    assert "SIGTERM" in failed[0]["error"] and failed[0]["probes"] == 0
+    assert stderr.strip().splitlines()[-1] == f"FAILED: 1 answer(s): {failed[0]['error']}"
+    assert [a["largest"] for a in result["answers"] if not a["error"]] == [3]
