@@ -213,7 +213,6 @@ def run(argv: list[str] | None = None) -> int:
     runner = ProbeRunner(session, train, tokens, questions, searches, checked.cap, args.output_dir,
                          args.inject_oom_above)
     meta = plan_meta(checked, session, started)
-    meta["rounds"] = 0
     for note in checked.skipped:
         print(f"Skipped: {note}", flush=True)
     say(f"Planning {len(searches)} answers ({args.find} per option set, N and variant): a shared process per "
@@ -221,23 +220,22 @@ def run(argv: list[str] | None = None) -> int:
         f"rank each{cap_said(checked.cap)}...")
     landed: set = set()
 
-    def save(rounds: int, interrupted: bool = False) -> dict:
-        """plan.json as it stands: after every round, so that an interrupt or a failure loses no probe."""
-        meta.update(rounds=rounds, wall_s=time.time() - started)
+    def save(interrupted: bool = False) -> dict:
+        """plan.json as it stands: after every probe, so that an interrupt or a failure loses none."""
+        meta.update(wall_s=time.time() - started)
         plan = fitting.plan_record(meta, questions, searches, runner.probes, runner.shared, interrupted)
         save_summary(plan_path(args), plan)
         if not interrupted:
             say_landed(plan, questions, searches, landed, time.time() - started)
         return plan
 
+    planner = fitting.Planner(searches, group=lambda key: key[0], unready=set(searches))  # pilots by option set
     try:
-        runner.run_shared()
-        save(0)
-        rounds = fitting.run_searches(searches, runner, save, group=lambda key: key[0])  # by option set
+        runner.run_plan(planner, save)
     except Interrupted as exc:
-        save(meta.get("rounds", 0), interrupted=True)
+        save(interrupted=True)
         return say_interrupted(session, exc, f"; the probes that ended are in {plan_path(args)}")
-    plan = save(rounds)
+    plan = save()
     fitting.print_plan(plan)
     print(f"Wrote {plan_path(args)}; draw it with:\n    python3 visualize.py --dir {args.output_dir}", flush=True)
     failed = [a["error"] for a in plan["answers"] if a["error"]]  # each names its probe

@@ -279,6 +279,48 @@ def _said(outcome: Outcome | None) -> dict | None:
 RoundRunner = Callable[[list[tuple[Hashable, int]]], dict[tuple[Hashable, int], "Outcome | str"]]
 
 
+class Planner:
+    """Which probes may start now, as the ones before them end: a search proposes its next values once none
+    of its own is out; one of a ``group`` waits until a search of its group has found its edge (the group's
+    first search, its pilot, goes first), and one in ``unready`` until its shared process has ended. Each
+    outcome's finished searches aim the others (``share_edges``)."""
+
+    def __init__(self, searches: dict[Hashable, Search], group: Callable[[Hashable], Hashable] = lambda key: None,
+                 unready: set | None = None):
+        self.searches, self.group = searches, group
+        self.unready = set(unready or ())
+        self.out: set[tuple[Hashable, int]] = set()
+        self.pilots: dict[Hashable, Hashable] = {}
+        for key in searches:
+            self.pilots.setdefault(group(key), key)
+
+    def ready(self, key: Hashable) -> None:
+        self.unready.discard(key)
+
+    def wanted(self) -> list[tuple[Hashable, int]]:
+        """The probes to start now; each is out until ``took`` hears of it."""
+        found = {self.group(key) for key, search in self.searches.items() if search.done}
+        busy = {key for key, _ in self.out}
+        new = [(key, value) for key, search in self.searches.items()
+               if key not in busy and key not in self.unready
+               and (self.group(key) in found or self.pilots[self.group(key)] == key)
+               for value in search.next_values()]
+        self.out.update(new)
+        return new
+
+    def took(self, key: Hashable, value: int, found: Outcome | str) -> None:
+        self.out.discard((key, value))
+        if isinstance(found, str):
+            self.searches[key].stop(found)
+        else:
+            self.searches[key].record(found)
+        share_edges(self.searches, self.group)
+
+    @property
+    def finished(self) -> bool:
+        return not self.out and all(search.done for search in self.searches.values())
+
+
 def edge_share(search: Search) -> float | None:
     """The share of its largest block that a finished search's edge left free: from the midpoint
     between its largest fit's peak and the line's peak one value above. None until both are known."""
@@ -305,29 +347,15 @@ def share_edges(searches: dict[Hashable, Search], group: Callable[[Hashable], Ha
 
 
 def run_searches(searches: dict[Hashable, Search], run_round: RoundRunner,
-                 after_round: Callable[[int], None] = lambda rounds: None,
                  group: Callable[[Hashable], Hashable] = lambda key: None) -> int:
-    """Every search to its end, the probes they want next run a round at a time (a runner may run a
-    round's probes side by side), ``after_round(rounds so far)`` told after each; returns the rounds.
-    Each round's finished searches aim the others (``share_edges``): until one search of a group has
-    found its edge (the group's first, its pilot), the others of the group wait."""
-    rounds, pilots = 0, {}
-    for key in searches:
-        pilots.setdefault(group(key), key)
-    while True:
-        ready = {group(key) for key, search in searches.items() if search.done}
-        wanted = [(key, value) for key, search in searches.items()
-                  if group(key) in ready or pilots[group(key)] == key for value in search.next_values()]
-        if not wanted:
-            return rounds
+    """Every search to its end, a ``Planner``'s probes run a round at a time (the tests' driver; plan.py
+    starts each probe as soon as the planner wants it); returns the rounds."""
+    planner, rounds = Planner(searches, group), 0
+    while wanted := planner.wanted():
         rounds += 1
         for (key, value), found in run_round(wanted).items():
-            if isinstance(found, str):
-                searches[key].stop(found)
-            else:
-                searches[key].record(found)
-        share_edges(searches, group)
-        after_round(rounds)
+            planner.took(key, value, found)
+    return rounds
 
 
 # --------------------------------------------------------------------------- plan.json and the console
@@ -474,8 +502,8 @@ def print_plan(plan: dict) -> None:
     said = f"resv: the probe's peak reserved at the largest value; headroom: the allocator's limit of " \
         f"{cap['allocator_limit_mib']:,.0f} MiB less it." if cap else "A CPU run: no allocator, no cap."
     say(f"tokens: per rank per optimizer step at the largest value. {said} {meta['probes']} fresh probes "
-        f"({meta['probes_per_answer']:.1f} per answer, {meta['probes_run_again_alone']} run again alone) in "
-        f"{meta['rounds']} rounds, after {meta['shared_values']} values in {meta['shared_processes']} shared "
+        f"({meta['probes_per_answer']:.1f} per answer, {meta['probes_run_again_alone']} run again alone) "
+        f"after {meta['shared_values']} values in {meta['shared_processes']} shared "
         f"processes, in {meta['wall_s']:.0f} s; plan.json has each probe's phase and failed allocation.")
     for line in plan["findings"]:
         say(line)

@@ -206,16 +206,30 @@ def run_rolling(pieces: list[Piece], room: Callable[[int, list[int]], bool], ran
     """Run pieces that need no peer (simulated ranks), each in its own child, in order, starting the
     next as soon as ``room(next, running)`` allows (always when none runs), so that a long piece holds
     up no other. ``started(i)`` and ``ended(i, failure)`` are told as each piece starts and ends."""
-    _register(pieces)
+    waiting = list(range(len(pieces)))
+
+    def next_piece(running: list[int]) -> int | None:
+        return waiting.pop(0) if waiting and (not running or room(waiting[0], running)) else None
+
+    run_queue(pieces, next_piece, rank, store, device, started, ended)
+
+
+def run_queue(pieces: list[Piece], next_piece: Callable[[list[int]], int | None], rank: int, store: dist.TCPStore,
+              device: torch.device, started: Callable[[int], None], ended: Callable[[int, str | None], None]) -> None:
+    """Run pieces that need no peer, each in its own child, starting each that ``next_piece(running)`` names
+    (an index into ``pieces``, which ``ended`` may extend) until it names none; ends when none runs and none
+    is named. ``started(i)`` and ``ended(i, failure)`` are told as each piece starts and ends."""
     context = child_context(device.type)
-    waiting, running = list(range(len(pieces))), {}
+    running: dict[int, object] = {}
     try:
-        while waiting or running:
-            while waiting and (not running or room(waiting[0], list(running))):
-                i = waiting.pop(0)
+        while True:
+            while (i := next_piece(list(running))) is not None:
+                _register([pieces[i]])
                 running[i] = context.Process(target=pieces[i].target, args=pieces[i].args)
                 running[i].start()
                 started(i)
+            if not running:
+                return
             multiprocessing.connection.wait([c.sentinel for c in running.values()], timeout=0.2)
             for i, child in list(running.items()):
                 if child.exitcode is None and not has_keys(store, [pieces[i].keys.abort]):

@@ -18,6 +18,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import psutil
 import torch
@@ -25,8 +26,8 @@ import torch
 from fsdp2bench import report
 from fsdp2bench.concurrency import (GpuCap, activation_bytes_per_token, host_bytes, microbatch_logits_bytes,
                                     rank_logits_bytes, variant_need)
-from fsdp2bench.fitting import SHARED_LIMIT, Ladder, Outcome, Search
-from fsdp2bench.isolation import Piece, StoreKeys, gather_records, has_keys, run_rolling
+from fsdp2bench.fitting import SHARED_LIMIT, Ladder, Outcome, Planner, Search
+from fsdp2bench.isolation import Piece, StoreKeys, gather_records, has_keys, run_queue
 from fsdp2bench.memory_model import expected_state
 from fsdp2bench.names import MIB, PEAK_PHASES, phases
 from fsdp2bench.options import OPTION_SETS, FsdpOptions
@@ -114,7 +115,7 @@ class Probe:
     ended: float = 0.0
     found: Outcome | str | None = None
 
-    def overlaps(self, other: Probe) -> bool:
+    def overlaps(self, other: Probe | Shared) -> bool:
         return other is not self and self.started < other.ended and other.started < self.ended
 
 
@@ -131,6 +132,8 @@ class Shared:
     error: str | None = None  # its out-of-memory error (the value after its points) or another failure
     setup_s: float | None = None
 
+    overlaps = Probe.overlaps
+
     def as_dict(self) -> dict:
         return {"room_mib": self.room / MIB, "wall_s": self.ended - self.started, "setup_s": self.setup_s,
                 "values": [p["value"] for p in self.points], "error": self.error}
@@ -138,9 +141,8 @@ class Shared:
 
 @dataclass
 class ProbeRunner:
-    """Runs the rounds of plan.py's searches on this process's device (callable as a
-    ``fitting.RoundRunner``). ``inject_oom_above``: a test option, every probe above that value
-    raises torch's out-of-memory error at its first step."""
+    """Runs plan.py's shared processes and probes on this process's device (``run_plan``).
+    ``inject_oom_above``: a test option, every value above it raises torch's out-of-memory error at once."""
     session: Session
     train: TrainConfig  # every probe's, less its options and injected failure
     tokens: torch.Tensor
@@ -152,38 +154,66 @@ class ProbeRunner:
     probes: list[Probe] = dataclasses.field(default_factory=list)
     shared: dict[object, Shared] = dataclasses.field(default_factory=dict)
 
-    def __call__(self, wanted: list[tuple[object, int]]) -> dict:
-        first = [Probe(key, self.questions[key], value, 0, self.room(key, value)) for key, value in wanted]
-        self.run(first, alone=False)
-        alone = self.cap.process_bytes if self.cap else 0
-        again = [Probe(p.question_key, p.question, p.value, 1, alone) for p in first if self.crowded_out(p, first)]
-        self.run(again, alone=True)
-        for probe in first + again:
-            if isinstance(probe.found, Outcome):
-                probe.found.detail["ran_beside"] = sum(probe.overlaps(other) for other in first)
-        kept = {(p.question_key, p.value): p.found for p in first}
-        kept.update({(p.question_key, p.value): p.found for p in again})
-        return kept
+    def run_plan(self, planner: Planner, after: Callable[[], None]) -> None:
+        """A shared process per answer, then the fresh probes the planner wants as each piece ends, every one
+        started as soon as the GPU and the host have room for it (fresh probes before shared processes; a
+        probe to be run again alone once nothing runs); ``after()`` is told after each piece."""
+        items: list[Probe | Shared] = [Shared(key, self.questions[key], self.ladder(key), self.shared_room())
+                                       for key in self.searches]
+        pieces = [self.piece(item) for item in items]
+        waiting = list(range(len(items)))
 
-    # ----------------------------------------------------------------- the shared processes
+        def add(item: Probe, first: bool) -> None:
+            items.append(item)
+            pieces.append(self.piece(item))
+            fresh = sum(isinstance(items[i], Probe) for i in waiting)
+            waiting.insert(0 if first else fresh, len(items) - 1)
 
-    def run_shared(self) -> None:
-        """One shared process per answer, side by side as their rooms allow; each search takes the values its
-        process measured."""
-        series = [Shared(key, self.questions[key], self.ladder(key), self.shared_room()) for key in self.searches]
-        jobs = [self.series_job(s) for s in series]
-        pieces = [Piece(series_process, (job,), job.keys) for job in jobs]
-
-        def room(i: int, running: list[int]) -> bool:
-            return self.fits_beside(series[i], [series[r] for r in running])
+        def next_piece(running: list[int]) -> int | None:
+            for key, value in planner.wanted():
+                add(Probe(key, self.questions[key], value, 0, self.room(key, value)), first=False)
+            alone = [i for i in waiting if isinstance(items[i], Probe) and items[i].attempt]
+            if alone:  # nothing else starts before it
+                return None if running else waiting.pop(waiting.index(alone[0]))
+            beside = [items[r] for r in running]
+            i = next((i for i in waiting if not running or self.fits_beside(items[i], beside)), None)
+            return None if i is None else waiting.pop(waiting.index(i))
 
         def started(i: int) -> None:
-            series[i].started = time.monotonic()
+            items[i].started, items[i].ended = time.monotonic(), math.inf
 
         def ended(i: int, failure: str | None) -> None:
-            self.take_series(series[i], jobs[i], failure)
+            item, job = items[i], pieces[i].args[0]
+            item.ended = time.monotonic()
+            if isinstance(item, Shared):
+                self.take_series(item, job, failure)
+                planner.ready(item.question_key)
+            elif self.took_probe(item, job, failure, [o for o in items if item.overlaps(o)]):
+                planner.took(item.question_key, item.value, item.found)
+            else:
+                add(Probe(item.question_key, item.question, item.value, 1, self.cap.process_bytes), first=True)
+            after()
 
-        run_rolling(pieces, room, 0, self.session.store, self.session.device, started, ended)
+        run_queue(pieces, next_piece, 0, self.session.store, self.session.device, started, ended)
+
+    def piece(self, item: Probe | Shared) -> Piece:
+        if isinstance(item, Shared):
+            job = self.series_job(item)
+            return Piece(series_process, (job,), job.keys)
+        job = self.job(item)
+        return Piece(variant_process, (job,), job.keys)
+
+    def took_probe(self, probe: Probe, job: Job, failure: str | None, beside: list) -> bool:
+        """A probe's outcome, kept and said; False where it ran out of memory beside others that may have
+        crowded it out (it is then run again alone)."""
+        probe.found = self.outcome(probe, job, failure)
+        if isinstance(probe.found, Outcome):
+            probe.found.detail["ran_beside"] = len(beside)
+        self.probes.append(probe)
+        self.say(probe)
+        return not self.crowded_out(probe, beside)
+
+    # ----------------------------------------------------------------- the shared processes
 
     def ladder(self, key) -> Ladder:
         search = self.searches[key]
@@ -258,19 +288,18 @@ class ProbeRunner:
                                                self.train.init_device, probe.question.options, "cuda")
         return gpu and host <= psutil.virtual_memory().available and len(running) < self.train.build_threads
 
-    def crowded_out(self, probe: Probe, round_probes: list[Probe]) -> bool:
+    def crowded_out(self, probe: Probe, beside: list[Probe | Shared]) -> bool:
         """Ran out of memory beside others where it may have found the GPU full before its cap: its
         room was less than the cap, or a probe beside it may have held more than its own room."""
         if not isinstance(probe.found, Outcome) or probe.found.fits:
             return False
-        beside = [other for other in round_probes if probe.overlaps(other)]
         if not beside or (self.cap and (len(beside) + 1) * self.cap.process_bytes <= self.cap.total):
             return False  # each held to its cap, they could not all reach it and fill the GPU
         return not self.kept_to_room(probe) or not all(self.kept_to_room(o) for o in beside)
 
-    def kept_to_room(self, probe: Probe) -> bool:
-        if self.cap is None:
-            return True
+    def kept_to_room(self, probe: Probe | Shared) -> bool:
+        if self.cap is None or isinstance(probe, Shared):
+            return True  # a shared process's allocator limit is its room
         if probe.room >= self.cap.process_bytes:
             return True  # the cap itself holds it there
         found = probe.found
@@ -278,26 +307,6 @@ class ProbeRunner:
             found.detail["peak_reserved_mib"] * MIB + self.cap.context <= probe.room
 
     # ----------------------------------------------------------------- running
-
-    def run(self, probes: list[Probe], alone: bool) -> None:
-        if not probes:
-            return
-        jobs = [self.job(p) for p in probes]
-        pieces = [Piece(variant_process, (job,), job.keys) for job in jobs]
-
-        def room(i: int, running: list[int]) -> bool:
-            return not alone and self.fits_beside(probes[i], [probes[r] for r in running])
-
-        def started(i: int) -> None:
-            probes[i].started = time.monotonic()
-
-        def ended(i: int, failure: str | None) -> None:
-            probes[i].ended = time.monotonic()
-            probes[i].found = self.outcome(probes[i], jobs[i], failure)
-            self.probes.append(probes[i])
-            self.say(probes[i])
-
-        run_rolling(pieces, room, 0, self.session.store, self.session.device, started, ended)
 
     def job(self, probe: Probe) -> Job:
         q = probe.question

@@ -328,31 +328,37 @@ def test_an_interrupted_plan_says_what_it_kept_and_claims_nothing(tmp_path, sign
     assert drawn.returncode == 0, drawn.stderr
 
 
-def test_a_signal_to_one_probe_fails_its_answer_and_the_last_line_says_so(tmp_path):
-    proc = plan_until(tmp_path, 2)  # the pilots' first probes (48) fail; the third (40) fits: it trains
-    child_running(proc.pid, "plan.py").send_signal(signal.SIGTERM)
+def signal_child_after(tmp_path, marker: str, extra: list[str]):
+    """A CPU plan of tiny at N = 2 (default and ac), its child sent SIGTERM as soon as the console has printed a
+    line that starts with ``marker``; returns the ended process, its stderr and plan.json."""
+    proc = start_script(["plan.py", "--device", "cpu", "--world_size", "2", "--sets", "default,ac",
+                         "--variants", "torch_optimizer_after_fsdp", "--output_dir", str(tmp_path / "plan"), *extra],
+                        nproc=None)
+    for line in proc.stdout:
+        if line.startswith(marker):
+            break
+    child_running(proc.pid, "plan.py").send_signal(signal.SIGTERM)  # the piece that printed it has ended
     _, stderr = proc.communicate(timeout=300)
-    result = load(tmp_path / "plan" / "plan.json")
+    return proc, stderr, load(tmp_path / "plan" / "plan.json")
+
+
+def test_a_signal_to_one_probe_fails_its_answer_and_the_last_line_says_so(tmp_path):
+    # Every value up to 8 fits: the shared process measures 1 to 8, then the first fresh probe (8) trains.
+    proc, stderr, result = signal_child_after(tmp_path, "[shared]", ["--upper_bound", "8"])
     failed = [a for a in result["answers"] if a["error"]]
     # The probe's own words depend on where the signal found it (Interrupted, or torch's RuntimeError).
     assert proc.returncode == 1 and len(failed) == 1 and "SIGTERM" in failed[0]["error"], stderr
+    assert "(its shared process)" not in failed[0]["error"]
     assert stderr.strip().splitlines()[-1] == f"FAILED: 1 answer(s): {failed[0]['error']}"
-    where = f"N = {failed[0]['world_size']}, block 128: no finding"
-    assert any(line.startswith(where) for line in result["findings"]), result["findings"]
+    assert any(line.startswith("N = 2, block 128: no finding") for line in result["findings"]), result["findings"]
+    assert [a["largest"] for a in result["answers"] if not a["error"]] == [8]
 
 
 def test_a_signal_to_a_shared_process_fails_its_answer_and_the_last_line_says_so(tmp_path):
-    proc = start_script(["plan.py", "--device", "cpu", "--world_size", "2", "--sets", "default,ac",
-                         "--variants", "torch_optimizer_after_fsdp", "--inject_oom_above", "3",
-                         "--output_dir", str(tmp_path / "plan")], nproc=None)
-    for line in proc.stdout:  # the first shared process has ended: the second one runs
-        if line.startswith("[shared]"):
-            break
-    child_running(proc.pid, "plan.py").send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=300)
-    result = load(tmp_path / "plan" / "plan.json")
+    # The first answer's shared process and fresh probes have ended: the second's shared process runs.
+    proc, stderr, result = signal_child_after(tmp_path, "[answer 1/2]", ["--inject_oom_above", "3"])
     failed = [a for a in result["answers"] if a["error"]]
     assert proc.returncode == 1 and len(failed) == 1 and "its shared process" in failed[0]["error"], stderr
-    assert "SIGTERM" in failed[0]["error"] and failed[0]["probes"] == 0
+    assert "SIGTERM" in failed[0]["error"]
     assert stderr.strip().splitlines()[-1] == f"FAILED: 1 answer(s): {failed[0]['error']}"
     assert [a["largest"] for a in result["answers"] if not a["error"]] == [3]
