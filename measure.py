@@ -169,7 +169,17 @@ _UNITS = {"B": 1 / MIB, "KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0, "TiB": 1024.
 
 def failed_allocation_mib(error: str) -> float | None:
     """The size in "Tried to allocate 2.00 GiB" of torch's out-of-memory message."""
-    match = re.search(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)", error)
+    return _size_mib(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)", error)
+
+
+def gpu_free_mib(error: str) -> float | None:
+    """What the GPU had free when the allocation failed ("... of which 122.81 GiB is free"): where it is more than
+    the allocation, the process's own limit refused it, not a full GPU."""
+    return _size_mib(r"of which ([\d.]+) (B|KiB|MiB|GiB|TiB) is free", error)
+
+
+def _size_mib(pattern: str, error: str) -> float | None:
+    match = re.search(pattern, error)
     return float(match.group(1)) * _UNITS[match.group(2)] if match else None
 
 

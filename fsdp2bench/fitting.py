@@ -31,10 +31,10 @@ class Outcome:
 
 
 STEP_BACK = 0.85  # after the first aim fails, the next probe is this far from the largest fit to it
-# A shared process runs under its own allocator limit, SHARED_LIMIT of the probes'. After the lower bound its
-# values aim at these shares of the way from that value's peak to SHARED_TOP of its limit (room for a slope
-# that is wrong by 10%): far enough up that the blocks' activations, not the optimizer's transients, make the
-# slope between the last two.
+# A shared process runs under its own allocator limit, SHARED_LIMIT of the probes' (or more where the memory
+# model says its first value needs it). After the lower bound its values aim at these shares of the way from
+# that value's peak to SHARED_TOP of its own limit (room for a slope that is wrong by 10%): far enough up that
+# the blocks' activations, not the optimizer's transients, make the slope between the last two.
 SHARED_LIMIT, SHARED_TOP, SHARED_TARGETS = 0.7, 0.9, (0.4, 1.0)
 # A slope between two values where the smaller is below this share of the larger is bent by the optimizer's
 # transients (large beside a small batch's activations): the model's estimate aims instead.
@@ -48,7 +48,7 @@ class Ladder:
     child calls ``next_value``). Always upward, so the first out-of-memory error ends the series."""
     lower: int
     upper: int
-    limit_mib: float | None  # the probes' allocator limit (None on a CPU run: no peaks, the series doubles)
+    limit_mib: float | None  # the shared process's own allocator limit (None on a CPU run: no peaks, it doubles)
     slope_mib: float | None  # the memory model's estimate of what one unit adds
     inject_oom_above: int | None = None
 
@@ -63,7 +63,7 @@ class Ladder:
             return None
         slope = _slope(points, SHARED_NEAR) or self.slope_mib
         first = points[0][1]
-        target = first + SHARED_TARGETS[len(points) - 1] * (SHARED_TOP * SHARED_LIMIT * self.limit_mib - first)
+        target = first + SHARED_TARGETS[len(points) - 1] * (SHARED_TOP * self.limit_mib - first)
         if not slope or y >= target:
             return None
         value = min(self.upper, x + math.floor((target - y) / slope))

@@ -34,12 +34,14 @@ from fsdp2bench.options import OPTION_SETS, FsdpOptions
 from fsdp2bench.runner import FailureSpec, Job, TrainConfig, variant_process
 from fsdp2bench.series import SeriesJob, point_key, probe_batches, series_process
 from fsdp2bench.session import Session
+from measure import failed_allocation_mib, gpu_free_mib
 
 ROOM_MARGIN = 1.15  # on the line's peak, for a probe that shares the GPU
 # The share of a step's largest block (the fp32 logits) the edge leaves free under the limit: on one
 # H200 the 1.5B model's default set left 1.5 of it at N = 8 under both 24 and 80 GiB (fitting.Search;
 # a plan's finished answers then aim the others with what they found).
 BLOCK_SHARE = 1.5
+PHYSICAL_SLACK_MIB = 512  # free on the GPU beyond a refused allocation that says the cap refused it, not the GPU
 BLOCK_STEP = 64  # tokens: a searched block is a multiple of it (a finer edge is not a length people train at)
 BATCH, BLOCK = "batch_size", "block_size"
 
@@ -158,7 +160,7 @@ class ProbeRunner:
         """A shared process per answer, then the fresh probes the planner wants as each piece ends, every one
         started as soon as the GPU and the host have room for it (fresh probes before shared processes; a
         probe to be run again alone once nothing runs); ``after()`` is told after each piece."""
-        items: list[Probe | Shared] = [Shared(key, self.questions[key], self.ladder(key), self.shared_room())
+        items: list[Probe | Shared] = [Shared(key, self.questions[key], self.ladder(key), self.shared_room(key))
                                        for key in self.searches]
         pieces = [self.piece(item) for item in items]
         waiting = list(range(len(items)))
@@ -172,6 +174,8 @@ class ProbeRunner:
         def next_piece(running: list[int]) -> int | None:
             for key, value in planner.wanted():
                 add(Probe(key, self.questions[key], value, 0, self.room(key, value)), first=False)
+            if any(isinstance(items[r], Probe) and items[r].attempt for r in running):
+                return None  # one run again alone has the GPU to itself
             alone = [i for i in waiting if isinstance(items[i], Probe) and items[i].attempt]
             if alone:  # nothing else starts before it
                 return None if running else waiting.pop(waiting.index(alone[0]))
@@ -216,14 +220,22 @@ class ProbeRunner:
     # ----------------------------------------------------------------- the shared processes
 
     def ladder(self, key) -> Ladder:
-        search = self.searches[key]
-        return Ladder(search.lower, search.upper, search.limit_mib, search.slope_mib, self.inject_oom_above)
+        search, room = self.searches[key], self.shared_room(key)
+        limit = (room - self.cap.context) / MIB if room else None
+        return Ladder(search.lower, search.upper, limit, search.slope_mib, self.inject_oom_above)
 
-    def shared_room(self) -> int:
-        """A shared process's allocator limit is ``SHARED_LIMIT`` of a probe's: its room is that and the context."""
+    def shared_room(self, key) -> int:
+        """A shared process's allocator limit is ``SHARED_LIMIT`` of a probe's, or what the memory model says its
+        first value needs where that is more (the state of a rank of a small world); its room is that and the
+        context."""
         if self.cap is None or self.session.device.type != "cuda":
             return 0
-        return int(self.cap.allocator_bytes * SHARED_LIMIT) + self.cap.context
+        question, search = self.questions[key], self.searches[key]
+        first = variant_need(self.session.shapes, question.world_size, question.variant, question.options,
+                             rank_logits_bytes(*question.batch_and_block(search.lower), self.session.config,
+                                               question.options))
+        limit = max(int(self.cap.allocator_bytes * SHARED_LIMIT), first - self.cap.context)
+        return min(self.cap.allocator_bytes, limit) + self.cap.context
 
     def series_job(self, shared: Shared) -> SeriesJob:
         q, s = shared.question, self.session
@@ -289,10 +301,15 @@ class ProbeRunner:
         return gpu and host <= psutil.virtual_memory().available and len(running) < self.train.build_threads
 
     def crowded_out(self, probe: Probe, beside: list[Probe | Shared]) -> bool:
-        """Ran out of memory beside others where it may have found the GPU full before its cap: its
-        room was less than the cap, or a probe beside it may have held more than its own room."""
-        if not isinstance(probe.found, Outcome) or probe.found.fits:
+        """Ran out of memory beside others where it may have found the GPU full before its cap: torch's message
+        says the GPU had less free than the allocation (more free: its own limit refused it); without that
+        figure, its room was less than the cap, or a probe beside it may have held more than its own room."""
+        if not isinstance(probe.found, Outcome) or probe.found.fits or probe.attempt:
             return False
+        error = probe.found.detail.get("error", "")
+        free, tried = gpu_free_mib(error), failed_allocation_mib(error)
+        if free is not None and tried is not None:
+            return free < tried + PHYSICAL_SLACK_MIB
         if not beside or (self.cap and (len(beside) + 1) * self.cap.process_bytes <= self.cap.total):
             return False  # each held to its cap, they could not all reach it and fill the GPU
         return not self.kept_to_room(probe) or not all(self.kept_to_room(o) for o in beside)

@@ -106,7 +106,7 @@ def shared_then_fresh(limit: float, share: float, quirk: int | None = None, answ
     """plan.py's order for ``answers`` answers of one option set: a shared process's ladder each (under its own
     lower limit), then fresh probes, the first answer's (the pilot's) edge aiming the others."""
     peak, fits = gpu_rank(limit, share, quirk)
-    ladder = fitting.Ladder(1, 4096, limit, PER_SEQUENCE * 1.1)
+    ladder = fitting.Ladder(1, 4096, fitting.SHARED_LIMIT * limit, PER_SEQUENCE * 1.1)
     points = []
     while (value := ladder.next_value(points)) is not None:
         assert peak(value) <= fitting.SHARED_LIMIT * limit, "a shared process's values stay under its own limit"
@@ -362,3 +362,29 @@ def test_a_signal_to_a_shared_process_fails_its_answer_and_the_last_line_says_so
     assert "SIGTERM" in failed[0]["error"]
     assert stderr.strip().splitlines()[-1] == f"FAILED: 1 answer(s): {failed[0]['error']}"
     assert [a["largest"] for a in result["answers"] if not a["error"]] == [3]
+
+
+@pytest.mark.parametrize("free, again", [("122.81 GiB", False), ("1.90 GiB", True)])
+def test_a_probe_out_of_memory_beside_others_runs_again_alone_only_where_the_gpu_was_full(free, again):
+    """Torch's message says what the GPU had free: more than the allocation, and the probe's own cap refused it."""
+    from fsdp2bench.probes import BATCH, Probe, ProbeRunner, Question
+
+    cap = concurrency.GpuCap(24.0, int(139.8 * 1024) * MIB, 527 * MIB)
+    runner = ProbeRunner(None, None, None, {}, {}, cap, "")
+    question = Question("default", 8, 0, "torch_optimizer_after_fsdp", BATCH, 128)
+    beside = [Probe("k", question, 20, 0, 10 * 1024 * MIB, 0.0, 1.0) for _ in range(6)]
+    probe = Probe("k", question, 30, 0, cap.process_bytes, 0.5, 2.0, Outcome(30, False, None, {
+        "error": f"rank 0: out of memory (CUDA out of memory. Tried to allocate 2.03 GiB. GPU 0 has a total "
+                 f"capacity of 139.80 GiB of which {free} is free."}))
+    assert runner.crowded_out(probe, beside) is again
+    probe.attempt = 1  # run again alone: what it found is its answer
+    assert runner.crowded_out(probe, beside) is False
+
+
+def test_a_shared_process_whose_first_value_fills_its_room_measures_only_that():
+    """N = 1: the state alone is most of the cap; the line then takes the model's slope through that one value."""
+    ladder = fitting.Ladder(1, 4096, 31000.0, PER_SEQUENCE)
+    assert ladder.next_value([]) == 1 and ladder.next_value([(1, 29546.0)]) is None
+    search = Search(1, 4096, 40433.0, PER_SEQUENCE, BLOCK, 1.5)
+    search.take_shared([Outcome(1, True, 29546.0)])
+    assert search.line() == (1, 29546.0, PER_SEQUENCE) and len(search.next_values()) == 2
