@@ -662,8 +662,8 @@ def plot_plan(plan: dict, path: str) -> None:
     sets = list(dict.fromkeys(a["option_set"] for a in answers))
     cap = plan["meta"].get("gpu_memory")
     figure = plan_figure(answers)
-    fig, axes = plt.subplots(len(variants), len(columns), figsize=(4.6 * len(columns), 3.6 * len(variants)),
-                             squeeze=False, sharey=True)
+    fig, axes = plt.subplots(len(variants), len(columns), figsize=(max(6.5, 4.6 * len(columns)),
+                                                                   3.6 * len(variants)), squeeze=False, sharey=True)
     for row, variant in enumerate(variants):
         for col, (n, fixed) in enumerate(columns):
             ax = axes[row][col]
@@ -681,10 +681,11 @@ def plot_plan(plan: dict, path: str) -> None:
         axes[row][0].set_ylabel("GiB " + ("allocated (peak)" if figure == "peak_allocated_mib" else "host RSS (peak)"))
     for ax in axes[-1]:
         ax.set_xlabel(answers[0]["searched"].replace("_", " "))
-    _plan_legend(fig, answers, sets, cap, len(variants), path)
+    _plan_legend(fig, answers, sets, cap, (len(variants), len(columns)), path)
 
 
-def _plan_legend(fig, answers: list[dict], sets: list[str], cap: dict | None, rows: int, path: str) -> None:
+def _plan_legend(fig, answers: list[dict], sets: list[str], cap: dict | None, panels: tuple[int, int],
+                 path: str) -> None:
     handles = [plt.Line2D([], [], color=f"C{i % 10}", marker="o", label=name) for i, name in enumerate(sets)]
     handles += [plt.Line2D([], [], color="gray", marker="o", ms=11, mfc="none", ls="", label="the largest that fits"),
                 plt.Line2D([], [], color="gray", marker="s", ms=5, mfc="none", ls="",
@@ -697,8 +698,10 @@ def _plan_legend(fig, answers: list[dict], sets: list[str], cap: dict | None, ro
     if cap:
         handles.append(plt.Line2D([], [], color="black", ls="--",
                                   label=f"the allocator's limit ({cap['gib']:g} GiB less the CUDA context)"))
-    fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=8)
-    rows_of_legend = -(-len(handles) // 4)
+    rows, columns = panels
+    ncol = min(len(handles), 2 if columns == 1 else 4)  # one panel is too narrow for four long labels
+    fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=8)
+    rows_of_legend = -(-len(handles) // ncol)
     save(fig, path, rect=(0, 0.04 + 0.05 * rows_of_legend / rows, 1, 1))
 
 
