@@ -30,7 +30,7 @@ from fsdp2bench.isolation import Interrupted, launcher_keeps_to_one_thread
 from fsdp2bench.matrix import fitting_sizes
 from fsdp2bench.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, default_model, max_positions
 from fsdp2bench.names import INTENDED, MIB, VARIANTS
-from fsdp2bench.probes import BATCH, BLOCK, ProbeRunner, Question, heaviest_rank, search_for
+from fsdp2bench.probes import BATCH, BLOCK, BLOCK_STEP, ProbeRunner, Question, block_step, heaviest_rank, search_for
 from fsdp2bench.runner import TrainConfig
 from fsdp2bench.series import PROBE_STEPS
 from fsdp2bench.session import ModelFacts, model_facts, open_session, say_interrupted
@@ -128,6 +128,7 @@ def validate(argv: list[str] | None = None) -> Checked:
     args.model = args.model or default_model(device.type, "plan.py")
     facts = model_facts(args.model, SEED, lambda config: check_blocks(blocks, config))
     upper = search_upper(args, facts.config, blocks)
+    check_block_steps(args, sets, blocks, upper)
     cap = concurrency.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
     refused = {name: why for name in sets if (why := layout_refusal(args, name, blocks, facts.config, device.type))}
     sets = [name for name in sets if name not in refused]
@@ -176,6 +177,17 @@ def search_upper(args: argparse.Namespace, config, blocks: list[int]) -> int:
     if args.find == BLOCK and upper < max(blocks):
         raise UserError(f"--upper_bound {upper} is below --block_size {max(blocks)}, where the search starts")
     return upper
+
+
+def check_block_steps(args: argparse.Namespace, sets: list[str], blocks: list[int], upper: int) -> None:
+    """A searched block moves in steps (probes.block_step): the range given must hold one."""
+    if args.find != BLOCK:
+        return
+    for name in sets:
+        step = block_step(options.OPTION_SETS[name])
+        if -(-blocks[0] // step) * step > upper:
+            raise UserError(f"--block_size {blocks[0]} to --upper_bound {upper} holds no multiple of {step} tokens, "
+                            f"the step a searched block moves by{' under ' + name if step != BLOCK_STEP else ''}")
 
 
 def questions_of(checked: Checked) -> tuple[dict, dict]:

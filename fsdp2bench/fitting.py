@@ -1,14 +1,15 @@
 """What fits: the search for the largest batch (or block) that trains under a memory cap.
 
-Pure logic, no torch: a ``Search`` proposes the values to probe next and takes back what each probe
-found; ``run_searches`` drives many of them at once, a round at a time, through any probe runner
-(plan.py's runs real simulated ranks; the tests give a function with a known edge).
+Pure logic, no torch: a ``Ladder`` chooses the values one shared process measures; a ``Search`` proposes
+the values to probe next in fresh processes and takes back what each found; a ``Planner`` says which
+probes of many searches may start now (plan.py starts each as soon as it may; ``run_searches``, the tests'
+driver, runs them a round at a time through a function with a known edge).
 
 The aim: a step's peak grows close to linearly with the batch beyond the state it holds anyway, so
-the line through the largest value that fits, with the slope of the two largest (or the memory
-model's estimate of a sequence's activations), says where the cap is crossed. The probes then confirm the edge from both
-sides. Where the line is no help (no peaks on a CPU run, or it was wrong) the search doubles until a
-value fails, then halves the gap.
+the line through the shared process's values (or the largest fresh fit, with their slope, or the memory
+model's estimate of a sequence's activations) says where the cap is crossed, less a share of the step's
+largest block. The probes then confirm the edge from both sides. Where the line is no help (no peaks on
+a CPU run, or it was wrong) the search doubles until a value fails, then halves the gap.
 """
 
 from __future__ import annotations
@@ -169,9 +170,10 @@ class Search:
         return [value, value + 1] if close and value + 1 <= ceiling else [value]
 
     def first_values(self) -> list[int]:
-        """Before any probe fits: with a shared process's line, both sides of the edge it aims at, then one
-        below, then halfway down to the shared process's largest value; without one, halfway into the edge
-        the shared process met (both sides at once where it is one value wide), or the lower bound."""
+        """Before any probe fits: with a shared process's line, both sides of the edge it aims at (the share
+        moved by each failure), then one below, twice as far down after each failure; without one, halfway
+        into the edge the shared process met (both sides at once where it is one value wide), or the lower
+        bound."""
         hi = self.smallest_failure
         guess = self.aim()[0] if self.shared else None
         if guess is not None:
@@ -316,10 +318,6 @@ class Planner:
             self.searches[key].record(found)
         share_edges(self.searches, self.group)
 
-    @property
-    def finished(self) -> bool:
-        return not self.out and all(search.done for search in self.searches.values())
-
 
 def edge_share(search: Search) -> float | None:
     """The share of its largest block that a finished search's edge left free: from the midpoint
@@ -430,7 +428,9 @@ def findings(answers: list[dict], reference: str) -> list[str]:
             seen = f"; the smallest peak allocated was {smallest['smallest_peak_mib']:.0f} MiB " \
                 f"({smallest['option_set']})" \
                 if smallest else ""
-            out.append(f"{where}: 1 does not fit under any set{seen}.")
+            name = "B" if cell[0]["searched"] == "batch_size" else "L"
+            lowest = min((o["value"] for a in cell for o in a["outcomes"]), default=1)
+            out.append(f"{where}: {name} = {lowest} does not fit under any set{seen}.")
             continue
         default = next((a for a in cell if a["option_set"] == "default"), None)
         out.append(_cheapest_beyond(where, default, fitting_ones))

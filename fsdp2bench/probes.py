@@ -1,13 +1,13 @@
 """A probe: one simulated rank, in a fresh process, trained a few steps at one batch and block under
-the memory cap; it fits when it completes. plan.py's searches (fitting.py) ask for probes a round at
-a time; this module runs each round's probes side by side where the GPU holds them together. Before
-them, one shared process per answer (series.py) measures a ladder of values below the cap: its line
-aims the first probes.
+the memory cap; it fits when it completes. Before any probe, one shared process per answer (series.py)
+measures a ladder of values below the cap: its line aims the first probes. This module runs both kinds,
+each as soon as its search wants it (fitting.Planner) and the GPU holds it beside the others.
 
 A probe that is expected to stay well under the cap (the line of its search says so) is given the
 room of that expectation plus a margin, so that several share the GPU; one that may reach the cap is
-given the whole cap. A probe that ran out of memory beside one that outgrew its room may have been
-crowded out, not capped: it is run again alone, and only what it finds then counts.
+given the whole cap. A probe that ran out of memory where the GPU itself was full (torch's message says
+what was free) may have been crowded out, not capped: it is run again alone, and only what it finds
+then counts.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Question:
     def unit(self) -> int:
         """Tokens per step of a searched block: ``BLOCK_STEP`` tokens, and a multiple of 2C under CP, whose load
         balancing cuts each sequence into 2C chunks (the search counts these steps; 1 for a batch)."""
-        return math.lcm(BLOCK_STEP, self.options.layout.sequence_divisor) if self.searched == BLOCK else 1
+        return block_step(self.options) if self.searched == BLOCK else 1
 
     def batch_and_block(self, value: int) -> tuple[int, int]:
         """The batch and block of the search's ``value`` (in ``unit`` steps)."""
@@ -83,6 +83,11 @@ class Question:
     def label(self, value: int) -> str:
         batch, block = self.batch_and_block(value)
         return f"{self.option_set} N={self.world_size} {self.variant} B={batch} L={block}"
+
+
+def block_step(options: FsdpOptions) -> int:
+    """The tokens a searched block moves by: ``BLOCK_STEP``, and a multiple of CP's 2C."""
+    return math.lcm(BLOCK_STEP, options.layout.sequence_divisor)
 
 
 def heaviest_rank(shapes, world_size: int, variant: str, options: FsdpOptions) -> int:

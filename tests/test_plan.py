@@ -170,6 +170,7 @@ def test_without_peaks_the_fresh_probes_start_inside_the_edge_a_shared_process_m
     (["--batch_size", "4"], "--batch_size is the fixed batch of --find block_size"),
     (["--find", "block_size", "--block_size", "128", "--upper_bound", "64"], "below --block_size 128"),
     (["--find", "block_size", "--upper_bound", "100000"], "exceeds the model's"),
+    (["--find", "block_size", "--block_size", "130", "--upper_bound", "150"], "holds no multiple of 64 tokens"),
     (["--block_size", "1"], "--block_size must be in"),
     (["--upper_bound", "0"], "--upper_bound must be in"),
 ])
@@ -246,9 +247,9 @@ def test_the_findings_name_the_cheapest_set_that_fits_more_than_the_default():
     assert lines == ["N = 8, block 128: the default fits 3,712 tokens per rank per step (B = 29); the cheapest set "
                      "that fits more is ac, 8,320 tokens per rank per step (B = 65), at 180.3 us per token in its "
                      "probe (the default 134.7; probes beside one another share the GPU, so these are rough)"]
-    nothing = fitting.findings([{**answer_of("default", 1, 0.5), "largest": None, "tokens_per_rank_per_step": None}],
-                               "v")
-    assert nothing == ["N = 8, block 128: 1 does not fit under any set; the smallest peak allocated was 100 MiB "
+    nothing = fitting.findings([{**answer_of("default", 1, 0.5), "largest": None, "tokens_per_rank_per_step": None,
+                                 "outcomes": [{"value": 1, "fits": False}]}], "v")
+    assert nothing == ["N = 8, block 128: B = 1 does not fit under any set; the smallest peak allocated was 100 MiB "
                        "(default)."]
 
 
