@@ -251,7 +251,8 @@ class ProbeRunner:
         train = dataclasses.replace(self.train, options=q.options, allocator_limit=limit)
         meta = {"run_id": s.run_id, "rank": q.rank, "world_size": q.world_size, "simulated": True,
                 "shared": dataclasses.asdict(q)}
-        return SeriesJob(q.variant, train, s.device, s.config, self.tokens[:0], s.layer_classes, meta, q.rank,
+        no_batches = self.tokens[:0]  # the child makes each value's own
+        return SeriesJob(q.variant, train, s.device, s.config, no_batches, s.layer_classes, meta, q.rank,
                          q.world_size, StoreKeys(f"probe/{name}"), directory, simulated=True, question=q,
                          ladder=shared.ladder, tokens=self.tokens)
 
