@@ -230,7 +230,7 @@ def run(argv: list[str] | None = None) -> int:
     say(f"Planning {len(searches)} answers ({args.find} per option set, N and variant): a shared process per "
         f"answer measures a few values, then fresh probes confirm each edge, {PROBE_STEPS} steps of one simulated "
         f"rank each{cap_said(checked.cap)}...")
-    landed: set = set()
+    landed: dict = {}  # each landed answer's time
 
     def save(interrupted: bool = False) -> dict:
         """plan.json as it stands: after every probe, so that an interrupt or a failure loses none."""
@@ -256,16 +256,18 @@ def run(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def say_landed(plan: dict, questions: dict, searches: dict, landed: set, elapsed: float) -> None:
-    """A line for each answer that has just landed: the running count, and the time left at the pace so far
-    (a rough estimate: the answers left may take more or fewer probes)."""
+def say_landed(plan: dict, questions: dict, searches: dict, landed: dict, elapsed: float) -> None:
+    """A line for each answer that has just landed: the running count, and the time left at the pace of the
+    answers since the first (a rough estimate: before it, the shared processes take a time of their own,
+    and the answers left may take more or fewer probes)."""
     answers = dict(zip(searches, plan["answers"]))
     for key in [key for key, search in searches.items() if search.done and key not in landed]:
-        landed.add(key)
+        landed[key] = elapsed
         a, left = answers[key], len(searches) - len(landed)
         value = f"failed ({a['error']})" if a["error"] else f"{'B' if a['searched'] == BATCH else 'L'} = " \
             f"{a['largest'] or 'nothing fits'}"
-        eta = f", about {elapsed / len(landed) * left:.0f} s left" if left else ""
+        pace = (elapsed - min(landed.values())) / (len(landed) - 1) if len(landed) > 1 else None
+        eta = f", about {pace * left:.0f} s left" if left and pace is not None else ""
         print(f"[answer {len(landed)}/{len(searches)}] {questions[key].title}: {value} "
               f"({a['probes']} probes; {elapsed:.0f} s{eta})", flush=True)
 

@@ -143,7 +143,7 @@ def decide(shapes, world_size: int, names: list[str], init_device: str, device_t
     need = need if cap is None else min(need, cap.process_bytes)
     per_process = host_bytes(shapes, world_size, names, init_device, options, device_type)
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    by_gpu, by_host = total // need, psutil.virtual_memory().available // (per_process * processes)
+    by_gpu, by_host = total // need, host_memory_for_launch() // (per_process * processes)
     k = max(1, min(pieces, by_gpu, by_host))
     return k, (f"{k} at a time: about {need / GIB:.1f} GiB per variant on a {total / GIB:.0f} GiB GPU, "
                f"{per_process / GIB:.1f} GiB of host RAM per process")

@@ -20,12 +20,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import psutil
 import torch
 
 from fsdp2bench import report
-from fsdp2bench.concurrency import (GpuCap, activation_bytes_per_token, host_bytes, microbatch_logits_bytes,
-                                    rank_logits_bytes, variant_need)
+from fsdp2bench.concurrency import (GpuCap, activation_bytes_per_token, host_bytes, host_memory_for_launch,
+                                    microbatch_logits_bytes, rank_logits_bytes, variant_need)
 from fsdp2bench.fitting import SHARED_LIMIT, Ladder, Outcome, Planner, Search
 from fsdp2bench.isolation import Piece, StoreKeys, gather_records, has_keys, run_queue
 from fsdp2bench.memory_model import expected_state
@@ -304,7 +303,7 @@ class ProbeRunner:
         gpu = sum(p.room for p in running) + probe.room <= self.cap.total
         host = (len(running) + 1) * host_bytes(self.session.shapes, probe.question.world_size, [probe.question.variant],
                                                self.train.init_device, probe.question.options, "cuda")
-        return gpu and host <= psutil.virtual_memory().available and len(running) < self.train.build_threads
+        return gpu and host <= host_memory_for_launch() and len(running) < self.train.build_threads
 
     def crowded_out(self, probe: Probe, beside: list[Probe | Shared]) -> bool:
         """Ran out of memory beside others where it may have found the GPU full before its cap: torch's message
