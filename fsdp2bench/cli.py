@@ -119,7 +119,7 @@ def exit_with(run: Callable[[], int]) -> None:
         refuse(exc)
     except (KeyboardInterrupt, Stopped) as exc:  # outside a run's own handling of interrupts
         if os.environ.get("RANK", "0") == "0":
-            print(f"Interrupted ({exc or 'SIGINT'}); what was written is whole, nothing more is", file=sys.stderr)
+            print(f"Interrupted ({str(exc) or 'SIGINT'}); what was written is whole, nothing more is", file=sys.stderr)
         sys.exit(130)
     except OSError as exc:  # a file the command writes (a full disk, a directory gone); each is written whole
         if exc.filename is None:

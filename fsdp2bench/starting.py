@@ -142,11 +142,14 @@ def one_rank_env() -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
 
 
-# The store's process: it ignores Ctrl-C (the run it serves decides what an interrupt means, and needs
-# the store to say so) and ends with the process that started it.
+# The store's process: it ignores Ctrl-C and SIGTERM (the run it serves decides what an interrupt means, and
+# needs the store to say so: a terminal's Ctrl-C or a kill of the process group reaches this process too, and a
+# store gone first made every process still asking it print torch's C++ stack) and ends with the process that
+# started it.
 STORE_HOST = """
 import ctypes, os, signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
 port, parent = int(sys.argv[1]), int(sys.argv[2])
 try:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

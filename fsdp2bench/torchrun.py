@@ -30,4 +30,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:  # Ctrl-C before torchrun takes its signals over (while torch is imported)
+        print("torchrun: stopped by SIGINT", file=sys.stderr)
+        sys.exit(130)

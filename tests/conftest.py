@@ -55,11 +55,12 @@ def nothing_left_in_the_temp_dir(tmp_path_factory):
     assert not left and not ours, f"left in {machine}: {left}; by the launched processes: {ours}"
 
 
-def start_script(args: list[str], nproc: int | None = 2, launcher: list[str] | None = None,
+def start_script(args: list[str], nproc: int | None = 2, launcher: list[str] | None = None, own_group: bool = False,
                  **env: str) -> subprocess.Popen:
-    """The same launch as ``run_script``, left running (to signal it, or to start several)."""
+    """The same launch as ``run_script``, left running (to signal it, or to start several); ``own_group``: in a
+    process group of its own, which a terminal's Ctrl-C reaches whole (``os.killpg(proc.pid, ...)``)."""
     return subprocess.Popen(command(args, nproc, launcher), cwd=ROOT, env=environment(**env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=own_group)
 
 
 def run_script(args: list[str], nproc: int | None = 2, timeout: int = 300, launcher: list[str] | None = None,

@@ -3,6 +3,7 @@ plan of the tiny model whose probes run out of memory above a chosen batch."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -327,6 +328,26 @@ def test_an_interrupted_plan_says_what_it_kept_and_claims_nothing(tmp_path, sign
     assert all(line.split(":")[1].startswith(" no finding") for line in result["findings"]), result["findings"]
     drawn = run_script(["visualize.py", "--dir", str(tmp_path / "plan")], nproc=None)
     assert drawn.returncode == 0, drawn.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_plan_and_every_process_it_started_ends_in_one_line(tmp_path, signum):
+    """A terminal's Ctrl-C reaches the whole process group: plan.py, its shared processes and its probes."""
+    plan_json = tmp_path / "plan" / "plan.json"
+    proc = start_script(["plan.py", "--device", "cpu", "--world_size", "2,4", "--sets", "default,ac", "--variants",
+                         "torch_optimizer_after_fsdp", "--inject_oom_above", "40", "--output_dir", str(tmp_path / "plan")],
+                        nproc=None, own_group=True)
+    for line in proc.stdout:
+        if line.startswith("[probe]"):
+            break
+    time.sleep(0.3)
+    os.killpg(proc.pid, signum)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and stderr.strip().splitlines() == [
+        f"Interrupted ({signal.Signals(signum).name}); the probes that ended are in {plan_json}"], stderr
+    result = load(plan_json)
+    assert result["meta"]["interrupted"] is True and result["meta"]["probes"] >= 1
+    assert not any(a["largest"] for a in result["answers"] if not a["finished"])
 
 
 def signal_child_after(tmp_path, marker: str, extra: list[str]):

@@ -212,3 +212,16 @@ def test_a_slow_write_of_the_lock_loses_the_race_and_is_refused(tmp_path, monkey
     assert outcome["slow"].startswith(f"--output_dir {tmp_path}: another run (process {os.getpid()}")
     assert (tmp_path / ".fsdp2bench.lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".fsdp2bench.lock"]  # no temporary lock left
+
+
+def test_ctrl_c_outside_a_runs_own_handling_is_named_sigint(capsys):
+    """A KeyboardInterrupt carries no words: the line names the signal, not an empty pair of brackets."""
+    from fsdp2bench.cli import exit_with
+
+    def interrupted() -> int:
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as ended:
+        exit_with(interrupted)
+    assert ended.value.code == 130
+    assert capsys.readouterr().err == "Interrupted (SIGINT); what was written is whole, nothing more is\n"
