@@ -3,9 +3,9 @@
 Each answer comes from probes: one simulated rank of N (the most loaded one), in a fresh process,
 trained two steps under the cap (``torch.cuda.set_per_process_memory_fraction``); it fits when it
 completes. One shared process per answer, built once, first measures a few values well under the cap;
-the line through their peaks aims the fresh probes, which confirm the edge from both sides. ``python3 plan.py --model qwen2.5-1.5b --world_size 8,64 --gpu_memory 80``
-writes ``<output_dir>/plan.json`` with every probe; ``python3 visualize.py --dir <output_dir>`` draws
-peak reserved against batch.
+the line through their peaks aims the fresh probes, which confirm the edge from both sides.
+``python3 plan.py --model qwen2.5-1.5b --world_size 8,64 --gpu_memory 80`` writes ``<output_dir>/plan.json``
+with every probe; ``python3 visualize.py --dir <output_dir>`` draws peak allocated against batch.
 """
 
 from __future__ import annotations

@@ -164,7 +164,8 @@ class ProbeRunner:
         """A shared process per answer, then the fresh probes the planner wants as each piece ends, every one
         started as soon as the GPU and the host have room for it (fresh probes before shared processes; a
         probe to be run again alone once nothing runs); ``after()`` is told after each piece."""
-        items: list[Probe | Shared] = [Shared(key, self.questions[key], self.ladder(key), self.shared_room(key))
+        rooms = {key: self.shared_room(key) for key in self.searches}
+        items: list[Probe | Shared] = [Shared(key, self.questions[key], self.ladder(key, rooms[key]), rooms[key])
                                        for key in self.searches]
         pieces = [self.piece(item) for item in items]
         waiting = list(range(len(items)))
@@ -223,8 +224,9 @@ class ProbeRunner:
 
     # ----------------------------------------------------------------- the shared processes
 
-    def ladder(self, key) -> Ladder:
-        search, room = self.searches[key], self.shared_room(key)
+    def ladder(self, key, room: int) -> Ladder:
+        """The values of ``key``'s shared process, under its own allocator limit: ``room`` less the context."""
+        search = self.searches[key]
         limit = (room - self.cap.context) / MIB if room else None
         return Ladder(search.lower, search.upper, limit, search.slope_mib, self.inject_oom_above)
 

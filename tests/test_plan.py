@@ -299,11 +299,12 @@ def test_an_answer_cut_short_is_a_bound_and_no_finding_rests_on_it():
                      "fits 3,712 tokens per rank per step (B = 29)."]
 
 
-def plan_until(tmp_path, probes_seen: int, extra: list[str] | None = None):
-    """A CPU plan of tiny with an edge at 40, started and left running once ``probes_seen`` probes ended."""
+def plan_until(tmp_path, probes_seen: int, own_group: bool = False):
+    """A CPU plan of tiny with an edge at 40, started (in a process group of its own: ``own_group``) and left
+    running once ``probes_seen`` probes ended."""
     proc = start_script(["plan.py", "--device", "cpu", "--world_size", "2,4", "--sets", "default,ac",
                          "--variants", "torch_optimizer_after_fsdp", "--inject_oom_above", "40",
-                         "--output_dir", str(tmp_path / "plan"), *(extra or [])], nproc=None)
+                         "--output_dir", str(tmp_path / "plan")], nproc=None, own_group=own_group)
     seen = 0
     for line in proc.stdout:
         seen += line.startswith("[probe]")
@@ -334,13 +335,7 @@ def test_an_interrupted_plan_says_what_it_kept_and_claims_nothing(tmp_path, sign
 def test_a_signal_to_the_plan_and_every_process_it_started_ends_in_one_line(tmp_path, signum):
     """A terminal's Ctrl-C reaches the whole process group: plan.py, its shared processes and its probes."""
     plan_json = tmp_path / "plan" / "plan.json"
-    proc = start_script(["plan.py", "--device", "cpu", "--world_size", "2,4", "--sets", "default,ac", "--variants",
-                         "torch_optimizer_after_fsdp", "--inject_oom_above", "40", "--output_dir", str(tmp_path / "plan")],
-                        nproc=None, own_group=True)
-    for line in proc.stdout:
-        if line.startswith("[probe]"):
-            break
-    time.sleep(0.3)
+    proc = plan_until(tmp_path, 1, own_group=True)
     os.killpg(proc.pid, signum)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130 and stderr.strip().splitlines() == [
