@@ -2,8 +2,9 @@
 
 Each answer comes from probes: one simulated rank of N (the most loaded one), in a fresh process,
 trained two steps under the cap (``torch.cuda.set_per_process_memory_fraction``); it fits when it
-completes. One shared process per answer, built once, first measures a few values well under the cap;
-the line through their peaks aims the fresh probes, which confirm the edge from both sides.
+completes. One shared process per option set and N, built once, first measures a few values well under
+the cap; the line through their peaks aims the fresh probes, which confirm the edge from both sides, and
+the other variants' probes start at the edge the first one found.
 ``python3 plan.py --model qwen2.5-1.5b --world_size 8,64 --gpu_memory 80`` writes ``<output_dir>/plan.json``
 with every probe; ``python3 visualize.py --dir <output_dir>`` draws peak allocated against batch.
 """
@@ -30,7 +31,8 @@ from fsdp2bench.isolation import Interrupted, launcher_keeps_to_one_thread
 from fsdp2bench.matrix import fitting_sizes
 from fsdp2bench.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, default_model, max_positions
 from fsdp2bench.names import INTENDED, MIB, VARIANTS
-from fsdp2bench.probes import BATCH, BLOCK, BLOCK_STEP, ProbeRunner, Question, block_step, heaviest_rank, search_for
+from fsdp2bench.probes import (BATCH, BLOCK, BLOCK_STEP, ProbeRunner, Question, block_step, heaviest_rank,
+                               leaders_of, search_for)
 from fsdp2bench.runner import TrainConfig
 from fsdp2bench.series import PROBE_STEPS
 from fsdp2bench.session import ModelFacts, model_facts, open_session, say_interrupted
@@ -223,25 +225,27 @@ def run(argv: list[str] | None = None) -> int:
                         allocator_limit=checked.cap.allocator_bytes if checked.cap else None)
     tokens = load_tokens(None, None, session.config.vocab_size)
     runner = ProbeRunner(session, train, tokens, questions, searches, checked.cap, args.output_dir,
-                         args.inject_oom_above)
+                         args.inject_oom_above, leaders_of(questions, searches, session.shapes))
     meta = plan_meta(checked, session, started)
     for note in checked.skipped:
         print(f"Skipped: {note}", flush=True)
     say(f"Planning {len(searches)} answers ({args.find} per option set, N and variant): a shared process per "
-        f"answer measures a few values, then fresh probes confirm each edge, {PROBE_STEPS} steps of one simulated "
-        f"rank each{cap_said(checked.cap)}...")
+        f"option set and N measures a few values, then fresh probes confirm each edge (another variant starts at "
+        f"the first one's), {PROBE_STEPS} steps of one simulated rank each{cap_said(checked.cap)}...")
     landed: dict = {}  # each landed answer's time
 
     def save(interrupted: bool = False) -> dict:
         """plan.json as it stands: after every probe, so that an interrupt or a failure loses none."""
         meta.update(wall_s=time.time() - started)
-        plan = fitting.plan_record(meta, questions, searches, runner.probes, runner.shared, interrupted)
+        plan = fitting.plan_record(meta, questions, searches, runner.probes, runner.shared_records(), interrupted)
         save_summary(plan_path(args), plan)
         if not interrupted:
             say_landed(plan, questions, searches, landed, time.time() - started)
         return plan
 
-    planner = fitting.Planner(searches, group=lambda key: key[0], unready=set(searches))  # pilots by option set
+    # A shared process for each answer that leads its set, N and fixed value; shares learned within a set
+    planner = fitting.Planner(searches, group=lambda key: key[0], unready=set(searches) - set(runner.leaders),
+                              leaders=runner.leaders)
     try:
         runner.run_plan(planner, save)
     except Interrupted as exc:

@@ -31,7 +31,10 @@ class Outcome:
     detail: dict = field(default_factory=dict, compare=False)  # the probe's own record, for plan.json
 
 
-STEP_BACK = 0.85  # after the first aim fails, the next probe is this far from the largest fit to it
+# The share of a step's largest block that a search's edge leaves free (``Search``), within these bounds: on one
+# H200 the 1.5B model's edges left 0.4-1.6 of it under 24 GiB (the default set at N = 8 about 1.4, at N = 64 about
+# 0.7, the sets with activation checkpointing 0.45-0.75) and the default set at N = 8 about 1.5 under 80 GiB.
+SHARE_BOUNDS = (0.35, 1.7)
 # A shared process runs under its own allocator limit, SHARED_LIMIT of the probes' (or more where the memory
 # model says its first value needs it). After the lower bound its values aim at these shares of the way from
 # that value's peak to SHARED_TOP of its own limit (room for a slope that is wrong by 10%): far enough up that
@@ -91,25 +94,21 @@ class Search:
         self.outcomes: list[Outcome] = []
         self.shared: list[Outcome] = []  # measured in one shared process: they aim the probes, never decide
         self.error: str | None = None  # a probe failed for a reason other than memory
+        self.learned = False  # block_share is what finished searches left free (share_edges), not the prior
+        self.seed: int | None = None  # where a search like this one found its edge (``follow``)
 
-    def target_mib(self, value: int) -> float:
-        """The peak allocated aimed at for ``value``."""
-        return self.limit_mib - self.share() * self.block_mib * value
-
-    def share(self) -> float:
-        """``block_share``, kept within what this search's own probes allow: a value that fit left at most the
+    def share_bounds(self) -> tuple[float, float]:
+        """The shares this search's own probes allow, within ``SHARE_BOUNDS``: a value that fit left at most the
         share its peak left free, one that failed at least the share the line leaves free there."""
-        if not self.block_mib or self.limit_mib is None:
-            return self.block_share
-        def free(value: int, peak: float | None) -> float | None:
-            return None if peak is None else (self.limit_mib - peak) / (self.block_mib * value)
+        low, high = SHARE_BOUNDS
         line = self.line()
-        above = [free(o.value, o.peak_mib) for o in self.outcomes if o.fits]
-        below = [free(o.value, line[1] + line[2] * (o.value - line[0])) if line else None
-                 for o in self.outcomes if not o.fits]
-        most = min((f for f in above if f is not None), default=math.inf)
-        least = max((f for f in below if f is not None), default=-math.inf)
-        return self.block_share if least >= most else min(max(self.block_share, least), most)
+        for o in self.outcomes:
+            peak = o.peak_mib if o.fits else (line[1] + line[2] * (o.value - line[0]) if line else None)
+            if peak is None or not self.block_mib:
+                continue
+            free = (self.limit_mib - peak) / (self.block_mib * o.value)
+            low, high = (low, min(high, free)) if o.fits else (max(low, free), high)
+        return low, high
 
     def record(self, outcome: Outcome) -> None:
         self.outcomes.append(outcome)
@@ -118,6 +117,11 @@ class Search:
         """A shared process's values: their line aims the first probes, and where it has no peaks (a CPU run),
         the edge it met in its own process is where the probes start."""
         self.shared = sorted(outcomes, key=lambda o: o.value)
+
+    def follow(self, edge: int) -> None:
+        """Search outward from ``edge``, where a search like this one (another variant, the same set and N) found
+        its own: one step to each side first, then twice as far each time, then halves."""
+        self.seed = min(self.upper, max(self.lower, edge))
 
     def stop(self, error: str) -> None:
         self.error = error
@@ -145,45 +149,50 @@ class Search:
             (lo is not None and hi is not None and hi == lo + 1)
 
     def next_values(self) -> list[int]:
-        """The values to probe next (two where the aim is close: the edge's both sides at once); none
-        once the edge is known. Each lies strictly between the largest fit and the smallest failure,
-        so a search always ends."""
+        """The value to probe next (the edge's both sides at once only where a shared process without peaks met
+        it one value wide); none once the edge is known. Each lies strictly between the largest fit and the
+        smallest failure, so a search always ends."""
         if self.done:
             return []
         lo, hi = self.largest_fit, self.smallest_failure
-        if lo is None:
-            return self.first_values()
-        ceiling = self.upper if hi is None else hi - 1
-        guess, close = self.aim()
-        failures = sum(1 for o in self.outcomes if not o.fits)
-        if guess is not None and hi is not None and guess >= hi and failures == 1:
-            # The first aim was too high, most often by a little: step back by as much, not by half.
-            return [min(ceiling, max(lo + 1, lo + math.floor((hi - lo) * STEP_BACK)))]
-        if guess is None or (hi is not None and guess >= hi):  # no line, or it was wrong above
-            shared_hi = self.shared_edge()[1]
-            if hi is None and shared_hi is not None and shared_hi > lo:  # up to where a shared process failed
-                return [min(ceiling, lo + max(1, (shared_hi - lo) // 2))]
-            return [min(ceiling, 2 * lo) if hi is None else (lo + hi) // 2]
-        if guess <= lo:  # the line puts the edge at the largest fit: its next value decides, unless
-            return [min(ceiling, lo + self.step_up())]  # the fits went past the aim
-        value = min(guess, ceiling)
-        return [value, value + 1] if close and value + 1 <= ceiling else [value]
+        if self.seed is not None:
+            value = self.seeded_value(lo, hi)
+        elif self.limit_mib is not None and self.line() is not None:
+            value = self.aimed_value(lo, hi)
+        else:
+            return self.unaimed_values(lo, hi)
+        bottom, top = self.lower if lo is None else lo + 1, self.upper if hi is None else hi - 1
+        return [min(top, max(bottom, value))]
 
-    def first_values(self) -> list[int]:
-        """Before any probe fits: with a shared process's line, both sides of the edge it aims at (the share
-        moved by each failure), then one below, twice as far down after each failure; without one, halfway
-        into the edge the shared process met (both sides at once where it is one value wide), or the lower
-        bound."""
-        hi = self.smallest_failure
-        guess = self.aim()[0] if self.shared else None
-        if guess is not None:
-            if hi is None:
-                value = min(self.upper, max(self.lower, guess))
-                return [value, value + 1] if value + 1 <= self.upper else [value]
-            # Most often off by one; then down twice as far after each failure.
-            failures = sum(1 for o in self.outcomes if not o.fits)
-            return [max(self.lower, min(guess, hi - 2 ** max(0, failures - 2)))]
+    def seeded_value(self, lo: int | None, hi: int | None) -> int:
+        """The seed, then a step of 1 to its side, another of 1 (most often the edge is one away), then twice as
+        far each time; once bracketed, halves."""
+        if lo is None and hi is None:
+            return self.seed
+        if lo is not None and hi is not None:
+            return (lo + hi) // 2
+        return lo + max(1, lo - self.seed) if hi is None else hi - max(1, self.seed - hi)
+
+    def aimed_value(self, lo: int | None, hi: int | None) -> int:
+        """The line's edge at the share the search starts from; after one probe aimed by other searches' edges
+        (most often off by one) the value beside it; then the middle of the shares its probes still allow."""
+        if not self.outcomes:
+            return self.aim(self.block_share)
+        if len(self.outcomes) == 1 and self.learned:
+            return lo + 1 if lo is not None else hi - 1
+        low, high = self.share_bounds()
+        if low >= high:  # the allocator's packing broke the line's order: halve the bracket
+            return lo + 1 if hi is None else (lo or self.lower) + (hi - (lo or self.lower)) // 2
+        return self.aim(math.sqrt(low * high))
+
+    def unaimed_values(self, lo: int | None, hi: int | None) -> list[int]:
+        """Without a line (no peaks: a CPU run): into the edge a shared process met, halving; else doubling from
+        the lower bound until a value fails, then halving."""
         shared_lo, shared_hi = self.shared_edge()
+        if lo is not None:
+            if hi is None and shared_hi is not None and shared_hi > lo:  # up to where a shared process failed
+                return [min(self.upper, lo + max(1, (shared_hi - lo) // 2))]
+            return [min(self.upper, 2 * lo) if hi is None else (lo + hi) // 2]
         top = hi if hi is not None else shared_hi
         bottom = shared_lo if shared_lo is not None and (top is None or shared_lo < top) else None
         if top is None:
@@ -217,27 +226,10 @@ class Search:
         slope = _slope(shared, SHARED_NEAR) or _slope(points, 0.5) or self.slope_mib
         return (x2, y2, slope) if slope else None
 
-    def step_up(self) -> int:
-        """1, or where the largest fit already holds more than the aim (a cap whose largest blocks are
-        small beside it lets a step use more of it), half the way to where the line meets the limit,
-        or to the smallest failure."""
-        x, y, slope = self.line()
-        if y < self.target_mib(x):
-            return 1
-        hi = self.smallest_failure
-        if hi is not None:
-            return max(1, (hi - x) // 2)
-        return max(1, math.floor((self.limit_mib - y) / slope) // 2)
-
-    def aim(self) -> tuple[int | None, bool]:
-        """The largest value the line keeps under the target, and whether it is close to the value the
-        line starts from (then the line holds, and both sides of the edge are probed at once)."""
-        line = self.line() if self.limit_mib is not None else None
-        if line is None:
-            return None, False
-        x, y, slope = line  # the peak y + slope (v - x) meets the target at v:
-        guess = math.floor((self.limit_mib - y + slope * x) / (slope + self.share() * self.block_mib))
-        return guess, abs(guess - x) <= max(2, x // 4)
+    def aim(self, share: float) -> int:
+        """The largest value whose peak on the line leaves ``share`` of its largest block free under the limit."""
+        x, y, slope = self.line()  # the peak y + slope (v - x) meets the limit less share * block * v at v:
+        return math.floor((self.limit_mib - y + slope * x) / (slope + share * self.block_mib))
 
     def predicted_peak(self, value: int) -> float | None:
         """The line's peak at ``value``: what a probe is expected to hold, so that probes that will
@@ -259,6 +251,7 @@ class Search:
                 "above": _said(above),
                 "fits_above_edge": self.fits_above_edge,
                 "at_upper_bound": lo == self.upper, "probes": len(self.outcomes), "error": self.error,
+                "started_at": self.seed,
                 "smallest_peak_mib": min((o.peak_mib for o in self.outcomes if o.peak_mib is not None), default=None)}
 
 
@@ -282,33 +275,44 @@ RoundRunner = Callable[[list[tuple[Hashable, int]]], dict[tuple[Hashable, int], 
 
 
 class Planner:
-    """Which probes may start now, as the ones before them end: a search proposes its next values once none
-    of its own is out; one of a ``group`` waits until a search of its group has found its edge (the group's
-    first search, its pilot, goes first), and one in ``unready`` until its shared process has ended. Each
-    outcome's finished searches aim the others (``share_edges``)."""
+    """Which probes may start now, as the ones before them end: a search proposes its next value once none
+    of its own is out; one in ``unready`` waits until its shared process has ended, and a follower
+    (``leaders``: key -> (its leader's key, the values it is expected to fit beyond it)) until its leader has
+    found its edge, where it starts (``Search.follow``). Each outcome's finished searches aim the others of
+    their ``group`` (``share_edges``)."""
 
     def __init__(self, searches: dict[Hashable, Search], group: Callable[[Hashable], Hashable] = lambda key: None,
-                 unready: set | None = None):
+                 unready: set | None = None, leaders: dict[Hashable, tuple[Hashable, int]] | None = None):
         self.searches, self.group = searches, group
         self.unready = set(unready or ())
+        self.leaders = dict(leaders or {})
         self.out: set[tuple[Hashable, int]] = set()
-        self.pilots: dict[Hashable, Hashable] = {}
-        for key in searches:
-            self.pilots.setdefault(group(key), key)
 
     def ready(self, key: Hashable) -> None:
         self.unready.discard(key)
 
     def wanted(self) -> list[tuple[Hashable, int]]:
         """The probes to start now; each is out until ``took`` hears of it."""
-        found = {self.group(key) for key, search in self.searches.items() if search.done}
+        self.seed_followers()
         busy = {key for key, _ in self.out}
         new = [(key, value) for key, search in self.searches.items()
                if key not in busy and key not in self.unready
-               and (self.group(key) in found or self.pilots[self.group(key)] == key)
+               and (key not in self.leaders or self.searches[self.leaders[key][0]].done)
                for value in search.next_values()]
         self.out.update(new)
         return new
+
+    def seed_followers(self) -> None:
+        """A follower whose leader has found its edge starts there, moved by what it holds less (or more); where
+        the leader failed for another reason, it searches on its own, aimed by the leader's shared process."""
+        for key, (leader, shift) in self.leaders.items():
+            search, led = self.searches[key], self.searches[leader]
+            if not led.done or search.seed is not None or search.outcomes or search.shared:
+                continue
+            if led.error is None:
+                search.follow((led.largest_fit or led.lower) + shift)
+            else:
+                search.take_shared(led.shared)
 
     def took(self, key: Hashable, value: int, found: Outcome | str) -> None:
         self.out.discard((key, value))
@@ -341,14 +345,15 @@ def share_edges(searches: dict[Hashable, Search], group: Callable[[Hashable], Ha
     for key, search in searches.items():
         shares = sorted(found.get(group(key), every))
         if shares and not search.done:
-            search.block_share = shares[len(shares) // 2]
+            search.block_share, search.learned = shares[len(shares) // 2], True
 
 
 def run_searches(searches: dict[Hashable, Search], run_round: RoundRunner,
-                 group: Callable[[Hashable], Hashable] = lambda key: None) -> int:
+                 group: Callable[[Hashable], Hashable] = lambda key: None,
+                 leaders: dict[Hashable, tuple[Hashable, int]] | None = None) -> int:
     """Every search to its end, a ``Planner``'s probes run a round at a time (the tests' driver; plan.py
     starts each probe as soon as the planner wants it); returns the rounds."""
-    planner, rounds = Planner(searches, group), 0
+    planner, rounds = Planner(searches, group, leaders=leaders), 0
     while wanted := planner.wanted():
         rounds += 1
         for (key, value), found in run_round(wanted).items():
@@ -364,11 +369,11 @@ def plan_record(meta: dict, questions: dict, searches: dict[Hashable, Search], p
     the counts, and the findings."""
     limit = (meta.get("gpu_memory") or {}).get("allocator_limit_mib")
     answers = [{**answer_of(questions[key], search, limit),
-                "shared_process": shared[key].as_dict() if key in shared else None} for key, search in searches.items()]
+                "shared_process": shared.get(key)} for key, search in searches.items()]
     reruns = sum(1 for p in probes if p.attempt)
     meta = {**meta, "probes": len(probes), "probes_run_again_alone": reruns, "interrupted": interrupted,
             "probes_per_answer": len(probes) / len(answers) if answers else None,
-            "shared_processes": len(shared), "shared_values": sum(len(s.points) for s in shared.values())}
+            "shared_processes": len(shared), "shared_values": sum(len(s["values"]) for s in shared.values())}
     return {"meta": meta, "answers": answers, "findings": findings(answers, meta["variants"][0])}
 
 
@@ -399,7 +404,8 @@ def in_units(found: dict | None, unit: int) -> dict | None:
     """A search's answer or outcome with its values times ``unit``."""
     if found is None or unit == 1:
         return found
-    scaled = {k: None if found.get(k) is None else found[k] * unit for k in ("largest", "value", "at_least", "below")
+    scaled = {k: None if found.get(k) is None else found[k] * unit
+              for k in ("largest", "value", "at_least", "below", "started_at")
               if k in found}
     scaled.update({k: in_units(found[k], unit) for k in ("fit", "above") if k in found})
     if "fits_above_edge" in found:

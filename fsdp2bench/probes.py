@@ -36,10 +36,10 @@ from fsdp2bench.session import Session
 from measure import failed_allocation_mib, gpu_free_mib
 
 ROOM_MARGIN = 1.15  # on the line's peak, for a probe that shares the GPU
-# The share of a step's largest block (the fp32 logits) the edge leaves free under the limit: on one
-# H200 the 1.5B model's default set left 1.5 of it at N = 8 under both 24 and 80 GiB (fitting.Search;
-# a plan's finished answers then aim the others with what they found).
-BLOCK_SHARE = 1.5
+# The share of a step's largest block (the fp32 logits) a search's first aim leaves free under the limit: the
+# middle of what the 1.5B model's edges left on one H200 (fitting.SHARE_BOUNDS; a plan's finished answers then aim
+# the others of their option set with what they found).
+BLOCK_SHARE = 0.7
 PHYSICAL_SLACK_MIB = 512  # free on the GPU beyond a refused allocation that says the cap refused it, not the GPU
 BLOCK_STEP = 64  # tokens: a searched block is a multiple of it (a finer edge is not a length people train at)
 BATCH, BLOCK = "batch_size", "block_size"
@@ -110,6 +110,23 @@ def search_for(question: Question, lower: int, upper: int, cap: GpuCap | None, c
     return Search(lower, upper, cap.allocator_bytes / MIB, per_unit / MIB, logits / MIB, BLOCK_SHARE)
 
 
+def leaders_of(questions: dict, searches: dict[object, Search], shapes) -> dict[object, tuple[object, int]]:
+    """Each answer after the first of its option set, N and fixed value (another variant): that first answer, its
+    leader, and the values it is expected to fit beyond the leader's edge (what the memory model says it holds
+    less, over the search's slope). It needs no shared process: it starts at the leader's edge."""
+    first: dict = {}
+    leaders = {}
+    for key, q in questions.items():
+        cell = (q.option_set, q.world_size, q.searched, q.fixed)
+        if first.setdefault(cell, key) == key:
+            continue
+        lead, slope = questions[first[cell]], searches[key].slope_mib
+        held = {question: variant_need(shapes, question.world_size, question.variant, question.options, 0)
+                for question in (lead, q)}
+        leaders[key] = (first[cell], round((held[lead] - held[q]) / MIB / slope) if slope else 0)
+    return leaders
+
+
 @dataclass
 class Probe:
     question_key: object
@@ -140,8 +157,9 @@ class Shared:
 
     overlaps = Probe.overlaps
 
-    def as_dict(self) -> dict:
-        return {"room_mib": self.room / MIB, "wall_s": self.ended - self.started, "setup_s": self.setup_s,
+    def as_dict(self, t0: float) -> dict:
+        return {"room_mib": self.room / MIB, "started_s": self.started - t0, "wall_s": self.ended - self.started,
+                "setup_s": self.setup_s,
                 "values": [p["value"] for p in self.points], "error": self.error}
 
 
@@ -157,16 +175,19 @@ class ProbeRunner:
     cap: GpuCap | None
     output_dir: str
     inject_oom_above: int | None = None
+    leaders: dict[object, tuple[object, int]] = dataclasses.field(default_factory=dict)  # leaders_of
     probes: list[Probe] = dataclasses.field(default_factory=list)
     shared: dict[object, Shared] = dataclasses.field(default_factory=dict)
+    t0: float = dataclasses.field(default_factory=time.monotonic)  # the plan's start, for each piece's start time
 
     def run_plan(self, planner: Planner, after: Callable[[], None]) -> None:
-        """A shared process per answer, then the fresh probes the planner wants as each piece ends, every one
-        started as soon as the GPU and the host have room for it (fresh probes before shared processes; a
-        probe to be run again alone once nothing runs); ``after()`` is told after each piece."""
-        rooms = {key: self.shared_room(key) for key in self.searches}
-        items: list[Probe | Shared] = [Shared(key, self.questions[key], self.ladder(key, rooms[key]), rooms[key])
-                                       for key in self.searches]
+        """A shared process per answer that leads (the followers start at its edge), then the fresh probes the
+        planner wants as each piece ends, every one started as soon as the GPU and the host have room for it
+        (fresh probes before shared processes; a probe to be run again alone once nothing runs); ``after()`` is
+        told after each piece."""
+        rooms = {key: self.shared_room(key) for key in self.searches if key not in self.leaders}
+        items: list[Probe | Shared] = [Shared(key, self.questions[key], self.ladder(key, room), room)
+                                       for key, room in rooms.items()]
         pieces = [self.piece(item) for item in items]
         waiting = list(range(len(items)))
 
@@ -204,6 +225,10 @@ class ProbeRunner:
             after()
 
         run_queue(pieces, next_piece, 0, self.session.store, self.session.device, started, ended)
+
+    def shared_records(self) -> dict:
+        """Each shared process as plan.json holds it, its start counted from the plan's."""
+        return {key: shared.as_dict(self.t0) for key, shared in self.shared.items()}
 
     def piece(self, item: Probe | Shared) -> Piece:
         if isinstance(item, Shared):
@@ -352,7 +377,7 @@ class ProbeRunner:
         """Fits, with its peaks; out of memory, with where it stood; or the other failure, as a string."""
         q, store = probe.question, self.session.store
         common = {"kind": "fresh", "attempt": probe.attempt, "room_mib": probe.room / MIB,
-                  "wall_s": probe.ended - probe.started}
+                  "started_s": probe.started - self.t0, "wall_s": probe.ended - probe.started}
         if failure is None:
             record, = gather_records(store, job.keys, [q.rank])
             summary = report.memory_summary(q.variant, [record], self.session.shapes, q.world_size, [q.rank],

@@ -49,6 +49,8 @@ def nothing_left_in_the_temp_dir(tmp_path_factory):
     machine = tempfile.gettempdir()
     before = set(os.listdir(machine))
     LAUNCHES_TMP.append(str(tmp_path_factory.mktemp("launches_tmp")))
+    # this process's compiled-kernel cache (a CP layout's check imports inductor), beside the launched ones'
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(LAUNCHES_TMP[0], "torchinductor_tests"))
     yield
     left = sorted(n for n in set(os.listdir(machine)) - before if n.startswith(OURS))
     ours = sorted(n for n in os.listdir(LAUNCHES_TMP[0]) if not n.startswith(LEFT_BY_LAUNCHERS))

@@ -15,6 +15,7 @@ from fsdp2bench import concurrency, fitting
 from fsdp2bench.cli import UserError
 from fsdp2bench.fitting import Outcome, Search, run_searches
 from fsdp2bench.names import MIB
+from fsdp2bench.probes import BLOCK_SHARE
 
 LIMIT = 24049.0  # MiB: a 24 GiB cap less the CUDA context, as on one H200
 STATE, PER_SEQUENCE = 4800.0, 640.0  # MiB: a 1.5B rank's peak at batch 0 and what a sequence adds
@@ -103,9 +104,10 @@ def gpu_rank(limit: float, share: float, quirk: int | None = None):
     return peak, fits
 
 
-def shared_then_fresh(limit: float, share: float, quirk: int | None = None, answers: int = 1) -> list[Search]:
-    """plan.py's order for ``answers`` answers of one option set: a shared process's ladder each (under its own
-    lower limit), then fresh probes, the first answer's (the pilot's) edge aiming the others."""
+def shared_then_fresh(limit: float, share: float, quirk: int | None = None, variants: int = 1) -> list[Search]:
+    """plan.py's order for the ``variants`` answers of one option set and N: a shared process's ladder for the
+    first (under its own lower limit), fresh probes aimed by its line, then the other variants' fresh probes
+    from the edge it found."""
     peak, fits = gpu_rank(limit, share, quirk)
     ladder = fitting.Ladder(1, 4096, fitting.SHARED_LIMIT * limit, PER_SEQUENCE * 1.1)
     points = []
@@ -113,33 +115,65 @@ def shared_then_fresh(limit: float, share: float, quirk: int | None = None, answ
         assert peak(value) <= fitting.SHARED_LIMIT * limit, "a shared process's values stay under its own limit"
         points.append((value, peak(value)))
     assert len(points) == 3 and points[-1][1] > 0.5 * limit  # batch 1, then two far above it
-    searches = {i: Search(1, 4096, limit, PER_SEQUENCE * 1.1, BLOCK, 1.5) for i in range(answers)}
-    for search in searches.values():
-        search.take_shared([Outcome(v, True, y) for v, y in points])
-    run_searches(searches, lambda wanted: {(k, v): Outcome(v, fits(v), peak(v)) for k, v in wanted})
+    searches = {i: Search(1, 4096, limit, PER_SEQUENCE * 1.1, BLOCK, BLOCK_SHARE) for i in range(variants)}
+    searches[0].take_shared([Outcome(v, True, y) for v, y in points])
+    run_searches(searches, lambda wanted: {(k, v): Outcome(v, fits(v), peak(v)) for k, v in wanted},
+                 leaders={i: (0, 0) for i in range(1, variants)})
     return list(searches.values())
 
 
 @pytest.mark.parametrize("limit", [24049.0, 40433.0, 81393.0])
-@pytest.mark.parametrize("share", [0.6, 1.2, 1.5, 1.8])
-def test_a_shared_line_aims_the_fresh_probes_at_the_edge(limit, share):
+def test_a_shared_line_aims_the_fresh_probes_at_the_edge(limit):
     """The probes confirm each edge from both sides, at most 3 fresh ones per answer on average over an option
-    set's four answers, whether its edges leave the share a search starts from free, less, or more."""
-    peak, fits = gpu_rank(limit, share)
-    edge = max(v for v in range(1, 4096) if fits(v))
-    searches = shared_then_fresh(limit, share, answers=4)
-    for found in (search.answer() for search in searches):
-        assert found["largest"] == edge and found["above"]["value"] == edge + 1 and not found["above"]["fits"]
-    counts = [search.answer()["probes"] for search in searches]
+    set's two variants at one N, across edges that leave the share a search starts from free, less, or more
+    (0.4-1.5: what the 1.5B model's left on one H200); the second variant takes two."""
+    counts = []
+    for share in (0.4, 0.7, 1.0, 1.2, 1.5):
+        peak, fits = gpu_rank(limit, share)
+        edge = max(v for v in range(1, 4096) if fits(v))
+        searches = shared_then_fresh(limit, share, variants=2)
+        for found in (search.answer() for search in searches):
+            assert found["largest"] == edge and found["above"]["value"] == edge + 1 and not found["above"]["fits"]
+        counts += [search.answer()["probes"] for search in searches]
+        assert counts[-1] == 2, counts  # the follower starts at the edge
     assert sum(counts) / len(counts) <= 3, counts
 
 
-def test_a_fit_above_the_edge_of_a_shared_line_does_not_move_it():
-    """A reserved peak that is not monotone: the value above the first failure fits; the edge is the failure's."""
-    limit, share = 24049.0, 1.5
+@pytest.mark.parametrize("offset, probes", [(0, 2), (-1, 2), (1, 3), (-2, 3), (3, 5), (-3, 5)])
+def test_a_follower_searches_outward_from_its_leaders_edge(offset, probes):
+    """Another variant starts where the first found its edge: a step of one, another of one, then twice as far
+    each time, then halves."""
+    edge = 40
+    leader, follower = Search(1, 4096), Search(1, 4096)
+    for value, fits in [(edge, True), (edge + 1, False)]:
+        leader.record(Outcome(value, fits))
+    searches = {"lead": leader, "follow": follower}
+    run_searches(searches, lambda wanted: {(k, v): Outcome(v, v <= edge + offset) for k, v in wanted},
+                 leaders={"follow": ("lead", 0)})
+    found = follower.answer()
+    assert found["largest"] == edge + offset and found["started_at"] == edge and found["probes"] == probes
+
+
+def test_a_follower_whose_leader_failed_searches_on_its_own():
+    leader, follower = Search(1, 64), Search(1, 64)
+    leader.stop("lead: ValueError: boom")
+    run_searches({"lead": leader, "follow": follower}, lambda wanted: {(k, v): Outcome(v, v <= 9) for k, v in wanted},
+                 leaders={"follow": ("lead", 0)})
+    assert follower.answer()["largest"] == 9 and follower.answer()["started_at"] is None
+
+
+def test_a_fit_above_the_edge_of_a_shared_line_is_listed_and_the_edge_is_a_fresh_pair():
+    """A reserved peak that is not monotone: a value above the first failure may fit. The answer is always a
+    fit and a failure one above it, both probed; a fit above a failure it saw is listed, and never the edge."""
+    limit, share = 24049.0, 0.7
     edge = max(v for v in range(1, 4096) if gpu_rank(limit, share)[1](v))
-    search, = shared_then_fresh(limit, share, quirk=edge + 2)
-    assert search.answer()["largest"] == edge and search.answer()["above"]["value"] == edge + 1
+    for quirk in (edge + 2, edge + 3):
+        search, = shared_then_fresh(limit, share, quirk=quirk)
+        found, failed = search.answer(), [o.value for o in search.outcomes if not o.fits]
+        assert found["above"]["value"] == found["largest"] + 1 and not found["above"]["fits"]
+        assert found["largest"] == (edge if edge + 1 in failed or quirk not in [o.value for o in search.outcomes]
+                                    else quirk)
+        assert all(v > min(failed) for v in found["fits_above_edge"])
 
 
 @pytest.mark.parametrize("edge", [1, 3, 5, 40, 100])
@@ -404,4 +438,4 @@ def test_a_shared_process_whose_first_value_fills_its_room_measures_only_that():
     assert ladder.next_value([]) == 1 and ladder.next_value([(1, 29546.0)]) is None
     search = Search(1, 4096, 40433.0, PER_SEQUENCE, BLOCK, 1.5)
     search.take_shared([Outcome(1, True, 29546.0)])
-    assert search.line() == (1, 29546.0, PER_SEQUENCE) and len(search.next_values()) == 2
+    assert search.line() == (1, 29546.0, PER_SEQUENCE) and search.next_values() == [search.aim(1.5)] != [1]
