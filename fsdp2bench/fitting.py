@@ -40,6 +40,9 @@ SHARE_BOUNDS = (0.35, 1.7)
 # that value's peak to SHARED_TOP of its own limit (room for a slope that is wrong by 10%): far enough up that
 # the blocks' activations, not the optimizer's transients, make the slope between the last two.
 SHARED_LIMIT, SHARED_TOP, SHARED_TARGETS = 0.7, 0.9, (0.4, 1.0)
+# ... and at most this many MiB: under a large cap the activations outweigh the transients well below it, and
+# six shared processes fit on one 140 GiB GPU where two of 0.7 of 80 GiB would.
+SHARED_MOST_MIB = 20 * 1024
 # A slope between two values where the smaller is below this share of the larger is bent by the optimizer's
 # transients (large beside a small batch's activations): the model's estimate aims instead.
 SHARED_NEAR = 0.25

@@ -25,7 +25,7 @@ import torch
 from fsdp2bench import report
 from fsdp2bench.concurrency import (GpuCap, activation_bytes_per_token, host_bytes, host_memory_for_launch,
                                     microbatch_logits_bytes, rank_logits_bytes, variant_need)
-from fsdp2bench.fitting import SHARED_LIMIT, Ladder, Outcome, Planner, Search
+from fsdp2bench.fitting import SHARED_LIMIT, SHARED_MOST_MIB, Ladder, Outcome, Planner, Search
 from fsdp2bench.isolation import Piece, StoreKeys, gather_records, has_keys, run_queue
 from fsdp2bench.memory_model import expected_state
 from fsdp2bench.names import MIB, PEAK_PHASES, phases
@@ -256,8 +256,8 @@ class ProbeRunner:
         return Ladder(search.lower, search.upper, limit, search.slope_mib, self.inject_oom_above)
 
     def shared_room(self, key) -> int:
-        """A shared process's allocator limit is ``SHARED_LIMIT`` of a probe's, or what the memory model says its
-        first value needs where that is more (the state of a rank of a small world); its room is that and the
+        """A shared process's allocator limit is ``SHARED_LIMIT`` of a probe's (at most ``SHARED_MOST_MIB``), or what
+        the memory model says its first value needs where that is more (the state of a rank of a small world); its room is that and the
         context."""
         if self.cap is None or self.session.device.type != "cuda":
             return 0
@@ -265,7 +265,8 @@ class ProbeRunner:
         first = variant_need(self.session.shapes, question.world_size, question.variant, question.options,
                              rank_logits_bytes(*question.batch_and_block(search.lower), self.session.config,
                                                question.options))
-        limit = max(int(self.cap.allocator_bytes * SHARED_LIMIT), first - self.cap.context)
+        share = min(self.cap.allocator_bytes * SHARED_LIMIT, SHARED_MOST_MIB * MIB)
+        limit = max(int(share), first - self.cap.context)
         return min(self.cap.allocator_bytes, limit) + self.cap.context
 
     def series_job(self, shared: Shared) -> SeriesJob:
