@@ -312,11 +312,14 @@ class ProbeRunner:
 
     def room(self, key, value: int) -> int:
         """Bytes of GPU a probe is given: the cap, or less where its search expects it to stay well
-        under (the line's peak with a margin, or the calibrated estimate for a first probe)."""
+        under (the line's peak with a margin, its leader's for a follower, or the calibrated estimate for a first
+        probe)."""
         if self.cap is None or self.session.device.type != "cuda":
             return 0
         question, search = self.questions[key], self.searches[key]
         predicted = search.predicted_peak(value)
+        if predicted is None and key in self.leaders:  # a follower: its probes are near its leader's edge
+            predicted = self.searches[self.leaders[key][0]].predicted_peak(value)
         if predicted is not None:
             expected = int(predicted * MIB * ROOM_MARGIN) + self.cap.context
         else:

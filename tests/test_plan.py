@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import signal
 import time
+import types
 
 import pytest
+import torch
 from conftest import child_running, load, run_script, start_script
 
 import plan
@@ -15,7 +17,7 @@ from fsdp2bench import concurrency, fitting
 from fsdp2bench.cli import UserError
 from fsdp2bench.fitting import Outcome, Search, run_searches
 from fsdp2bench.names import MIB
-from fsdp2bench.probes import BLOCK_SHARE
+from fsdp2bench.probes import BLOCK_SHARE, ROOM_MARGIN, ProbeRunner, Question
 
 LIMIT = 24049.0  # MiB: a 24 GiB cap less the CUDA context, as on one H200
 STATE, PER_SEQUENCE = 4800.0, 640.0  # MiB: a 1.5B rank's peak at batch 0 and what a sequence adds
@@ -160,6 +162,20 @@ def test_a_follower_whose_leader_failed_searches_on_its_own():
     run_searches({"lead": leader, "follow": follower}, lambda wanted: {(k, v): Outcome(v, v <= 9) for k, v in wanted},
                  leaders={"follow": ("lead", 0)})
     assert follower.answer()["largest"] == 9 and follower.answer()["started_at"] is None
+
+
+def test_a_followers_probe_gets_the_room_its_leaders_line_predicts():
+    """A follower has no shared process: the GPU room of its probes, near its leader's edge, comes from the
+    leader's line (the memory model's estimate without it was a third of what they held under 80 GiB)."""
+    cap = concurrency.GpuCap(24.0, 140 * 1024 * MIB, 527 * MIB)
+    keys = [("default", 8, variant, 128) for variant in ("torch_optimizer_after_fsdp", "accelerate")]
+    searches = {key: Search(1, 4096, LIMIT, PER_SEQUENCE, BLOCK, BLOCK_SHARE) for key in keys}
+    searches[keys[0]].take_shared([Outcome(v, True, STATE + PER_SEQUENCE * v) for v in (1, 8, 20)])
+    session = types.SimpleNamespace(device=torch.device("cuda", 0))
+    questions = {key: Question(key[0], key[1], 0, key[2], "batch_size", key[3]) for key in keys}
+    runner = ProbeRunner(session, None, None, questions, searches, cap, "unused", leaders={keys[1]: (keys[0], 0)})
+    expected = int((STATE + PER_SEQUENCE * 25) * MIB * ROOM_MARGIN) + cap.context
+    assert runner.room(keys[1], 25) == runner.room(keys[0], 25) == expected < cap.process_bytes
 
 
 def test_a_fit_above_the_edge_of_a_shared_line_is_listed_and_the_edge_is_a_fresh_pair():
