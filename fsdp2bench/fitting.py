@@ -32,7 +32,7 @@ class Outcome:
 
 
 # The share of a step's largest block that a search's edge leaves free (``Search``), within these bounds: on one
-# H200 the 1.5B model's edges left 0.4-1.6 of it under 24 GiB (the default set at N = 8 about 1.4, at N = 64 about
+# H200 the 1.5B model's edges left 0.4-1.5 of it under 24 GiB (the default set at N = 8 about 1.4, at N = 64 about
 # 0.7, the sets with activation checkpointing 0.45-0.75) and the default set at N = 8 about 1.5 under 80 GiB.
 SHARE_BOUNDS = (0.35, 1.7)
 # A shared process runs under its own allocator limit, SHARED_LIMIT of the probes' (or more where the memory
@@ -84,8 +84,9 @@ class Search:
     ``limit_mib``: the allocator's limit; ``slope_mib``: the memory model's estimate of what one more
     unit of the searched value adds to a step's peak allocated; ``block_mib``: what it adds to the
     step's largest allocation (the logits). Near the cap a step fails once its peak leaves no free
-    stretch of the largest block's size: the aim is a peak of the limit less ``block_share`` of that
-    block. Without them the search doubles and halves.
+    stretch of the largest block's size: the first aim is a peak of the limit less ``block_share`` of that
+    block, and each probe after it bounds that share (``share_bounds``). Without them the search doubles and
+    halves; ``follow`` starts it at another search's edge instead.
     """
 
     def __init__(self, lower: int, upper: int, limit_mib: float | None = None, slope_mib: float | None = None,
@@ -123,7 +124,7 @@ class Search:
 
     def follow(self, edge: int) -> None:
         """Search outward from ``edge``, where a search like this one (another variant, the same set and N) found
-        its own: one step to each side first, then twice as far each time, then halves."""
+        its own (``seeded_value``)."""
         self.seed = min(self.upper, max(self.lower, edge))
 
     def stop(self, error: str) -> None:
