@@ -667,15 +667,17 @@ def plot_plan(plan: dict, path: str) -> None:
     for row, variant in enumerate(variants):
         for col, (n, fixed) in enumerate(columns):
             ax = axes[row][col]
+            panel = [a for a in answers if (a["variant"], a["world_size"], a["fixed"]) == (variant, n, fixed)]
             for i, name in enumerate(sets):
-                answer = next((a for a in answers if (a["variant"], a["world_size"], a["fixed"], a["option_set"])
-                               == (variant, n, fixed, name)), None)
+                answer = next((a for a in panel if a["option_set"] == name), None)
                 if answer is not None:
                     _plan_answer(ax, answer, figure, f"C{i % 10}", cap)
             if cap:
                 ax.axhline(cap["allocator_limit_mib"] / 1024, color="black", ls="--", lw=1)
             other = "block" if answers[0]["searched"] == "batch_size" else "batch"
-            ax.set_title(f"{short_name(variant)}, N = {n}, {other} {fixed}", fontsize=9)
+            followed = panel and all(a.get("started_at") is not None for a in panel)  # no line aimed them
+            ax.set_title(f"{short_name(variant)}, N = {n}, {other} {fixed}"
+                         + (": each from the first variant's edge" if followed else ""), fontsize=9)
             ax.grid(alpha=0.3)
             ax.set_ylim(bottom=0)
         axes[row][0].set_ylabel("GiB " + ("allocated (peak)" if figure == "peak_allocated_mib" else "host RSS (peak)"))
