@@ -138,7 +138,7 @@ class MemoryTracker:
         (the open segment included), and, for an out-of-memory error, the allocation that failed."""
         state = {"last_event": self.events[-1]["name"] if self.events else None, "steps_done": len(self.steps),
                  "peak_allocated_mib_so_far": None, "num_alloc_retries": None, "num_ooms": None,
-                 "failed_allocation_mib": failed_allocation_mib(error or "")}
+                 "failed_allocation_mib": failed_allocation_mib(error or ""), **held_at_failure(error or "")}
         try:
             open_segment = self._allocator("peak")["allocated_mib"] if self.cuda else None
             state.update(self.allocator_stats(), peak_allocated_mib_so_far=_max_or_none(
@@ -164,18 +164,30 @@ class MemoryTracker:
         return {**self.samples, "steps": self.steps, "events": self.events, "started_at": self.started_at}
 
 
+_SIZE = r"([\d.]+) (B|KiB|MiB|GiB|TiB)"
 _UNITS = {"B": 1 / MIB, "KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0, "TiB": 1024.0 ** 2}
 
 
 def failed_allocation_mib(error: str) -> float | None:
     """The size in "Tried to allocate 2.00 GiB" of torch's out-of-memory message."""
-    return _size_mib(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)", error)
+    return _size_mib(rf"Tried to allocate {_SIZE}", error)
+
+
+HELD_AT_FAILURE = ("allowed_mib", "allocated_by_pytorch_mib", "reserved_unallocated_mib")
+
+
+def held_at_failure(error: str) -> dict:
+    """What torch's out-of-memory message says the process held when the allocation failed: its limit
+    ("39.49 GiB allowed"), allocated, and reserved but not allocated (what fragmentation kept from the
+    allocation); None each where the message does not say."""
+    said = (rf"{_SIZE} allowed;", rf"{_SIZE} is allocated by PyTorch", rf"{_SIZE} is reserved by PyTorch but unallocated")
+    return {key: _size_mib(pattern, error) for key, pattern in zip(HELD_AT_FAILURE, said)}
 
 
 def gpu_free_mib(error: str) -> float | None:
     """What the GPU had free when the allocation failed ("... of which 122.81 GiB is free"): where it is more than
     the allocation, the process's own limit refused it, not a full GPU."""
-    return _size_mib(r"of which ([\d.]+) (B|KiB|MiB|GiB|TiB) is free", error)
+    return _size_mib(rf"of which {_SIZE} is free", error)
 
 
 def _size_mib(pattern: str, error: str) -> float | None:

@@ -99,6 +99,11 @@ def status_of(reason: str | None) -> str:
     return f"{UNSUPPORTED}: {cause}" if cause else f"failed: {reason}"
 
 
+# The end of torch's out-of-memory message: the process's limit, and what it held then
+OOM_HELD = re.compile(r"[\d.]+ \w+ allowed; Of the allocated memory [\d.]+ \w+ is allocated by PyTorch, "
+                      r"and [\d.]+ \w+ is reserved by PyTorch but unallocated")
+
+
 def describe(exc: BaseException) -> str:
     """One line for a failure; out-of-memory, a file that cannot be written (a full disk), and what the
     libraries cannot do, named as such."""
@@ -106,7 +111,9 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, Unsupported):
         return f"{UNSUPPORTED}: {first}"
     if isinstance(exc, torch.OutOfMemoryError):
-        return f"out of memory ({first})"
+        # Where the process list cut it short, the limit and what the process held (measure.held_at_failure)
+        held = OOM_HELD.search(str(exc))
+        return f"out of memory ({first}{' ... ' + held.group(0) if held and held.group(0) not in first else ''})"
     if isinstance(exc, OSError) and exc.filename is not None:
         return f"cannot write {exc.filename} ({exc.strerror})"
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

@@ -33,7 +33,7 @@ from fsdp2bench.options import OPTION_SETS, FsdpOptions
 from fsdp2bench.runner import FailureSpec, Job, TrainConfig, variant_process
 from fsdp2bench.series import SeriesJob, point_key, probe_batches, series_process
 from fsdp2bench.session import Session
-from measure import failed_allocation_mib, gpu_free_mib
+from measure import HELD_AT_FAILURE, failed_allocation_mib, gpu_free_mib
 
 ROOM_MARGIN = 1.15  # on the line's peak, for a probe that shares the GPU
 # The share of a step's largest block (the fp32 logits) a search's first aim leaves free under the limit: the
@@ -401,7 +401,7 @@ class ProbeRunner:
             where = gather_records(store, job.keys, [q.rank])[0].get("failure", {})
         return Outcome(probe.value, False, where.get("peak_allocated_mib_so_far"), {
             **common, "error": failure, "phase": where.get("last_event"), "steps_done": where.get("steps_done"),
-            "failed_allocation_mib": where.get("failed_allocation_mib")})
+            **{k: where.get(k) for k in ("failed_allocation_mib", *HELD_AT_FAILURE)}})
 
     def say(self, probe: Probe) -> None:
         found = probe.found

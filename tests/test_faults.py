@@ -389,3 +389,34 @@ def test_a_run_of_more_steps_than_the_fork_server_passes_descriptors_trains_them
     assert proc.returncode == 0, proc.stderr[-3000:]
     variant = load(tmp_path / "summary.json")["variants"]["torch_optimizer_after_fsdp"]
     assert variant["status"] == "ok" and len(variant["losses"]) == 300
+
+
+# torch's message under a cap with other processes on the GPU (one H200, plan.py under 24 GiB)
+TORCH_OOM = ("CUDA out of memory. Tried to allocate 5.29 GiB. GPU 0 has a total capacity of 139.80 GiB of which 48.09 "
+             "GiB is free. Process 3551 has 24.21 GiB memory in use. Including non-PyTorch memory, this process has "
+             "19.01 GiB memory in use. Process 3604 has 2.48 GiB memory in use. Process 3608 has 2.88 GiB memory in "
+             "use. 23.49 GiB allowed; Of the allocated memory 14.94 GiB is allocated by PyTorch, and 3.57 GiB is "
+             "reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+
+ALONE_OOM = ("CUDA out of memory. Tried to allocate 5.29 GiB. GPU 0 has a total capacity of 139.80 GiB of which 48.09 "
+             "GiB is free. 23.49 GiB allowed; Of the allocated memory 14.94 GiB is allocated by PyTorch, and 3.57 GiB is "
+             "reserved by PyTorch but unallocated.")
+
+
+@pytest.mark.parametrize("message", [TORCH_OOM, ALONE_OOM])
+def test_an_out_of_memory_line_keeps_what_the_process_held(message):
+    """The line is cut at 300 characters, where a list of the GPU's other processes can push out the limit and what
+    the process held; they are kept, once, and read back."""
+    import torch
+
+    from fsdp2bench.isolation import describe
+    from measure import HELD_AT_FAILURE, failed_allocation_mib, gpu_free_mib, held_at_failure
+
+    said = describe(torch.OutOfMemoryError(message))
+    assert said.startswith("out of memory (CUDA out of memory. Tried to allocate 5.29 GiB.") and said.count("allowed") == 1
+    assert failed_allocation_mib(said) == 5.29 * 1024 and gpu_free_mib(said) == 48.09 * 1024
+    assert held_at_failure(said) == {"allowed_mib": 23.49 * 1024, "allocated_by_pytorch_mib": 14.94 * 1024,
+                                     "reserved_unallocated_mib": 3.57 * 1024}
+    assert held_at_failure("rank 0: out of memory (injected)") == dict.fromkeys(HELD_AT_FAILURE)
