@@ -187,7 +187,7 @@ def run_isolated(pieces: list[Piece], rank: int, participants: Sequence[int], st
     context = child_context(device.type)
     children = [context.Process(target=piece.target, args=piece.args) for piece in pieces]
     for child in children:
-        child.start()
+        start_holding_signals(child)
     try:
         running = list(zip(pieces, children))
         while running:
@@ -233,7 +233,7 @@ def run_queue(pieces: list[Piece], next_piece: Callable[[list[int]], int | None]
             while (i := next_piece(list(running))) is not None:
                 _register([pieces[i]])
                 running[i] = context.Process(target=pieces[i].target, args=pieces[i].args)
-                running[i].start()
+                start_holding_signals(running[i])
                 started(i)
             if not running:
                 return
@@ -249,6 +249,19 @@ def run_queue(pieces: list[Piece], next_piece: Callable[[list[int]], int | None]
         _abort([pieces[i] for i in running], store)
         _reap(list(running.values()))
         raise
+
+
+# Held back from a forked child until it can report them (``run_child``): one that came in its first moments
+# raised into multiprocessing's start-up (the handler is this process's), a traceback and no reason given.
+HELD_AT_START = {signal.SIGINT, signal.SIGTERM}
+
+
+def start_holding_signals(child) -> None:
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_AT_START)
+    try:
+        child.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _register(pieces: list[Piece]) -> None:
@@ -438,6 +451,7 @@ def run_child(finisher: Finisher, work: Callable[[dist.TCPStore], None]) -> None
     threading.Thread(target=_watch_for_abort, args=(finisher, os.getppid()), name="abort watcher",
                      daemon=True).start()
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_AT_START)  # a SIGTERM held since the fork raises here
         work(store)
         sys.stdout.flush()
         sys.stderr.flush()

@@ -152,15 +152,15 @@ def run_share(runs: list[SimulatedRun], make_job: Callable[[SimulatedRun], objec
     failure) as it ends. True if any of them failed."""
     mine, outcomes = runs[rank::world_size], {}
 
-    def started(i: int) -> None:
-        print(f"[process {rank}] {mine[i].variant} ({mine[i].label})", flush=True)
+    def started(i: int) -> None:  # each line one write: the other launch processes print theirs at once
+        print(f"[process {rank}] {mine[i].variant} ({mine[i].label})\n", end="", flush=True)
 
     def ended(i: int, failure: str | None) -> None:
         outcomes[i] = failure
         store.set(_outcome_key(mine[i]), "ok" if failure is None else failure)
         if failure:
             said = f"FAILED: {failure}" if failed(failure) else status_of(failure)
-            print(f"[process {rank}] {mine[i].variant} ({mine[i].label}) {said}", flush=True)
+            print(f"[process {rank}] {mine[i].variant} ({mine[i].label}) {said}\n", end="", flush=True)
 
     try:
         run_rolling([Piece(target, (make_job(r),), r.keys) for r in mine],

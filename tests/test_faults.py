@@ -420,3 +420,38 @@ def test_an_out_of_memory_line_keeps_what_the_process_held(message):
     assert held_at_failure(said) == {"allowed_mib": 23.49 * 1024, "allocated_by_pytorch_mib": 14.94 * 1024,
                                      "reserved_unallocated_mib": 3.57 * 1024}
     assert held_at_failure("rank 0: out of memory (injected)") == dict.fromkeys(HELD_AT_FAILURE)
+
+
+def _signalled_in_its_first_moments(keys) -> None:
+    """A child that gets SIGTERM before it could report anything, then starts its work."""
+    from fsdp2bench.isolation import Finisher, run_child
+
+    os.kill(os.getpid(), signal.SIGTERM)
+    run_child(Finisher(keys, 0, lambda status, extra: {"status": status, **extra}), lambda store: None)
+
+
+def test_a_signal_in_a_childs_first_moments_fails_it_naming_the_signal(monkeypatch, capfd):
+    """A SIGTERM (or a terminal's SIGINT to the whole group) can reach a child before it can report one: it is
+    held until it can, and the piece fails naming it, with no traceback."""
+    import torch
+    import torch.distributed as dist
+
+    from fsdp2bench import isolation
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setattr(isolation, "end_with_parent", lambda: None)  # not for the test process itself
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    failures: list = []
+    keys = isolation.StoreKeys("first_moments")
+    waiting = [0]
+    try:
+        isolation.catch_interrupts()  # the main process's handlers, which a forked child inherits
+        isolation.run_queue([isolation.Piece(_signalled_in_its_first_moments, (keys,), keys)],
+                            lambda running: waiting.pop() if waiting else None, 0, store, torch.device("cpu"),
+                            lambda i: None, lambda i, failure: failures.append(failure))
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+    assert failures == ["rank 0: Interrupted: SIGTERM"] and "Traceback" not in capfd.readouterr().err

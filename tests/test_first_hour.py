@@ -4,6 +4,7 @@ left where a script writes is replaced, and two runs started into one directory 
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 
 import pytest
@@ -167,16 +168,25 @@ def test_an_interrupt_while_a_file_is_written_leaves_the_file_as_it_was_and_noth
     assert load(path)["step"] == 1 and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
 
 
-def test_a_signal_to_one_loading_process_fails_its_mode_only_and_the_last_line_says_so(tmp_path):
-    out = tmp_path / "out"
+def signal_the_first_mode(out) -> tuple[subprocess.Popen, str, dict]:
+    """loading.py with SIGTERM sent to the process of its first mode as soon as it exists (the test may be
+    scheduled late on a busy machine, after that mode has finished: then no mode fails)."""
     proc = start_script(["loading.py", *CPU, "--model", "small", "--output_dir", str(out)], nproc=None)
     for line in proc.stdout:
         if line.startswith("[naive]"):
             break
     child_running(proc.pid, "loading.py").send_signal(signal.SIGTERM)  # the mode loading now, not the launcher
     _, stderr = proc.communicate(timeout=120)
-    statuses = {mode: entry["status"] for mode, entry in load(out / "loading_summary.json")["modes"].items()}
-    failed = [mode for mode, status in statuses.items() if status != "ok"]
+    return proc, stderr, {mode: entry["status"] for mode, entry in load(out / "loading_summary.json")["modes"].items()}
+
+
+def test_a_signal_to_one_loading_process_fails_its_mode_only_and_the_last_line_says_so(tmp_path):
+    """Whenever it lands in the mode's process, its first moments included: that mode fails naming the signal."""
+    for attempt in range(3):
+        proc, stderr, statuses = signal_the_first_mode(tmp_path / f"out{attempt}")
+        assert "Traceback" not in stderr
+        failed = [mode for mode, status in statuses.items() if status != "ok"]
+        if failed or proc.returncode:
+            break
     assert proc.returncode == 1 and len(failed) == 1 and "SIGTERM" in statuses[failed[0]], statuses
     assert stderr.strip().splitlines()[-1].startswith(f"FAILED: {failed[0]}: failed: "), stderr
-    assert "Traceback" not in stderr
