@@ -180,7 +180,8 @@ def held_at_failure(error: str) -> dict:
     """What torch's out-of-memory message says the process held when the allocation failed: its limit
     ("39.49 GiB allowed"), allocated, and reserved but not allocated (what fragmentation kept from the
     allocation); None each where the message does not say."""
-    said = (rf"{_SIZE} allowed;", rf"{_SIZE} is allocated by PyTorch", rf"{_SIZE} is reserved by PyTorch but unallocated")
+    said = (rf"{_SIZE} allowed;", rf"{_SIZE} is allocated by PyTorch",
+            rf"{_SIZE} is reserved by PyTorch but unallocated")
     return {key: _size_mib(pattern, error) for key, pattern in zip(HELD_AT_FAILURE, said)}
 
 

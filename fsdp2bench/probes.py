@@ -256,9 +256,9 @@ class ProbeRunner:
         return Ladder(search.lower, search.upper, limit, search.slope_mib, self.inject_oom_above)
 
     def shared_room(self, key) -> int:
-        """A shared process's allocator limit is ``SHARED_LIMIT`` of a probe's (at most ``SHARED_MOST_MIB``), or what
-        the memory model says its first value needs where that is more (the state of a rank of a small world); its room is that and the
-        context."""
+        """A shared process's allocator limit is ``SHARED_LIMIT`` of a probe's (at most ``SHARED_MOST_MIB``), or
+        what the memory model says its first value needs where that is more (the state of a rank of a small world);
+        its room is that and the context."""
         if self.cap is None or self.session.device.type != "cuda":
             return 0
         question, search = self.questions[key], self.searches[key]

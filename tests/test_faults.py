@@ -401,8 +401,8 @@ TORCH_OOM = ("CUDA out of memory. Tried to allocate 5.29 GiB. GPU 0 has a total 
 
 
 ALONE_OOM = ("CUDA out of memory. Tried to allocate 5.29 GiB. GPU 0 has a total capacity of 139.80 GiB of which 48.09 "
-             "GiB is free. 23.49 GiB allowed; Of the allocated memory 14.94 GiB is allocated by PyTorch, and 3.57 GiB is "
-             "reserved by PyTorch but unallocated.")
+             "GiB is free. 23.49 GiB allowed; Of the allocated memory 14.94 GiB is allocated by PyTorch, and 3.57 GiB "
+             "is reserved by PyTorch but unallocated.")
 
 
 @pytest.mark.parametrize("message", [TORCH_OOM, ALONE_OOM])
@@ -415,7 +415,8 @@ def test_an_out_of_memory_line_keeps_what_the_process_held(message):
     from measure import HELD_AT_FAILURE, failed_allocation_mib, gpu_free_mib, held_at_failure
 
     said = describe(torch.OutOfMemoryError(message))
-    assert said.startswith("out of memory (CUDA out of memory. Tried to allocate 5.29 GiB.") and said.count("allowed") == 1
+    assert said.startswith("out of memory (CUDA out of memory. Tried to allocate 5.29 GiB.")
+    assert said.count("allowed") == 1
     assert failed_allocation_mib(said) == 5.29 * 1024 and gpu_free_mib(said) == 48.09 * 1024
     assert held_at_failure(said) == {"allowed_mib": 23.49 * 1024, "allocated_by_pytorch_mib": 14.94 * 1024,
                                      "reserved_unallocated_mib": 3.57 * 1024}
