@@ -105,10 +105,11 @@ class Search:
         """The shares this search's own probes allow, within ``SHARE_BOUNDS``: a value that fit left at most the
         share its peak left free, one that failed at least the share the line leaves free there."""
         low, high = SHARE_BOUNDS
-        line = self.line()
+        if not self.block_mib:
+            return low, high
         for o in self.outcomes:
-            peak = o.peak_mib if o.fits else (line[1] + line[2] * (o.value - line[0]) if line else None)
-            if peak is None or not self.block_mib:
+            peak = o.peak_mib if o.fits else self.predicted_peak(o.value)
+            if peak is None:
                 continue
             free = (self.limit_mib - peak) / (self.block_mib * o.value)
             low, high = (low, min(high, free)) if o.fits else (max(low, free), high)
