@@ -47,6 +47,7 @@ class StoreKeys:
         launch = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.prefix = f"fsdp2bench/{launch}/{name}"
         self.abort = f"{self.prefix}/abort"
+        self.ready, self.go = f"{self.prefix}/ready", f"{self.prefix}/go"  # a gated piece's (``wait_at_gate``)
 
     def status(self, rank: int) -> str:
         return f"{self.prefix}/status/{rank}"
@@ -170,10 +171,12 @@ _PIECES_RUN: set[str] = set()  # key prefixes of the pieces this process has sta
 
 @dataclass
 class Piece:
-    """One piece of work: ``target(*args)`` in a child on every rank, coordinated through ``keys``."""
+    """One piece of work: ``target(*args)`` in a child on every rank, coordinated through ``keys``; a ``gated``
+    one stops at its gate (``wait_at_gate``) until ``run_queue`` lets it go on."""
     target: Callable
     args: tuple
     keys: StoreKeys
+    gated: bool = False
 
 
 def run_isolated(pieces: list[Piece], rank: int, participants: Sequence[int], store: dist.TCPStore,
@@ -222,18 +225,27 @@ def run_rolling(pieces: list[Piece], room: Callable[[int, list[int]], bool], ran
 
 
 def run_queue(pieces: list[Piece], next_piece: Callable[[list[int]], int | None], rank: int, store: dist.TCPStore,
-              device: torch.device, started: Callable[[int], None], ended: Callable[[int, str | None], None]) -> None:
+              device: torch.device, started: Callable[[int], None], ended: Callable[[int, str | None], None],
+              let_go: Callable[[int, str], bool] = lambda i, held: True) -> None:
     """Run pieces that need no peer, each in its own child, starting each that ``next_piece(running)`` names
     (an index into ``pieces``, which ``ended`` may extend) until it names none; ends when none runs and none
-    is named. ``started(i)`` and ``ended(i, failure)`` are told as each piece starts and ends."""
+    is named. ``started(i)`` and ``ended(i, failure)`` are told as each piece starts and ends; a gated piece
+    waiting at its gate goes on once ``let_go(i, what it said it holds)`` agrees, asked in the order they
+    started, before any new piece starts."""
     context = child_context(device.type)
     running: dict[int, object] = {}
+    at_gate: list[int] = []  # gated pieces started and not yet let go, in the order they started
     try:
         while True:
+            for i in [i for i in at_gate if has_keys(store, [pieces[i].keys.ready])]:
+                if let_go(i, store.get(pieces[i].keys.ready).decode()):
+                    store.set(pieces[i].keys.go, "go")
+                    at_gate.remove(i)
             while (i := next_piece(list(running))) is not None:
                 _register([pieces[i]])
                 running[i] = context.Process(target=pieces[i].target, args=pieces[i].args)
                 start_holding_signals(running[i])
+                at_gate += [i] if pieces[i].gated else []
                 started(i)
             if not running:
                 return
@@ -244,6 +256,7 @@ def run_queue(pieces: list[Piece], next_piece: Callable[[list[int]], int | None]
                 _reap([child])
                 _settle(pieces[i], child, rank, store)
                 del running[i]
+                at_gate = [j for j in at_gate if j != i]
                 ended(i, _failure(pieces[i], store))
     except Interrupted:
         _abort([pieces[i] for i in running], store)
@@ -405,11 +418,30 @@ class Finisher:
             os._exit(1)
 
 
+_signalled: list[str] = []  # the signal a child was sent, for its watcher thread
+
+
+def _child_interrupted(signum, _frame) -> None:
+    """A child's SIGTERM: raised in its main thread; where that thread swallows it (an exception raised inside
+    a ``__del__`` is only printed), the watcher thread ends the child with it all the same."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _signalled.append(signal.Signals(signum).name)
+    raise Interrupted(_signalled[0])
+
+
+def _quiet_about_interrupts(unraisable) -> None:
+    """Python prints the exceptions it drops (raised in a ``__del__``) with their stack: a signal's is said once,
+    in one line, as the child's failure."""
+    if not isinstance(unraisable.exc_value, Interrupted):
+        sys.__unraisablehook__(unraisable)
+
+
 def _watch_for_abort(finisher: Finisher, parent: int) -> None:
     """The main thread may be blocked in a collective that will never return (its peer is gone), so
     this thread itself writes the partial result and ends the process (``Finisher.fail``). It also
-    ends a child whose launch is gone (its parent died, or the launcher's store stopped answering):
-    nobody could tell it to stop, and it would train on as an orphan."""
+    ends a child whose launch is gone (its parent died, or the launcher's store stopped answering),
+    and one sent a signal that its main thread did not act on: nobody could tell it to stop, and it
+    would train on as an orphan."""
     store = connect_store()
     while True:
         if os.getppid() != parent:
@@ -420,6 +452,9 @@ def _watch_for_abort(finisher: Finisher, parent: int) -> None:
             finisher.leave_alone("the launcher's store is gone")
         if aborted:
             finisher.fail(None, store)
+        if _signalled:
+            time.sleep(POLL_S)  # the main thread's own report first, where it makes one
+            finisher.fail(describe(Interrupted(_signalled[0])), store)
         time.sleep(POLL_S)
 
 
@@ -443,6 +478,8 @@ def run_child(finisher: Finisher, work: Callable[[dist.TCPStore], None]) -> None
     # accelerate warns in every process that finds it unset (and sets it): the count is already chosen.
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides what an interrupt means
+    signal.signal(signal.SIGTERM, _child_interrupted)
+    sys.unraisablehook = _quiet_about_interrupts
     store = connect_store()
     # A thread beside the work (the memory tracker) that fails ends the piece with its reason, as the
     # work's own exception would: never a traceback while the run goes on without it.
@@ -463,6 +500,13 @@ def run_child(finisher: Finisher, work: Callable[[dist.TCPStore], None]) -> None
             traceback.print_exc()
         finisher.fail(describe(exc), store)
         os._exit(1)  # reached only if the result was already written as finished
+
+
+def wait_at_gate(store: dist.TCPStore, keys: StoreKeys, held: int) -> None:
+    """A gated piece, set up: say what it holds (bytes), then wait for the parent's go (an abort still ends it:
+    the watcher thread sees to that)."""
+    store.set(keys.ready, str(held))
+    wait_for_keys(store, [keys.go])
 
 
 def init_group(device: torch.device, keys: StoreKeys, store: dist.TCPStore, rank: int, world_size: int,

@@ -3,11 +3,13 @@ the memory cap; it fits when it completes. Before any probe, one shared process 
 measures a ladder of values below the cap: its line aims the first probes. This module runs both kinds,
 each as soon as its search wants it (fitting.Planner) and the GPU holds it beside the others.
 
-A probe that is expected to stay well under the cap (the line of its search says so) is given the
-room of that expectation plus a margin, so that several share the GPU; one that may reach the cap is
-given the whole cap. A probe that ran out of memory where the GPU itself was full (torch's message says
-what was free) may have been crowded out, not capped: it is run again alone, and only what it finds
-then counts.
+A fresh probe holds little while it sets up (the process, the context, its shard of the model): it starts
+as soon as that fits, then waits at a gate until the GPU has the room of its steps, so that the set-ups of
+some overlap the steps of others. A probe that is expected to stay well under the cap (the line of its
+search says so) is given the room of that expectation plus a margin, so that several share the GPU; one
+that may reach the cap is given the whole cap. A probe that ran out of memory where the GPU itself was
+full (torch's message says what was free) may have been crowded out, not capped: it is run again alone,
+and only what it finds then counts.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from fsdp2bench.concurrency import (GpuCap, activation_bytes_per_token, host_byt
                                     microbatch_logits_bytes, rank_logits_bytes, variant_need)
 from fsdp2bench.fitting import SHARED_LIMIT, SHARED_MOST_MIB, Ladder, Outcome, Planner, Search
 from fsdp2bench.isolation import Piece, StoreKeys, gather_records, has_keys, run_queue
-from fsdp2bench.memory_model import expected_state
+from fsdp2bench.memory_model import expected_device_bytes, expected_state, model_bytes
 from fsdp2bench.names import MIB, PEAK_PHASES, phases
 from fsdp2bench.options import OPTION_SETS, FsdpOptions
 from fsdp2bench.runner import FailureSpec, Job, TrainConfig, variant_process
@@ -36,6 +38,11 @@ from fsdp2bench.session import Session
 from measure import HELD_AT_FAILURE, failed_allocation_mib, gpu_free_mib
 
 ROOM_MARGIN = 1.15  # on the line's peak, for a probe that shares the GPU
+# Near the cap the allocator reserved up to 28% above the allocated peak (one H200, 80 GiB): a probe whose line
+# puts it within that of the cap is given the whole cap, not the line's room.
+NEAR_CAP_RESERVED = 1.3
+SETUP_MARGIN, SETUP_SLACK_MIB = 1.5, 512  # on the memory model's state of a probe before its steps
+SET_UP_AHEAD = 2  # fresh probes set up and waiting to step, at least (more while more are at their steps)
 # The share of a step's largest block (the fp32 logits) a search's first aim leaves free under the limit: the
 # middle of what the 1.5B model's edges left on one H200 (fitting.SHARE_BOUNDS; a plan's finished answers then aim
 # the others of their option set with what they found).
@@ -133,10 +140,13 @@ class Probe:
     question: Question
     value: int
     attempt: int  # 0, or 1 when run again alone
-    room: int  # bytes of GPU it was given beside others (0 on a CPU run)
+    room: int  # bytes of GPU it was given for its steps beside others (0 on a CPU run)
     started: float = 0.0
     ended: float = 0.0
     found: Outcome | str | None = None
+    setup: int = 0  # bytes of GPU it holds before its steps: estimated, then what it said at its gate
+    ready: float = 0.0  # when its parent saw it at its gate
+    went: float = 0.0  # when its parent let it go on to its steps
 
     def overlaps(self, other: Probe | Shared) -> bool:
         return other is not self and self.started < other.ended and other.started < self.ended
@@ -182,14 +192,15 @@ class ProbeRunner:
 
     def run_plan(self, planner: Planner, after: Callable[[], None]) -> None:
         """A shared process per answer that leads (the followers start at its edge), then the fresh probes the
-        planner wants as each piece ends, every one started as soon as the GPU and the host have room for it
-        (fresh probes before shared processes; a probe to be run again alone once nothing runs); ``after()`` is
-        told after each piece."""
+        planner wants as each piece ends. A fresh probe starts as soon as the GPU and the host have room for its
+        set-up, and goes on to its steps once the GPU has room for them (fresh probes before shared processes; a
+        probe to be run again alone once nothing runs); ``after()`` is told after each piece."""
         rooms = {key: self.shared_room(key) for key in self.searches if key not in self.leaders}
         items: list[Probe | Shared] = [Shared(key, self.questions[key], self.ladder(key, room), room)
                                        for key, room in rooms.items()]
         pieces = [self.piece(item) for item in items]
         waiting = list(range(len(items)))
+        live: list[Probe | Shared] = []
 
         def add(item: Probe, first: bool) -> None:
             items.append(item)
@@ -199,32 +210,44 @@ class ProbeRunner:
 
         def next_piece(running: list[int]) -> int | None:
             for key, value in planner.wanted():
-                add(Probe(key, self.questions[key], value, 0, self.room(key, value)), first=False)
-            if any(isinstance(items[r], Probe) and items[r].attempt for r in running):
+                add(Probe(key, self.questions[key], value, 0, self.room(key, value), setup=self.setup_room(key)),
+                    first=False)
+            if any(isinstance(o, Probe) and o.attempt for o in live):
                 return None  # one run again alone has the GPU to itself
             alone = [i for i in waiting if isinstance(items[i], Probe) and items[i].attempt]
             if alone:  # nothing else starts before it
-                return None if running else waiting.pop(waiting.index(alone[0]))
-            beside = [items[r] for r in running]
-            i = next((i for i in waiting if not running or self.fits_beside(items[i], beside)), None)
+                return None if live else waiting.pop(waiting.index(alone[0]))
+            i = next((i for i in waiting if not live or self.may_start(items[i], live)), None)
             return None if i is None else waiting.pop(waiting.index(i))
 
         def started(i: int) -> None:
             items[i].started, items[i].ended = time.monotonic(), math.inf
+            live.append(items[i])
+
+        def let_go(i: int, held: str) -> bool:
+            probe = items[i]
+            probe.ready = probe.ready or time.monotonic()
+            probe.setup = int(held) + (self.cap.context if self.cap else 0)
+            if not self.may_go(probe, live):
+                return False
+            probe.went = time.monotonic()
+            return True
 
         def ended(i: int, failure: str | None) -> None:
             item, job = items[i], pieces[i].args[0]
             item.ended = time.monotonic()
+            live.remove(item)
             if isinstance(item, Shared):
                 self.take_series(item, job, failure)
                 planner.ready(item.question_key)
             elif self.took_probe(item, job, failure, [o for o in items if item.overlaps(o)]):
                 planner.took(item.question_key, item.value, item.found)
             else:
-                add(Probe(item.question_key, item.question, item.value, 1, self.cap.process_bytes), first=True)
+                add(Probe(item.question_key, item.question, item.value, 1, self.cap.process_bytes, setup=item.setup),
+                    first=True)
             after()
 
-        run_queue(pieces, next_piece, 0, self.session.store, self.session.device, started, ended)
+        run_queue(pieces, next_piece, 0, self.session.store, self.session.device, started, ended, let_go)
 
     def shared_records(self) -> dict:
         """Each shared process as plan.json holds it, its start counted from the plan's."""
@@ -235,7 +258,7 @@ class ProbeRunner:
             job = self.series_job(item)
             return Piece(series_process, (job,), job.keys)
         job = self.job(item)
-        return Piece(variant_process, (job,), job.keys)
+        return Piece(variant_process, (job,), job.keys, gated=True)
 
     def took_probe(self, probe: Probe, job: Job, failure: str | None, beside: list) -> bool:
         """A probe's outcome, kept and said; False where it ran out of memory beside others that may have
@@ -321,20 +344,54 @@ class ProbeRunner:
         if predicted is None and key in self.leaders:  # a follower: its probes are near its leader's edge
             predicted = self.searches[self.leaders[key][0]].predicted_peak(value)
         if predicted is not None:
-            expected = int(predicted * MIB * ROOM_MARGIN) + self.cap.context
+            near_cap = predicted * MIB * NEAR_CAP_RESERVED + self.cap.context >= self.cap.process_bytes
+            expected = self.cap.process_bytes if near_cap else int(predicted * MIB * ROOM_MARGIN) + self.cap.context
         else:
             expected = variant_need(self.session.shapes, question.world_size, question.variant, question.options,
                                     rank_logits_bytes(*question.batch_and_block(value), self.session.config,
                                                       question.options))
         return min(self.cap.process_bytes, expected)
 
-    def fits_beside(self, probe: Probe | Shared, running: list[Probe | Shared]) -> bool:
+    def setup_room(self, key) -> int:
+        """Bytes of GPU a fresh probe holds before its steps, as the memory model has it with a margin (its
+        sharded parameters, the model itself while it is built there, the context): what it says at its gate
+        replaces it."""
+        if self.cap is None or self.session.device.type != "cuda":
+            return 0
+        q, shapes = self.questions[key], self.session.shapes
+        state = expected_device_bytes(shapes, q.world_size, q.rank, q.variant, "end_of_setup", q.options, "cuda")
+        built = int(model_bytes(shapes) * 1.2) if self.train.init_device == "cuda" else 0
+        return max(built, int(state * SETUP_MARGIN)) + SETUP_SLACK_MIB * MIB + self.cap.context
+
+    @staticmethod
+    def holding(item: Probe | Shared) -> int:
+        """What a piece may hold on the GPU now: a fresh probe before its go its set-up, after it its room."""
+        return item.room if isinstance(item, Shared) or item.went else item.setup
+
+    def may_start(self, item: Probe | Shared, live: list[Probe | Shared]) -> bool:
+        """Whether ``item`` can start beside the pieces ``live``: the GPU holds its set-up (a shared process's
+        whole room), the host its process, and the fresh probes set up and waiting could all go on to their
+        steps, one at a time, once the others have ended (so that none waits for ever); at most
+        ``SET_UP_AHEAD`` of them, or as many as are at their steps, wait."""
         if self.session.device.type != "cuda" or self.cap is None:
             return False  # a CPU run: probes beside one another would only share the cores
-        gpu = sum(p.room for p in running) + probe.room <= self.cap.total
-        host = (len(running) + 1) * host_bytes(self.session.shapes, probe.question.world_size, [probe.question.variant],
-                                               self.train.init_device, probe.question.options, "cuda")
-        return gpu and host <= host_memory_for_launch() and len(running) < self.train.build_threads
+        held = sum(self.holding(o) for o in live)
+        gpu = held + (item.room if isinstance(item, Shared) else item.setup) <= self.cap.total
+        if isinstance(item, Probe):
+            pending = [o for o in live if isinstance(o, Probe) and not o.went] + [item]
+            stepping = sum(isinstance(o, Probe) and bool(o.went) for o in live)
+            gpu = gpu and sum(o.setup for o in pending) + max(o.room - o.setup for o in pending) <= self.cap.total \
+                and len(pending) <= max(SET_UP_AHEAD, stepping)
+        host = (len(live) + 1) * host_bytes(self.session.shapes, item.question.world_size, [item.question.variant],
+                                            self.train.init_device, item.question.options, "cuda")
+        return gpu and host <= host_memory_for_launch() and len(live) < self.train.build_threads
+
+    def may_go(self, probe: Probe, live: list[Probe | Shared]) -> bool:
+        """Whether a probe at its gate can go on to its steps: the GPU holds its room beside what the others
+        hold (one run again alone started with the GPU to itself)."""
+        if self.session.device.type != "cuda" or self.cap is None or probe.attempt:
+            return True
+        return sum(self.holding(o) for o in live if o is not probe) + probe.room <= self.cap.total
 
     def crowded_out(self, probe: Probe, beside: list[Probe | Shared]) -> bool:
         """Ran out of memory beside others where it may have found the GPU full before its cap: torch's message
@@ -381,7 +438,9 @@ class ProbeRunner:
         """Fits, with its peaks; out of memory, with where it stood; or the other failure, as a string."""
         q, store = probe.question, self.session.store
         common = {"kind": "fresh", "attempt": probe.attempt, "room_mib": probe.room / MIB,
-                  "started_s": probe.started - self.t0, "wall_s": probe.ended - probe.started}
+                  "started_s": probe.started - self.t0, "wall_s": probe.ended - probe.started,
+                  "set_up_s": probe.ready - probe.started if probe.ready else None,
+                  "waited_s": probe.went - probe.ready if probe.went else None, "set_up_mib": probe.setup / MIB}
         if failure is None:
             record, = gather_records(store, job.keys, [q.rank])
             summary = report.memory_summary(q.variant, [record], self.session.shapes, q.world_size, [q.rank],

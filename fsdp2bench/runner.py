@@ -16,7 +16,7 @@ import torch.distributed as dist
 import utils
 from fsdp2bench import snapshots
 from fsdp2bench.child import TracedChild, run_traced_child
-from fsdp2bench.isolation import StoreKeys, init_group
+from fsdp2bench.isolation import StoreKeys, init_group, wait_at_gate
 from fsdp2bench.layout import Meshes
 from fsdp2bench.memory_model import account, local_tensor
 from fsdp2bench.model import build_model
@@ -74,6 +74,7 @@ class Job:
     output_dir: str
     simulated: bool = False  # rank ``rank`` of ``world_size`` played alone on a fake process group
     position: int = 0  # among the variants running at the same time: the row of its progress bar
+    gated: bool = False  # set up, it waits for its parent's go before the first step (isolation.wait_at_gate)
 
 
 # --------------------------------------------------------------------------- training
@@ -229,6 +230,8 @@ def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.S
     prep = prepare(job, tracker, meshes)
     accounting = {"end_of_setup": account(prep.model, prep.optimizer)}
     batches = host_batches(job)  # before the clock of the first step starts
+    if job.gated:
+        wait_for_go(job, tracker, store)
     tracker.mark("training_started")
     last = len(job.batches) - 1
     # Rank 0 of a real run shows it; a sweep's processes say which run they start instead.
@@ -268,6 +271,14 @@ def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.S
                                                        snapshots.parameter_sizes(prep.model),
                                                        job.device.index or 0, HISTORY_ENTRIES)
     return found
+
+
+def wait_for_go(job: Job, tracker: MemoryTracker, store: dist.Store) -> None:
+    """plan.py's probes: set up, holding only the state, a probe waits until its parent has the room of its
+    steps for it, so that the set-ups of some overlap the steps of others."""
+    start = time.perf_counter()
+    wait_at_gate(store, job.keys, torch.cuda.memory_reserved(job.device) if job.device.type == "cuda" else 0)
+    tracker.mark("gate_passed", waited_s=time.perf_counter() - start)
 
 
 # --------------------------------------------------------------------------- the process

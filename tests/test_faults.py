@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import socket
+import sys
 import time
 
 import psutil
@@ -423,17 +424,39 @@ def test_an_out_of_memory_line_keeps_what_the_process_held(message):
     assert held_at_failure("rank 0: out of memory (injected)") == dict.fromkeys(HELD_AT_FAILURE)
 
 
-def _signalled_in_its_first_moments(keys) -> None:
+def _signalled_in_its_first_moments(keys, stderr: str) -> None:
     """A child that gets SIGTERM before it could report anything, then starts its work."""
     from fsdp2bench.isolation import Finisher, run_child
 
+    sys.stderr = open(stderr, "w", buffering=1)  # where the test reads it (pytest's is not this child's)
     os.kill(os.getpid(), signal.SIGTERM)
     run_child(Finisher(keys, 0, lambda status, extra: {"status": status, **extra}), lambda store: None)
 
 
-def test_a_signal_in_a_childs_first_moments_fails_it_naming_the_signal(monkeypatch, capfd):
+class _SignalsOnDelete:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _swallows_its_signal(keys, stderr: str) -> None:
+    """A child whose main thread gets SIGTERM inside a ``__del__``, where Python drops the exception, then works on
+    (until the test's end, without the watcher thread)."""
+    from fsdp2bench.isolation import Finisher, run_child
+
+    def work(store) -> None:
+        _SignalsOnDelete()
+        time.sleep(60)
+
+    sys.stderr = open(stderr, "w", buffering=1)
+    sys.unraisablehook = sys.__unraisablehook__  # Python's, which prints; pytest's keeps them for itself
+    run_child(Finisher(keys, 0, lambda status, extra: {"status": status, **extra}), work)
+
+
+@pytest.mark.parametrize("child", [_signalled_in_its_first_moments, _swallows_its_signal])
+def test_a_signal_in_a_childs_first_moments_fails_it_naming_the_signal(monkeypatch, tmp_path, child):
     """A SIGTERM (or a terminal's SIGINT to the whole group) can reach a child before it can report one: it is
-    held until it can, and the piece fails naming it, with no traceback."""
+    held until it can, and the piece fails naming it, with no traceback. One its main thread drops (raised in a
+    ``__del__``) ends it all the same."""
     import torch
     import torch.distributed as dist
 
@@ -445,14 +468,14 @@ def test_a_signal_in_a_childs_first_moments_fails_it_naming_the_signal(monkeypat
     monkeypatch.setattr(isolation, "end_with_parent", lambda: None)  # not for the test process itself
     saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     failures: list = []
-    keys = isolation.StoreKeys("first_moments")
+    keys = isolation.StoreKeys(child.__name__)
     waiting = [0]
     try:
         isolation.catch_interrupts()  # the main process's handlers, which a forked child inherits
-        isolation.run_queue([isolation.Piece(_signalled_in_its_first_moments, (keys,), keys)],
+        isolation.run_queue([isolation.Piece(child, (keys, str(tmp_path / "stderr")), keys)],
                             lambda running: waiting.pop() if waiting else None, 0, store, torch.device("cpu"),
                             lambda i: None, lambda i, failure: failures.append(failure))
     finally:
         for signum, handler in saved.items():
             signal.signal(signum, handler)
-    assert failures == ["rank 0: Interrupted: SIGTERM"] and "Traceback" not in capfd.readouterr().err
+    assert failures == ["rank 0: Interrupted: SIGTERM"] and "Traceback" not in (tmp_path / "stderr").read_text()
