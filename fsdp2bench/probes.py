@@ -42,7 +42,7 @@ ROOM_MARGIN = 1.15  # on the line's peak, for a probe that shares the GPU
 # puts it within that of the cap is given the whole cap, not the line's room.
 NEAR_CAP_RESERVED = 1.3
 SETUP_MARGIN, SETUP_SLACK_MIB = 1.5, 512  # on the memory model's state of a probe before its steps
-SET_UP_AHEAD = 2  # fresh probes set up and waiting to step, at least (more while more are at their steps)
+SET_UP_AHEAD = 2  # fresh probes set up and waiting to step, at least (a set-up takes about as long as the steps)
 # The share of a step's largest block (the fp32 logits) a search's first aim leaves free under the limit: the
 # middle of what the 1.5B model's edges left on one H200 (fitting.SHARE_BOUNDS; a plan's finished answers then aim
 # the others of their option set with what they found).
@@ -258,7 +258,7 @@ class ProbeRunner:
             job = self.series_job(item)
             return Piece(series_process, (job,), job.keys)
         job = self.job(item)
-        return Piece(variant_process, (job,), job.keys, gated=True)
+        return Piece(variant_process, (job,), job.keys, gated=job.gated)
 
     def took_probe(self, probe: Probe, job: Job, failure: str | None, beside: list) -> bool:
         """A probe's outcome, kept and said; False where it ran out of memory beside others that may have
@@ -371,17 +371,16 @@ class ProbeRunner:
     def may_start(self, item: Probe | Shared, live: list[Probe | Shared]) -> bool:
         """Whether ``item`` can start beside the pieces ``live``: the GPU holds its set-up (a shared process's
         whole room), the host its process, and the fresh probes set up and waiting could all go on to their
-        steps, one at a time, once the others have ended (so that none waits for ever); at most
-        ``SET_UP_AHEAD`` of them, or as many as are at their steps, wait."""
+        steps, one at a time, once the others have ended (so that none waits for ever); as many wait as
+        could step at once on the whole GPU, or ``SET_UP_AHEAD`` where that is fewer."""
         if self.session.device.type != "cuda" or self.cap is None:
             return False  # a CPU run: probes beside one another would only share the cores
         held = sum(self.holding(o) for o in live)
         gpu = held + (item.room if isinstance(item, Shared) else item.setup) <= self.cap.total
         if isinstance(item, Probe):
             pending = [o for o in live if isinstance(o, Probe) and not o.went] + [item]
-            stepping = sum(isinstance(o, Probe) and bool(o.went) for o in live)
             gpu = gpu and sum(o.setup for o in pending) + max(o.room - o.setup for o in pending) <= self.cap.total \
-                and len(pending) <= max(SET_UP_AHEAD, stepping)
+                and (len(pending) <= SET_UP_AHEAD or sum(o.room for o in pending) <= self.cap.total)
         host = (len(live) + 1) * host_bytes(self.session.shapes, item.question.world_size, [item.question.variant],
                                             self.train.init_device, item.question.options, "cuda")
         return gpu and host <= host_memory_for_launch() and len(live) < self.train.build_threads
@@ -432,7 +431,7 @@ class ProbeRunner:
         s = self.session
         return Job(q.variant, train, s.device, s.config,
                    probe_batches(self.tokens, batch, block, q.options.gradient_accumulation_steps), s.layer_classes,
-                   meta, q.rank, q.world_size, StoreKeys(f"probe/{name}"), directory, simulated=True)
+                   meta, q.rank, q.world_size, StoreKeys(f"probe/{name}"), directory, simulated=True, gated=True)
 
     def outcome(self, probe: Probe, job: Job, failure: str | None) -> Outcome | str:
         """Fits, with its peaks; out of memory, with where it stood; or the other failure, as a string."""

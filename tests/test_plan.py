@@ -279,6 +279,11 @@ def test_a_cpu_plan_of_tiny_finds_the_injected_edge_and_draws_it(tmp_path):
     assert names.count("model_built") == 1 and [n for n in names if n.startswith("value_")] == \
         ["value_1_start", "value_1", "value_2_start", "value_2"]
     assert "N = 2, block 128: the default fits 384 tokens per rank per step (B = 3)" in proc.stdout
+    # Each fresh probe set up, said so at its gate, and went on to its steps only when let
+    assert all(o["set_up_s"] > 0 and o["waited_s"] >= 0 for a in result["answers"] for o in a["outcomes"])
+    trace = load(next((out / "probes").glob("default_N2_*_B4_L128/*memory_usage*.json")))
+    names = [e["name"] for e in trace["events"]]
+    assert names.index("optimizer_created") < names.index("gate_passed") == names.index("training_started") - 1
     drawn = run_script(["visualize.py", "--dir", str(out)], nproc=None)
     assert drawn.returncode == 0 and (out / "plan.png").stat().st_size > 10_000, drawn.stderr
 
@@ -457,3 +462,31 @@ def test_a_shared_process_whose_first_value_fills_its_room_measures_only_that():
     search = Search(1, 4096, 40433.0, PER_SEQUENCE, BLOCK, 1.5)
     search.take_shared([Outcome(1, True, 29546.0)])
     assert search.line() == (1, 29546.0, PER_SEQUENCE) and search.next_values() == [search.aim(1.5)] != [1]
+
+
+@pytest.mark.parametrize("gib, stepping", [(80.0, 1), (24.0, 5)])
+def test_probes_set_up_ahead_and_step_only_where_the_gpu_holds_their_room(monkeypatch, gib, stepping):
+    """A probe holds its set-up until it is let go on to its steps, then its room: on a 140 GiB GPU one probe at an
+    80 GiB cap steps at a time (two more set up behind it), five at a 24 GiB cap; none waits for ever."""
+    from fsdp2bench import probes
+    from fsdp2bench.probes import BATCH, Probe, ProbeRunner, Question
+
+    monkeypatch.setattr(probes, "host_bytes", lambda *args: 1 << 30)
+    cap = concurrency.GpuCap(gib, 140 * 1024 * MIB, 527 * MIB)
+    session = types.SimpleNamespace(device=torch.device("cuda", 0), shapes=None)
+    runner = ProbeRunner(session, types.SimpleNamespace(init_device="cpu", build_threads=32), None, {}, {}, cap, "")
+    question = Question("default", 8, 0, "torch_optimizer_after_fsdp", BATCH, 128)
+    live: list = []
+    for _ in range(12):
+        probe = Probe("k", question, 30, 0, cap.process_bytes, setup=1500 * MIB)
+        if not runner.may_start(probe, live):
+            break
+        live.append(probe)
+        if runner.may_go(probe, live):
+            probe.went = 1.0
+    going = [p for p in live if p.went]
+    assert len(going) == stepping and len(live) - stepping == max(2, stepping)
+    assert not runner.may_go(live[-1], live)  # its room is not there while the others step
+    for probe in going:
+        live.remove(probe)
+    assert all(runner.may_go(p, live) for p in live[:stepping])
