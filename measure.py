@@ -174,15 +174,17 @@ def failed_allocation_mib(error: str) -> float | None:
 
 
 HELD_AT_FAILURE = ("allowed_mib", "allocated_by_pytorch_mib", "reserved_unallocated_mib")
+_HELD_SAID = (rf"{_SIZE} allowed;", rf"{_SIZE} is allocated by PyTorch",
+              rf"{_SIZE} is reserved by PyTorch but unallocated")
+# The sentence that ends torch's message with them (isolation.describe keeps it where the line is cut short)
+OOM_HELD = re.compile(rf"{_HELD_SAID[0]} Of the allocated memory {_HELD_SAID[1]}, and {_HELD_SAID[2]}")
 
 
 def held_at_failure(error: str) -> dict:
     """What torch's out-of-memory message says the process held when the allocation failed: its limit
     ("39.49 GiB allowed"), allocated, and reserved but not allocated (what fragmentation kept from the
     allocation); None each where the message does not say."""
-    said = (rf"{_SIZE} allowed;", rf"{_SIZE} is allocated by PyTorch",
-            rf"{_SIZE} is reserved by PyTorch but unallocated")
-    return {key: _size_mib(pattern, error) for key, pattern in zip(HELD_AT_FAILURE, said)}
+    return {key: _size_mib(pattern, error) for key, pattern in zip(HELD_AT_FAILURE, _HELD_SAID)}
 
 
 def gpu_free_mib(error: str) -> float | None:

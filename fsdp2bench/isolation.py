@@ -31,6 +31,7 @@ from fsdp2bench.cli import Stopped, set_up_standard_streams
 from fsdp2bench.layout import Degrees, Meshes, build_meshes
 from fsdp2bench.names import TRACE_KEYS
 from fsdp2bench.starting import check_launcher_env, child_context, one_rank_env
+from measure import OOM_HELD
 
 STORE_TIMEOUT = timedelta(minutes=30)
 POLL_S = 0.25
@@ -98,11 +99,6 @@ def status_of(reason: str | None) -> str:
         return "ok"
     cause = unsupported_cause(reason)
     return f"{UNSUPPORTED}: {cause}" if cause else f"failed: {reason}"
-
-
-# The end of torch's out-of-memory message: the process's limit, and what it held then
-OOM_HELD = re.compile(r"[\d.]+ \w+ allowed; Of the allocated memory [\d.]+ \w+ is allocated by PyTorch, "
-                      r"and [\d.]+ \w+ is reserved by PyTorch but unallocated")
 
 
 def describe(exc: BaseException) -> str:
@@ -226,19 +222,19 @@ def run_rolling(pieces: list[Piece], room: Callable[[int, list[int]], bool], ran
 
 def run_queue(pieces: list[Piece], next_piece: Callable[[list[int]], int | None], rank: int, store: dist.TCPStore,
               device: torch.device, started: Callable[[int], None], ended: Callable[[int, str | None], None],
-              let_go: Callable[[int, str], bool] = lambda i, held: True) -> None:
+              let_go: Callable[[int, str, list[int]], bool] = lambda i, held, running: True) -> None:
     """Run pieces that need no peer, each in its own child, starting each that ``next_piece(running)`` names
     (an index into ``pieces``, which ``ended`` may extend) until it names none; ends when none runs and none
     is named. ``started(i)`` and ``ended(i, failure)`` are told as each piece starts and ends; a gated piece
-    waiting at its gate goes on once ``let_go(i, what it said it holds)`` agrees, asked in the order they
-    started, before any new piece starts."""
+    waiting at its gate goes on once ``let_go(i, what it said it holds, running)`` agrees, asked in the order
+    they started, before any new piece starts."""
     context = child_context(device.type)
     running: dict[int, object] = {}
     at_gate: list[int] = []  # gated pieces started and not yet let go, in the order they started
     try:
         while True:
             for i in [i for i in at_gate if has_keys(store, [pieces[i].keys.ready])]:
-                if let_go(i, store.get(pieces[i].keys.ready).decode()):
+                if let_go(i, store.get(pieces[i].keys.ready).decode(), list(running)):
                     store.set(pieces[i].keys.go, "go")
                     at_gate.remove(i)
             while (i := next_piece(list(running))) is not None:

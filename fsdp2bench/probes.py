@@ -200,7 +200,6 @@ class ProbeRunner:
                                        for key, room in rooms.items()]
         pieces = [self.piece(item) for item in items]
         waiting = list(range(len(items)))
-        live: list[Probe | Shared] = []
 
         def add(item: Probe, first: bool) -> None:
             items.append(item)
@@ -212,6 +211,7 @@ class ProbeRunner:
             for key, value in planner.wanted():
                 add(Probe(key, self.questions[key], value, 0, self.room(key, value), setup=self.setup_room(key)),
                     first=False)
+            live = [items[r] for r in running]
             if any(isinstance(o, Probe) and o.attempt for o in live):
                 return None  # one run again alone has the GPU to itself
             alone = [i for i in waiting if isinstance(items[i], Probe) and items[i].attempt]
@@ -222,13 +222,12 @@ class ProbeRunner:
 
         def started(i: int) -> None:
             items[i].started, items[i].ended = time.monotonic(), math.inf
-            live.append(items[i])
 
-        def let_go(i: int, held: str) -> bool:
+        def let_go(i: int, held: str, running: list[int]) -> bool:
             probe = items[i]
             probe.ready = probe.ready or time.monotonic()
             probe.setup = int(held) + (self.cap.context if self.cap else 0)
-            if not self.may_go(probe, live):
+            if not self.may_go(probe, [items[r] for r in running]):
                 return False
             probe.went = time.monotonic()
             return True
@@ -236,7 +235,6 @@ class ProbeRunner:
         def ended(i: int, failure: str | None) -> None:
             item, job = items[i], pieces[i].args[0]
             item.ended = time.monotonic()
-            live.remove(item)
             if isinstance(item, Shared):
                 self.take_series(item, job, failure)
                 planner.ready(item.question_key)
@@ -376,7 +374,7 @@ class ProbeRunner:
         if self.session.device.type != "cuda" or self.cap is None:
             return False  # a CPU run: probes beside one another would only share the cores
         held = sum(self.holding(o) for o in live)
-        gpu = held + (item.room if isinstance(item, Shared) else item.setup) <= self.cap.total
+        gpu = held + self.holding(item) <= self.cap.total
         if isinstance(item, Probe):
             pending = [o for o in live if isinstance(o, Probe) and not o.went] + [item]
             gpu = gpu and sum(o.setup for o in pending) + max(o.room - o.setup for o in pending) <= self.cap.total \
