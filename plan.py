@@ -237,7 +237,8 @@ def run(argv: list[str] | None = None) -> int:
     def save(interrupted: bool = False) -> dict:
         """plan.json as it stands: after every probe, so that an interrupt or a failure loses none."""
         meta.update(wall_s=time.time() - started)
-        plan = fitting.plan_record(meta, questions, searches, runner.probes, runner.shared_records(), interrupted)
+        plan = fitting.plan_record(meta, questions, searches, runner.probes, runner.shared_records(),
+                                   runner.stood_down, interrupted)
         save_summary(plan_path(args), plan)
         if not interrupted:
             say_landed(plan, questions, searches, landed, time.time() - started)

@@ -153,6 +153,15 @@ class Search:
         return self.error is not None or hi == self.lower or lo == self.upper or \
             (lo is not None and hi is not None and hi == lo + 1)
 
+    def settled_by(self, value: int) -> tuple[bool, bool]:
+        """Whether the search ends once ``value`` is known to fit, and once it is known not to."""
+        ends = []
+        for fits in (True, False):
+            self.outcomes.append(Outcome(value, fits))
+            ends.append(self.done)
+            self.outcomes.pop()
+        return ends[0], ends[1]
+
     def next_values(self) -> list[int]:
         """The value to probe next (the edge's both sides at once only where a shared process without peaks met
         it one value wide); none once the edge is known. Each lies strictly between the largest fit and the
@@ -369,16 +378,18 @@ def run_searches(searches: dict[Hashable, Search], run_round: RoundRunner,
 # --------------------------------------------------------------------------- plan.json and the console
 
 def plan_record(meta: dict, questions: dict, searches: dict[Hashable, Search], probes: list, shared: dict,
-                interrupted: bool = False) -> dict:
+                stood_down: list, interrupted: bool = False) -> dict:
     """plan.json: an answer per question with every probe it took (fresh, and its shared process's values),
-    the counts, and the findings."""
+    the counts (with the probes set up ahead that no value came to: ``stood_down``), and the findings."""
     limit = (meta.get("gpu_memory") or {}).get("allocator_limit_mib")
     answers = [{**answer_of(questions[key], search, limit),
                 "shared_process": shared.get(key)} for key, search in searches.items()]
     reruns = sum(1 for p in probes if p.attempt)
     meta = {**meta, "probes": len(probes), "probes_run_again_alone": reruns, "interrupted": interrupted,
             "probes_per_answer": len(probes) / len(answers) if answers else None,
-            "shared_processes": len(shared), "shared_values": sum(len(s["values"]) for s in shared.values())}
+            "shared_processes": len(shared), "shared_values": sum(len(s["values"]) for s in shared.values()),
+            "probes_set_up_ahead": sum(1 for p in probes if p.ahead), "stood_down": len(stood_down),
+            "stood_down_process_s": sum(p.ended - p.started for p in stood_down)}
     return {"meta": meta, "answers": answers, "findings": findings(answers, meta["variants"][0])}
 
 
@@ -513,8 +524,9 @@ def print_plan(plan: dict) -> None:
     said = f"resv: the probe's peak reserved at the largest value; headroom: the allocator's limit of " \
         f"{cap['allocator_limit_mib']:,.0f} MiB less it." if cap else "A CPU run: no allocator, no cap."
     say(f"tokens: per rank per optimizer step at the largest value. {said} {meta['probes']} fresh probes "
-        f"({meta['probes_per_answer']:.1f} per answer, {meta['probes_run_again_alone']} run again alone) "
-        f"after {meta['shared_values']} values in {meta['shared_processes']} shared "
+        f"({meta['probes_per_answer']:.1f} per answer, {meta['probes_run_again_alone']} run again alone, "
+        f"{meta['probes_set_up_ahead']} set up ahead of their value and {meta['stood_down']} more stood down "
+        f"unused) after {meta['shared_values']} values in {meta['shared_processes']} shared "
         f"processes, in {meta['wall_s']:.0f} s; plan.json has each probe's phase and failed allocation.")
     for line in plan["findings"]:
         say(line)

@@ -12,6 +12,7 @@ on with the next piece.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import multiprocessing.connection
 import os
@@ -37,6 +38,7 @@ STORE_TIMEOUT = timedelta(minutes=30)
 POLL_S = 0.25
 CAUSE_WAIT_S = 1.0
 INTERRUPTED = "interrupted"  # the abort reason the main processes set on SIGINT / SIGTERM
+STAND_DOWN = "stand down"  # the go that ends a gated piece where it stands, its work no longer wanted
 # After a peer fails or an interrupt, how long a child may take to write its partial results.
 GRACE_S = 30.0
 
@@ -222,20 +224,20 @@ def run_rolling(pieces: list[Piece], room: Callable[[int, list[int]], bool], ran
 
 def run_queue(pieces: list[Piece], next_piece: Callable[[list[int]], int | None], rank: int, store: dist.TCPStore,
               device: torch.device, started: Callable[[int], None], ended: Callable[[int, str | None], None],
-              let_go: Callable[[int, str, list[int]], bool] = lambda i, held, running: True) -> None:
+              let_go: Callable[[int, str, list[int]], str | None] = lambda i, held, running: "go") -> None:
     """Run pieces that need no peer, each in its own child, starting each that ``next_piece(running)`` names
     (an index into ``pieces``, which ``ended`` may extend) until it names none; ends when none runs and none
     is named. ``started(i)`` and ``ended(i, failure)`` are told as each piece starts and ends; a gated piece
-    waiting at its gate goes on once ``let_go(i, what it said it holds, running)`` agrees, asked in the order
-    they started, before any new piece starts."""
+    waiting at its gate is given the go ``let_go(i, what it said it holds, running)`` returns (None: not yet),
+    asked in the order they started, before any new piece starts."""
     context = child_context(device.type)
     running: dict[int, object] = {}
     at_gate: list[int] = []  # gated pieces started and not yet let go, in the order they started
     try:
         while True:
             for i in [i for i in at_gate if has_keys(store, [pieces[i].keys.ready])]:
-                if let_go(i, store.get(pieces[i].keys.ready).decode(), list(running)):
-                    store.set(pieces[i].keys.go, "go")
+                if (go := let_go(i, store.get(pieces[i].keys.ready).decode(), list(running))) is not None:
+                    store.set(pieces[i].keys.go, go)
                     at_gate.remove(i)
             while (i := next_piece(list(running))) is not None:
                 _register([pieces[i]])
@@ -498,11 +500,21 @@ def run_child(finisher: Finisher, work: Callable[[dist.TCPStore], None]) -> None
         os._exit(1)  # reached only if the result was already written as finished
 
 
-def wait_at_gate(store: dist.TCPStore, keys: StoreKeys, held: int) -> None:
-    """A gated piece, set up: say what it holds (bytes), then wait for the parent's go (an abort still ends it:
-    the watcher thread sees to that)."""
+def name_process(name: str) -> None:
+    """The name ``ps`` and ``top`` show for this child (Linux; at most 15 characters), so that a plan's kinds of
+    process can be told apart; elsewhere it keeps its own."""
+    try:
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def wait_at_gate(store: dist.TCPStore, keys: StoreKeys, held: int) -> str:
+    """A gated piece, set up: say what it holds (bytes), then wait for the parent's go and return it (an abort
+    still ends it: the watcher thread sees to that)."""
     store.set(keys.ready, str(held))
     wait_for_keys(store, [keys.go])
+    return store.get(keys.go).decode()
 
 
 def init_group(device: torch.device, keys: StoreKeys, store: dist.TCPStore, rank: int, world_size: int,

@@ -15,9 +15,11 @@ and only what it finds then counts.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -28,12 +30,12 @@ from fsdp2bench import report
 from fsdp2bench.concurrency import (GpuCap, activation_bytes_per_token, host_bytes, host_memory_for_launch,
                                     microbatch_logits_bytes, rank_logits_bytes, variant_need)
 from fsdp2bench.fitting import SHARED_LIMIT, SHARED_MOST_MIB, Ladder, Outcome, Planner, Search
-from fsdp2bench.isolation import Piece, StoreKeys, gather_records, has_keys, run_queue
+from fsdp2bench.isolation import STAND_DOWN, Piece, StoreKeys, gather_records, has_keys, run_queue
 from fsdp2bench.memory_model import expected_device_bytes, expected_state, model_bytes
 from fsdp2bench.names import MIB, PEAK_PHASES, phases
 from fsdp2bench.options import OPTION_SETS, FsdpOptions
-from fsdp2bench.runner import FailureSpec, Job, TrainConfig, variant_process
-from fsdp2bench.series import SeriesJob, point_key, probe_batches, series_process
+from fsdp2bench.runner import Job, TrainConfig, probe_process
+from fsdp2bench.series import AtValue, SeriesJob, point_key, series_process
 from fsdp2bench.session import Session
 from measure import HELD_AT_FAILURE, failed_allocation_mib, gpu_free_mib
 
@@ -138,7 +140,7 @@ def leaders_of(questions: dict, searches: dict[object, Search], shapes) -> dict[
 class Probe:
     question_key: object
     question: Question
-    value: int
+    value: int | None  # None until its search names it: a probe set up ahead, whose go will carry it
     attempt: int  # 0, or 1 when run again alone
     room: int  # bytes of GPU it was given for its steps beside others (0 on a CPU run)
     started: float = 0.0
@@ -147,6 +149,7 @@ class Probe:
     setup: int = 0  # bytes of GPU it holds before its steps: estimated, then what it said at its gate
     ready: float = 0.0  # when its parent saw it at its gate
     went: float = 0.0  # when its parent let it go on to its steps
+    ahead: bool = False  # started before its value was known (``PlanQueue``)
 
     def overlaps(self, other: Probe | Shared) -> bool:
         return other is not self and self.started < other.ended and other.started < self.ended
@@ -189,63 +192,19 @@ class ProbeRunner:
     probes: list[Probe] = dataclasses.field(default_factory=list)
     shared: dict[object, Shared] = dataclasses.field(default_factory=dict)
     t0: float = dataclasses.field(default_factory=time.monotonic)  # the plan's start, for each piece's start time
+    stood_down: list[Probe] = dataclasses.field(default_factory=list)  # set up ahead, and no value came
+    ahead_count: itertools.count = dataclasses.field(default_factory=itertools.count)
 
     def run_plan(self, planner: Planner, after: Callable[[], None]) -> None:
         """A shared process per answer that leads (the followers start at its edge), then the fresh probes the
-        planner wants as each piece ends. A fresh probe starts as soon as the GPU and the host have room for its
-        set-up, and goes on to its steps once the GPU has room for them (fresh probes before shared processes; a
-        probe to be run again alone once nothing runs); ``after()`` is told after each piece."""
-        rooms = {key: self.shared_room(key) for key in self.searches if key not in self.leaders}
-        items: list[Probe | Shared] = [Shared(key, self.questions[key], self.ladder(key, room), room)
-                                       for key, room in rooms.items()]
-        pieces = [self.piece(item) for item in items]
-        waiting = list(range(len(items)))
-
-        def add(item: Probe, first: bool) -> None:
-            items.append(item)
-            pieces.append(self.piece(item))
-            fresh = sum(isinstance(items[i], Probe) for i in waiting)
-            waiting.insert(0 if first else fresh, len(items) - 1)
-
-        def next_piece(running: list[int]) -> int | None:
-            for key, value in planner.wanted():
-                add(Probe(key, self.questions[key], value, 0, self.room(key, value), setup=self.setup_room(key)),
-                    first=False)
-            live = [items[r] for r in running]
-            if any(isinstance(o, Probe) and o.attempt for o in live):
-                return None  # one run again alone has the GPU to itself
-            alone = [i for i in waiting if isinstance(items[i], Probe) and items[i].attempt]
-            if alone:  # nothing else starts before it
-                return None if live else waiting.pop(waiting.index(alone[0]))
-            i = next((i for i in waiting if not live or self.may_start(items[i], live)), None)
-            return None if i is None else waiting.pop(waiting.index(i))
-
-        def started(i: int) -> None:
-            items[i].started, items[i].ended = time.monotonic(), math.inf
-
-        def let_go(i: int, held: str, running: list[int]) -> bool:
-            probe = items[i]
-            probe.ready = probe.ready or time.monotonic()
-            probe.setup = int(held) + (self.cap.context if self.cap else 0)
-            if not self.may_go(probe, [items[r] for r in running]):
-                return False
-            probe.went = time.monotonic()
-            return True
-
-        def ended(i: int, failure: str | None) -> None:
-            item, job = items[i], pieces[i].args[0]
-            item.ended = time.monotonic()
-            if isinstance(item, Shared):
-                self.take_series(item, job, failure)
-                planner.ready(item.question_key)
-            elif self.took_probe(item, job, failure, [o for o in items if item.overlaps(o)]):
-                planner.took(item.question_key, item.value, item.found)
-            else:
-                add(Probe(item.question_key, item.question, item.value, 1, self.cap.process_bytes, setup=item.setup),
-                    first=True)
-            after()
-
-        run_queue(pieces, next_piece, 0, self.session.store, self.session.device, started, ended, let_go)
+        planner wants as each piece ends (``PlanQueue``); ``after()`` is told after each piece."""
+        queue = PlanQueue(self, planner, after)
+        for key in self.searches:
+            if key not in self.leaders:
+                room = self.shared_room(key)
+                queue.add(Shared(key, self.questions[key], self.ladder(key, room), room))
+        run_queue(queue.pieces, queue.next_piece, 0, self.session.store, self.session.device, queue.started,
+                  queue.ended, queue.let_go)
 
     def shared_records(self) -> dict:
         """Each shared process as plan.json holds it, its start counted from the plan's."""
@@ -256,7 +215,7 @@ class ProbeRunner:
             job = self.series_job(item)
             return Piece(series_process, (job,), job.keys)
         job = self.job(item)
-        return Piece(variant_process, (job,), job.keys, gated=job.gated)
+        return Piece(probe_process, (job,), job.keys, gated=job.gated)
 
     def took_probe(self, probe: Probe, job: Job, failure: str | None, beside: list) -> bool:
         """A probe's outcome, kept and said; False where it ran out of memory beside others that may have
@@ -372,7 +331,9 @@ class ProbeRunner:
         steps, one at a time, once the others have ended (so that none waits for ever); as many wait as
         could step at once on the whole GPU, or ``SET_UP_AHEAD`` where that is fewer."""
         if self.session.device.type != "cuda" or self.cap is None:
-            return False  # a CPU run: probes beside one another would only share the cores
+            # A CPU run: one piece at a time (beside one another they would only share the cores), and beside
+            # it the probe set up ahead of its value
+            return isinstance(item, Probe) and item.value is None and len(live) == 1
         held = sum(self.holding(o) for o in live)
         gpu = held + self.holding(item) <= self.cap.total
         if isinstance(item, Probe):
@@ -386,7 +347,9 @@ class ProbeRunner:
     def may_go(self, probe: Probe, live: list[Probe | Shared]) -> bool:
         """Whether a probe at its gate can go on to its steps: the GPU holds its room beside what the others
         hold (one run again alone started with the GPU to itself)."""
-        if self.session.device.type != "cuda" or self.cap is None or probe.attempt:
+        if self.session.device.type != "cuda" or self.cap is None:
+            return not any(isinstance(o, Shared) or o.went for o in live if o is not probe)  # one steps at a time
+        if probe.attempt:
             return True
         return sum(self.holding(o) for o in live if o is not probe) + probe.room <= self.cap.total
 
@@ -416,20 +379,35 @@ class ProbeRunner:
     # ----------------------------------------------------------------- running
 
     def job(self, probe: Probe) -> Job:
-        q = probe.question
-        batch, block = q.batch_and_block(probe.value)
-        name = f"{q.option_set}_N{q.world_size}_{q.variant}_B{batch}_L{block}" + ("_alone" if probe.attempt else "")
+        """A fresh probe's process, its value named at its gate (``series.AtValue``); its directory is named by
+        the value, or, set up ahead of it, by its place until the value is known (``file_probe``)."""
+        q, s = probe.question, self.session
+        name = self.probe_name(probe) if probe.value is not None else \
+            f"{q.option_set}_N{q.world_size}_{q.variant}_{'L' if q.searched == BATCH else 'B'}{q.fixed}_ahead" \
+            f"{next(self.ahead_count)}"
         directory = os.path.join(self.output_dir, "probes", name)
         os.makedirs(directory, exist_ok=True)
-        inject = FailureSpec(q.variant, 0, q.rank, "oom") if self.inject_oom_above is not None and \
-            probe.value > self.inject_oom_above else None
-        train = dataclasses.replace(self.train, options=q.options, inject_failure=inject)
-        meta = {"run_id": self.session.run_id, "rank": q.rank, "world_size": q.world_size, "simulated": True,
-                "probe": {**dataclasses.asdict(q), "batch_size": batch, "block_size": block}}
-        s = self.session
-        return Job(q.variant, train, s.device, s.config,
-                   probe_batches(self.tokens, batch, block, q.options.gradient_accumulation_steps), s.layer_classes,
-                   meta, q.rank, q.world_size, StoreKeys(f"probe/{name}"), directory, simulated=True, gated=True)
+        meta = {"run_id": s.run_id, "rank": q.rank, "world_size": q.world_size, "simulated": True,
+                "probe": dataclasses.asdict(q)}
+        return Job(q.variant, dataclasses.replace(self.train, options=q.options), s.device, s.config, self.tokens[:0],
+                   s.layer_classes, meta, q.rank, q.world_size, StoreKeys(f"probe/{name}"), directory, simulated=True,
+                   gated=True, at_go=AtValue(self.tokens, q, self.inject_oom_above))
+
+    def probe_name(self, probe: Probe) -> str:
+        q = probe.question
+        batch, block = q.batch_and_block(probe.value)
+        return f"{q.option_set}_N{q.world_size}_{q.variant}_B{batch}_L{block}" + ("_alone" if probe.attempt else "")
+
+    def file_probe(self, probe: Probe, job: Job, failure: str | None) -> None:
+        """A probe set up ahead of its value, ended: its directory named by the value it ran at; stood down before
+        it had one, removed (plan.json counts it)."""
+        if probe.value is None:
+            if failure is None:
+                shutil.rmtree(job.output_dir, ignore_errors=True)
+            return
+        named = os.path.join(self.output_dir, "probes", self.probe_name(probe))
+        if named != job.output_dir and not os.path.exists(named):
+            os.rename(job.output_dir, named)
 
     def outcome(self, probe: Probe, job: Job, failure: str | None) -> Outcome | str:
         """Fits, with its peaks; out of memory, with where it stood; or the other failure, as a string."""
@@ -437,7 +415,8 @@ class ProbeRunner:
         common = {"kind": "fresh", "attempt": probe.attempt, "room_mib": probe.room / MIB,
                   "started_s": probe.started - self.t0, "wall_s": probe.ended - probe.started,
                   "set_up_s": probe.ready - probe.started if probe.ready else None,
-                  "waited_s": probe.went - probe.ready if probe.went else None, "set_up_mib": probe.setup / MIB}
+                  "waited_s": probe.went - probe.ready if probe.went else None, "set_up_mib": probe.setup / MIB,
+                  "set_up_ahead": probe.ahead}
         if failure is None:
             record, = gather_records(store, job.keys, [q.rank])
             summary = report.memory_summary(q.variant, [record], self.session.shapes, q.world_size, [q.rank],
@@ -470,6 +449,159 @@ class ProbeRunner:
             what = f"out of memory (after {found.detail.get('phase')})"
         alone = " (again, alone)" if probe.attempt else ""
         print(f"[probe] {probe.question.label(probe.value)}{alone}: {what}", flush=True)
+
+
+@dataclass
+class PlanQueue:
+    """A plan's pieces as ``run_queue`` starts them and lets them go: fresh probes with a value first (one to be
+    run again alone before all, and alone), then the shared processes, then the probes set up ahead.
+
+    While a probe steps, its search's next probe is set up beside it (unless either outcome ends the search),
+    and so is a follower's first where the probe may end its leader's search; a leader's first is set up while
+    its shared process runs. Each waits at its gate until the piece it awaits has ended: then its go names
+    the value the search wants, or stands it down where the search wants none. A chain of probes so waits for
+    one set-up, not one per link, and a probe set up ahead only ever waits on a piece that is running, so
+    none waits for ever."""
+    runner: ProbeRunner
+    planner: Planner
+    after: Callable[[], None]
+    items: list[Probe | Shared] = dataclasses.field(default_factory=list)
+    pieces: list[Piece] = dataclasses.field(default_factory=list)
+    waiting: list[int] = dataclasses.field(default_factory=list)  # not started, in the order they may start
+    ahead: dict[object, int] = dataclasses.field(default_factory=dict)  # a search's probe set up ahead of its value
+
+    def add(self, item: Probe | Shared, first: bool = False) -> int:
+        self.items.append(item)
+        self.pieces.append(self.runner.piece(item))
+        i = len(self.items) - 1
+        if isinstance(item, Probe) and item.value is not None:
+            self.waiting.insert(0 if first else self.named_waiting(), i)
+        else:
+            self.waiting.append(i)
+        return i
+
+    def named_waiting(self) -> int:
+        """How many probes with a value wait to start (they lead the queue)."""
+        return sum(isinstance(self.items[i], Probe) and self.items[i].value is not None for i in self.waiting)
+
+    def next_piece(self, running: list[int]) -> int | None:
+        self.name_values()
+        self.set_up_ahead(running)
+        live = [self.items[r] for r in running]
+        if any(isinstance(o, Probe) and o.attempt for o in live):
+            return None  # one run again alone has the GPU to itself
+        alone = [i for i in self.waiting if isinstance(self.items[i], Probe) and self.items[i].attempt]
+        if alone:  # nothing else starts before it
+            return None if live else self.start(alone[0])
+        i = next((i for i in self.waiting if not live or self.runner.may_start(self.items[i], live)), None)
+        return None if i is None else self.start(i)
+
+    def start(self, i: int) -> int:
+        self.waiting.remove(i)
+        return i
+
+    def name_values(self) -> None:
+        """Each value the planner wants now, to its search's probe set up ahead where there is one (it leaves the
+        back of the queue if it has not started), else to a new probe."""
+        for key, value in self.planner.wanted():
+            i = self.ahead.pop(key, None)
+            if i is None:
+                self.add(Probe(key, self.runner.questions[key], value, 0, self.runner.room(key, value),
+                               setup=self.runner.setup_room(key)))
+                continue
+            self.items[i].value, self.items[i].room = value, self.runner.room(key, value)
+            if i in self.waiting:
+                self.waiting.remove(i)
+                self.waiting.insert(self.named_waiting(), i)
+
+    def set_up_ahead(self, running: list[int]) -> None:
+        """A probe set up ahead for each search that awaits a running piece; one no longer awaited that has not
+        started leaves the queue."""
+        awaited = self.awaited(running)
+        for key, i in [(key, i) for key, i in self.ahead.items() if key not in awaited and i in self.waiting]:
+            self.waiting.remove(i)
+            del self.ahead[key]
+            self.runner.file_probe(self.items[i], self.pieces[i].args[0], None)
+        runner = self.runner
+        for key in awaited - set(self.ahead):
+            room = runner.cap.process_bytes if runner.cap and runner.session.device.type == "cuda" else 0
+            self.ahead[key] = self.add(Probe(key, runner.questions[key], None, 0, room, setup=runner.setup_room(key),
+                                             ahead=True))
+
+    def awaited(self, running: list[int]) -> set:
+        """The searches whose next probe may be wanted once a piece running now ends: a leader's while its shared
+        process runs, and those a stepping probe may move (``after_probe``); none while a probe waits to run
+        again alone."""
+        items = [self.items[i] for i in [*running, *self.waiting]]
+        if any(isinstance(o, Probe) and o.attempt for o in items):
+            return set()
+        keys = set()
+        for item in (self.items[r] for r in running):
+            if isinstance(item, Shared):
+                keys.add(item.question_key)
+            elif item.went and item.value is not None:
+                keys |= self.after_probe(item)
+        return {key for key in keys if not self.runner.searches[key].done}
+
+    def after_probe(self, probe: Probe) -> set:
+        """Its own search, unless either outcome ends it; the followers not yet started of a search it may end."""
+        key, searches = probe.question_key, self.runner.searches
+        ends_if_fits, ends_if_not = searches[key].settled_by(probe.value)
+        keys = set() if ends_if_fits and ends_if_not else {key}
+        if ends_if_fits or ends_if_not:
+            keys |= {f for f, (leader, _) in self.runner.leaders.items()
+                     if leader == key and not searches[f].outcomes}
+        return keys
+
+    def started(self, i: int) -> None:
+        self.items[i].started, self.items[i].ended = time.monotonic(), math.inf
+
+    def let_go(self, i: int, held: str, running: list[int]) -> str | None:
+        """A probe at its gate: its value once named and the GPU holds its room; stood down where it was set up
+        ahead and its search awaits nothing now."""
+        probe, runner = self.items[i], self.runner
+        probe.ready = probe.ready or time.monotonic()
+        probe.setup = int(held) + (runner.cap.context if runner.cap else 0)
+        if probe.value is None:
+            if probe.question_key in self.awaited(running):
+                return None
+            if self.ahead.get(probe.question_key) == i:
+                del self.ahead[probe.question_key]
+            return STAND_DOWN
+        if not runner.may_go(probe, [self.items[r] for r in running]):
+            return None
+        probe.went = time.monotonic()
+        return str(probe.value)
+
+    def ended(self, i: int, failure: str | None) -> None:
+        item, job, runner = self.items[i], self.pieces[i].args[0], self.runner
+        item.ended = time.monotonic()
+        if isinstance(item, Shared):
+            runner.take_series(item, job, failure)
+            self.planner.ready(item.question_key)
+        elif item.value is None:
+            self.end_ahead(i, item, job, failure)
+        else:
+            runner.file_probe(item, job, failure)
+            if runner.took_probe(item, job, failure, [o for o in self.items if item.overlaps(o)]):
+                self.planner.took(item.question_key, item.value, item.found)
+            else:
+                self.add(Probe(item.question_key, item.question, item.value, 1, runner.cap.process_bytes,
+                               setup=item.setup), first=True)
+        self.name_values()
+        self.after()
+
+    def end_ahead(self, i: int, probe: Probe, job: Job, failure: str | None) -> None:
+        """A probe set up ahead that ended before a value came: stood down, or failed in its set-up. Out of memory
+        there it was crowded out (no answer's); any other failure ends its search, if it still runs, with the
+        reason, as a probe's would."""
+        if self.ahead.get(probe.question_key) == i:
+            del self.ahead[probe.question_key]
+        self.runner.file_probe(probe, job, failure)
+        self.runner.stood_down.append(probe)
+        search = self.runner.searches[probe.question_key]
+        if failure is not None and "out of memory" not in failure and not search.done:
+            search.stop(f"{probe.question.title} (set up ahead): {failure}")
 
 
 def _event(record: dict, name: str) -> dict:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import utils
 from fsdp2bench import snapshots
 from fsdp2bench.child import TracedChild, run_traced_child
-from fsdp2bench.isolation import StoreKeys, init_group, wait_at_gate
+from fsdp2bench.isolation import STAND_DOWN, StoreKeys, init_group, name_process, wait_at_gate
 from fsdp2bench.layout import Meshes
 from fsdp2bench.memory_model import account, local_tensor
 from fsdp2bench.model import build_model
@@ -75,6 +75,7 @@ class Job:
     simulated: bool = False  # rank ``rank`` of ``world_size`` played alone on a fake process group
     position: int = 0  # among the variants running at the same time: the row of its progress bar
     gated: bool = False  # set up, it waits for its parent's go before the first step (isolation.wait_at_gate)
+    at_go: Callable[[Job, int], Job] | None = None  # gated: this job at the value its go names (series.AtValue)
 
 
 # --------------------------------------------------------------------------- training
@@ -229,9 +230,9 @@ def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.S
     start = time.perf_counter()
     prep = prepare(job, tracker, meshes)
     accounting = {"end_of_setup": account(prep.model, prep.optimizer)}
+    if job.gated and (job := wait_for_go(job, tracker, store)) is None:
+        return {"wall_s": time.perf_counter() - start, "stood_down": True}
     batches = host_batches(job)  # before the clock of the first step starts
-    if job.gated:
-        wait_for_go(job, tracker, store)
     tracker.mark("training_started")
     last = len(job.batches) - 1
     # Rank 0 of a real run shows it; a sweep's processes say which run they start instead.
@@ -273,12 +274,19 @@ def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.S
     return found
 
 
-def wait_for_go(job: Job, tracker: MemoryTracker, store: dist.Store) -> None:
+def wait_for_go(job: Job, tracker: MemoryTracker, store: dist.Store) -> Job | None:
     """plan.py's probes: set up, holding only the state, a probe waits until its parent has the room of its
-    steps for it, so that the set-ups of some overlap the steps of others."""
+    steps for it (so that the set-ups of some overlap the steps of others) and names the value it trains at
+    (so that a search's next probe is set up before its value is known). Returns the job at that value, None
+    where the probe is stood down instead."""
     start = time.perf_counter()
-    wait_at_gate(store, job.keys, torch.cuda.memory_reserved(job.device) if job.device.type == "cuda" else 0)
-    tracker.mark("gate_passed", waited_s=time.perf_counter() - start)
+    go = wait_at_gate(store, job.keys, torch.cuda.memory_reserved(job.device) if job.device.type == "cuda" else 0)
+    if go == STAND_DOWN:
+        tracker.mark("stood_down", waited_s=time.perf_counter() - start)
+        return None
+    job = job.at_go(job, int(go)) if job.at_go is not None else job
+    tracker.mark("gate_passed", waited_s=time.perf_counter() - start, go=go, batches=list(job.batches.shape))
+    return job
 
 
 # --------------------------------------------------------------------------- the process
@@ -309,6 +317,12 @@ def limit_allocator(device: torch.device, limit: int) -> None:
 
 def variant_process(job: Job) -> None:
     """Entry point of the child process: one variant on one rank."""
+    run_variant_child(job, train)
+
+
+def probe_process(job: Job) -> None:
+    """Entry point of plan.py's fresh probe (``ps`` shows it as plan-probe)."""
+    name_process("plan-probe")
     run_variant_child(job, train)
 
 

@@ -11,6 +11,7 @@ the probes' (``fitting.SHARED_LIMIT``): a line wrong by much ends the series, ne
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -21,8 +22,9 @@ import torch.distributed as dist
 
 from fsdp2bench.data import rank_batches
 from fsdp2bench.fitting import Ladder
+from fsdp2bench.isolation import name_process
 from fsdp2bench.layout import Meshes
-from fsdp2bench.runner import Job, TrainStep, collector_paused, prepare, run_variant_child
+from fsdp2bench.runner import FailureSpec, Job, TrainStep, collector_paused, prepare, run_variant_child
 from measure import MemoryTracker
 
 
@@ -35,6 +37,25 @@ def probe_batches(tokens: torch.Tensor, batch: int, block: int, microbatches: in
     need = PROBE_STEPS * microbatches * batch * block
     repeated = tokens.repeat(max(1, math.ceil(need / max(1, tokens.numel()))))
     return rank_batches(repeated, block, batch, 1.0, 0, 1, PROBE_STEPS, microbatches)
+
+
+@dataclass(frozen=True)
+class AtValue:
+    """A fresh probe's job at the value its parent names at its gate (plan.py sets a search's next probe up
+    before it knows the value): its batches, and the out-of-memory error a test injects above a value."""
+    tokens: torch.Tensor
+    question: object  # probes.Question
+    inject_oom_above: int | None = None
+
+    def __call__(self, job: Job, value: int) -> Job:
+        q = self.question
+        batch, block = q.batch_and_block(value)
+        job.meta["probe"].update(batch_size=batch, block_size=block)  # the trace's header holds this dict
+        inject = FailureSpec(q.variant, 0, q.rank, "oom") \
+            if self.inject_oom_above is not None and value > self.inject_oom_above else None
+        return dataclasses.replace(job, batches=probe_batches(self.tokens, batch, block,
+                                                              q.options.gradient_accumulation_steps),
+                                   train=dataclasses.replace(job.train, inject_failure=inject))
 
 
 @dataclass
@@ -50,7 +71,8 @@ def point_key(job: SeriesJob, index: int) -> str:
 
 
 def series_process(job: SeriesJob) -> None:
-    """Entry point of the child process."""
+    """Entry point of the child process (``ps`` shows it as plan-shared)."""
+    name_process("plan-shared")
     run_variant_child(job, measure_series)
 
 

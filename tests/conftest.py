@@ -73,8 +73,8 @@ def run_script(args: list[str], nproc: int | None = 2, timeout: int = 300, launc
 
 
 def child_running(pid: int, marker: str, timeout: float = 60.0):
-    """The first child process of ``pid`` whose command line holds ``marker``, waited for; a child that
-    has just ended (a zombie, or gone) is passed over."""
+    """The first child process of ``pid`` whose command line holds ``marker``, or whose name is it, waited for;
+    a child that has just ended (a zombie, or gone) is passed over."""
     import time
 
     import psutil
@@ -83,7 +83,7 @@ def child_running(pid: int, marker: str, timeout: float = 60.0):
     while time.monotonic() < deadline:
         for child in psutil.Process(pid).children():
             try:
-                if marker in " ".join(child.cmdline()):
+                if marker in " ".join(child.cmdline()) or child.name() == marker:
                     return child
             except psutil.Error:
                 continue

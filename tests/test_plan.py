@@ -3,6 +3,7 @@ plan of the tiny model whose probes run out of memory above a chosen batch."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -402,23 +403,24 @@ def test_a_signal_to_the_plan_and_every_process_it_started_ends_in_one_line(tmp_
     assert not any(a["largest"] for a in result["answers"] if not a["finished"])
 
 
-def signal_child_after(tmp_path, marker: str, extra: list[str]):
-    """A CPU plan of tiny at N = 2 (default and ac), its child sent SIGTERM as soon as the console has printed a
-    line that starts with ``marker``; returns the ended process, its stderr and plan.json."""
+def signal_child_after(tmp_path, marker: str, extra: list[str], child: str):
+    """A CPU plan of tiny at N = 2 (default and ac), its child named ``child`` (plan-shared, plan-probe) sent
+    SIGTERM as soon as the console has printed a line that starts with ``marker``; returns the ended process, its
+    stderr and plan.json."""
     proc = start_script(["plan.py", "--device", "cpu", "--world_size", "2", "--sets", "default,ac",
                          "--variants", "torch_optimizer_after_fsdp", "--output_dir", str(tmp_path / "plan"), *extra],
                         nproc=None)
     for line in proc.stdout:
         if line.startswith(marker):
             break
-    child_running(proc.pid, "plan.py").send_signal(signal.SIGTERM)  # the piece that printed it has ended
+    child_running(proc.pid, child).send_signal(signal.SIGTERM)  # the piece that printed it has ended
     _, stderr = proc.communicate(timeout=300)
     return proc, stderr, load(tmp_path / "plan" / "plan.json")
 
 
 def test_a_signal_to_one_probe_fails_its_answer_and_the_last_line_says_so(tmp_path):
     # Every value up to 8 fits: the shared process measures 1 to 8, then the first fresh probe (8) trains.
-    proc, stderr, result = signal_child_after(tmp_path, "[shared]", ["--upper_bound", "8"])
+    proc, stderr, result = signal_child_after(tmp_path, "[shared]", ["--upper_bound", "8"], "plan-probe")
     failed = [a for a in result["answers"] if a["error"]]
     # The probe's own words depend on where the signal found it (Interrupted, or torch's RuntimeError).
     assert proc.returncode == 1 and len(failed) == 1 and "SIGTERM" in failed[0]["error"], stderr
@@ -430,7 +432,7 @@ def test_a_signal_to_one_probe_fails_its_answer_and_the_last_line_says_so(tmp_pa
 
 def test_a_signal_to_a_shared_process_fails_its_answer_and_the_last_line_says_so(tmp_path):
     # The first answer's shared process and fresh probes have ended: the second's shared process runs.
-    proc, stderr, result = signal_child_after(tmp_path, "[answer 1/2]", ["--inject_oom_above", "3"])
+    proc, stderr, result = signal_child_after(tmp_path, "[answer 1/2]", ["--inject_oom_above", "3"], "plan-shared")
     failed = [a for a in result["answers"] if a["error"]]
     assert proc.returncode == 1 and len(failed) == 1 and "its shared process" in failed[0]["error"], stderr
     assert "SIGTERM" in failed[0]["error"]
@@ -490,3 +492,105 @@ def test_probes_set_up_ahead_and_step_only_where_the_gpu_holds_their_room(monkey
     for probe in going:
         live.remove(probe)
     assert all(runner.may_go(p, live) for p in live[:stepping])
+
+
+def queue_of(monkeypatch, gib: float, shares: list[float], limit: float):
+    """A plan's queue on a simulated 140 GiB GPU: an option set per share, each answered for two variants (the
+    second follows the first); a probe's outcome and a shared process's values come from ``gpu_rank``."""
+    from fsdp2bench import probes
+    from fsdp2bench.probes import BATCH, PlanQueue
+
+    monkeypatch.setattr(probes, "host_bytes", lambda *args: 1 << 30)
+    cap = concurrency.GpuCap(gib, 140 * 1024 * MIB, 527 * MIB)
+    variants = ("torch_optimizer_after_fsdp", "accelerate")
+    keys = [(f"set{s}", 8, variant, 128) for s in range(len(shares)) for variant in variants]
+    questions = {key: Question("default", 8, 0, key[2], BATCH, 128) for key in keys}
+    searches = {key: Search(1, 4096, limit, PER_SEQUENCE, BLOCK, BLOCK_SHARE) for key in keys}
+    leaders = {key: ((key[0], 8, variants[0], 128), 0) for key in keys if key[2] == variants[1]}
+    rank = {key: gpu_rank(limit, shares[int(key[0][3:])]) for key in keys}
+    session = types.SimpleNamespace(device=torch.device("cuda", 0), shapes=None)
+    runner = ProbeRunner(session, types.SimpleNamespace(init_device="cpu", build_threads=32), None, questions,
+                         searches, cap, "", leaders=leaders)
+
+    def took(probe, job, failure, beside):
+        peak, fits = rank[probe.question_key]
+        probe.found = Outcome(probe.value, fits(probe.value), peak(probe.value))
+        runner.probes.append(probe)
+        return True
+
+    def take_series(shared, job, failure):
+        peak = rank[shared.question_key][0]
+        searches[shared.question_key].take_shared([Outcome(v, True, peak(v)) for v in (1, 8, 20)])
+
+    monkeypatch.setattr(runner, "piece", lambda item: types.SimpleNamespace(args=(None,)))
+    monkeypatch.setattr(runner, "setup_room", lambda key: 1500 * MIB)
+    for name, fake in [("took_probe", took), ("take_series", take_series), ("file_probe", lambda *args: None)]:
+        monkeypatch.setattr(runner, name, fake)
+    planner = fitting.Planner(searches, group=lambda key: key[0], unready={k for k in keys if k not in leaders},
+                              leaders=leaders)
+    queue = PlanQueue(runner, planner, lambda: None)
+    for key in keys:
+        if key not in leaders:
+            queue.add(probes.Shared(key, questions[key], None, runner.cap.process_bytes // 4))
+    return queue, rank
+
+
+def drive(queue, setup: float = 3.0, step: float = 4.0, shared_s: float = 10.0) -> float:
+    """run_queue's part in virtual time: a probe reaches its gate ``setup`` s after it starts and ends ``step`` s
+    after its go (at once, stood down); a shared process ends ``shared_s`` s after it starts. Returns the time
+    the last piece ended; fails where every running piece waits at its gate for ever, or the GPU is overdrawn."""
+    from fsdp2bench.isolation import STAND_DOWN
+    from fsdp2bench.probes import Shared
+
+    now, running, at_gate, ready_at, ends_at = 0.0, [], [], {}, {}
+    while True:
+        for i in [i for i in at_gate if ready_at[i] <= now]:
+            if (go := queue.let_go(i, str(1000 * MIB), list(running))) is not None:
+                at_gate.remove(i)
+                assert go == STAND_DOWN or int(go) == queue.items[i].value
+                ends_at[i] = now + (0 if go == STAND_DOWN else step)
+        while (i := queue.next_piece(list(running))) is not None:
+            running.append(i)
+            queue.started(i)
+            if isinstance(queue.items[i], Shared):
+                ends_at[i] = now + shared_s
+            else:
+                at_gate.append(i)
+                ready_at[i] = now + setup
+        assert sum(queue.runner.holding(queue.items[r]) for r in running) <= queue.runner.cap.total
+        if not running:
+            return now
+        times = [ends_at[i] for i in running if i in ends_at] + [ready_at[i] for i in at_gate if ready_at[i] > now]
+        assert times, "every running piece waits at its gate"
+        now = min(times)
+        for i in [i for i in running if ends_at.get(i, math.inf) <= now]:
+            running.remove(i)
+            queue.ended(i, None)
+
+
+def test_a_searchs_next_probe_sets_up_while_the_one_before_steps(monkeypatch):
+    """On a GPU with room, no set-up lies on a search's path: the leader's first probe sets up while its shared
+    process runs, each next one while the one before steps (its value named at its gate), the follower's first
+    while the leader's last steps. The plan then takes the shared process and the steps, and a search's probe
+    set up ahead that no value came to is stood down (at most one per search)."""
+    queue, rank = queue_of(monkeypatch, 24.0, [0.7], LIMIT)
+    wall = drive(queue)
+    runner = queue.runner
+    for key, search in runner.searches.items():
+        assert search.largest_fit == max(v for v in range(1, 200) if rank[key][1](v)) and search.done
+    assert all(p.ahead for p in runner.probes)
+    assert wall == 10.0 + 4.0 * len(runner.probes)
+    assert len(runner.stood_down) <= len(runner.searches)
+
+
+@pytest.mark.parametrize("gib, limit", [(24.0, LIMIT), (80.0, 81393.0)])
+def test_a_crowded_gpu_runs_every_search_to_its_edge_with_probes_set_up_ahead(monkeypatch, gib, limit):
+    """Six option sets of two variants each on one GPU (five probes step at once under 24 GiB, one under 80):
+    none waits for ever, the GPU is never overdrawn, every answer is found, and most probes were set up
+    ahead of their value."""
+    queue, rank = queue_of(monkeypatch, gib, [0.4, 0.6, 0.8, 1.0, 1.2, 1.5], limit)
+    drive(queue)
+    runner = queue.runner
+    for key, search in runner.searches.items():
+        assert search.largest_fit == max(v for v in range(1, 1000) if rank[key][1](v)) and search.done
+    assert sum(p.ahead for p in runner.probes) >= 0.75 * len(runner.probes)
