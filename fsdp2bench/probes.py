@@ -119,6 +119,13 @@ def search_for(question: Question, lower: int, upper: int, cap: GpuCap | None, c
     return Search(lower, upper, cap.allocator_bytes / MIB, per_unit / MIB, logits / MIB, BLOCK_SHARE)
 
 
+def slow_first(options: FsdpOptions) -> tuple[bool, bool]:
+    """Sets with CPU offload (AdamW on the host), then activation checkpointing (each block run twice) before the
+    others: their steps take longest and their batches are larger, so their searches are a plan's longest
+    chains (on one H200 under 24 GiB, `all` at N = 8 was the last answer, 30 s after any other set's)."""
+    return not options.cpu_offload, not options.activation_checkpointing
+
+
 def leaders_of(questions: dict, searches: dict[object, Search], shapes) -> dict[object, tuple[object, int]]:
     """Each answer after the first of its option set, N and fixed value (another variant): that first answer, its
     leader, and the values it is expected to fit beyond the leader's edge (what the memory model says it holds
@@ -197,9 +204,10 @@ class ProbeRunner:
 
     def run_plan(self, planner: Planner, after: Callable[[], None]) -> None:
         """A shared process per answer that leads (the followers start at its edge), then the fresh probes the
-        planner wants as each piece ends (``PlanQueue``); ``after()`` is told after each piece."""
+        planner wants as each piece ends (``PlanQueue``); ``after()`` is told after each piece. The sets whose
+        steps take longest start first (``slow_first``)."""
         queue = PlanQueue(self, planner, after)
-        for key in self.searches:
+        for key in sorted(self.searches, key=lambda key: slow_first(self.questions[key].options)):
             if key not in self.leaders:
                 room = self.shared_room(key)
                 queue.add(Shared(key, self.questions[key], self.ladder(key, room), room))
