@@ -461,8 +461,7 @@ class ProbeRunner:
 
 @dataclass
 class PlanQueue:
-    """A plan's pieces as ``run_queue`` starts them and lets them go: fresh probes with a value first (one to be
-    run again alone before all, and alone), then the shared processes, then the probes set up ahead.
+    """A plan's pieces as ``run_queue`` starts them and lets them go, in the order of ``place``.
 
     While a probe steps, its search's next probe is set up beside it (unless either outcome ends the search),
     and so is a follower's first where the probe may end its leader's search; a leader's first is set up while
@@ -478,19 +477,24 @@ class PlanQueue:
     waiting: list[int] = dataclasses.field(default_factory=list)  # not started, in the order they may start
     ahead: dict[object, int] = dataclasses.field(default_factory=dict)  # a search's probe set up ahead of its value
 
-    def add(self, item: Probe | Shared, first: bool = False) -> int:
+    def add(self, item: Probe | Shared) -> int:
         self.items.append(item)
         self.pieces.append(self.runner.piece(item))
-        i = len(self.items) - 1
-        if isinstance(item, Probe) and item.value is not None:
-            self.waiting.insert(0 if first else self.named_waiting(), i)
-        else:
-            self.waiting.append(i)
-        return i
+        self.enqueue(len(self.items) - 1)
+        return len(self.items) - 1
 
-    def named_waiting(self) -> int:
-        """How many probes with a value wait to start (they lead the queue)."""
-        return sum(isinstance(self.items[i], Probe) and self.items[i].value is not None for i in self.waiting)
+    def enqueue(self, i: int) -> None:
+        """Into the queue at its place (``place``), after those of the same place."""
+        place = self.place(i)
+        self.waiting.insert(next((j for j, w in enumerate(self.waiting) if self.place(w) > place),
+                                 len(self.waiting)), i)
+
+    def place(self, i: int) -> tuple:
+        """A probe to run again alone, then probes with a value, shared processes, probes set up ahead; within
+        each, the sets whose steps take longest first (``slow_first``: their searches are the longest chains)."""
+        item = self.items[i]
+        kind = 2 if isinstance(item, Shared) else 0 if item.attempt else 1 if item.value is not None else 3
+        return (kind, *slow_first(item.question.options))
 
     def next_piece(self, running: list[int]) -> int | None:
         self.name_values()
@@ -520,7 +524,7 @@ class PlanQueue:
             self.items[i].value, self.items[i].room = value, self.runner.room(key, value)
             if i in self.waiting:
                 self.waiting.remove(i)
-                self.waiting.insert(self.named_waiting(), i)
+                self.enqueue(i)
 
     def set_up_ahead(self, running: list[int]) -> None:
         """A probe set up ahead for each search that awaits a running piece; one no longer awaited that has not
@@ -595,7 +599,7 @@ class PlanQueue:
                 self.planner.took(item.question_key, item.value, item.found)
             else:
                 self.add(Probe(item.question_key, item.question, item.value, 1, runner.cap.process_bytes,
-                               setup=item.setup), first=True)
+                               setup=item.setup))
         self.name_values()
         self.after()
 
