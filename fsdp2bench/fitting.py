@@ -99,6 +99,7 @@ class Search:
         self.shared: list[Outcome] = []  # measured in one shared process: they aim the probes, never decide
         self.error: str | None = None  # a probe failed for a reason other than memory
         self.learned = False  # block_share is what finished searches left free (share_edges), not the prior
+        self.first_learned = False  # the first probe was aimed with a learned share
         self.seed: int | None = None  # where a search like this one found its edge (``follow``)
 
     def share_bounds(self) -> tuple[float, float]:
@@ -189,11 +190,13 @@ class Search:
 
     def aimed_value(self, lo: int | None, hi: int | None) -> int:
         """The line's edge at the share the search starts from; after one probe aimed by other searches' edges
-        (most often off by one) the value beside it; then the middle of the shares its probes still allow."""
+        (most often off by one) the value beside it, after one aimed by the prior the edge at the share they have
+        found since; then the middle of the shares its probes still allow."""
         if not self.outcomes:
+            self.first_learned = self.learned
             return self.aim(self.block_share)
         if len(self.outcomes) == 1 and self.learned:
-            return lo + 1 if lo is not None else hi - 1
+            return (lo + 1 if lo is not None else hi - 1) if self.first_learned else self.aim(self.block_share)
         low, high = self.share_bounds()
         if low >= high:  # the allocator's packing broke the line's order: halve the bracket
             return lo + 1 if hi is None else (lo or self.lower) + (hi - (lo or self.lower)) // 2

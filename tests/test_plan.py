@@ -594,3 +594,17 @@ def test_a_crowded_gpu_runs_every_search_to_its_edge_with_probes_set_up_ahead(mo
     for key, search in runner.searches.items():
         assert search.largest_fit == max(v for v in range(1, 1000) if rank[key][1](v)) and search.done
     assert sum(p.ahead for p in runner.probes) >= 0.75 * len(runner.probes)
+
+
+def test_a_share_learned_after_the_first_probe_aims_the_second():
+    """The value beside the first probe only where that probe was aimed by finished searches' edges (most often
+    off by one); one aimed by the prior share is followed by the learned share's aim."""
+    for learned_first in (True, False):
+        search = Search(1, 4096, LIMIT, PER_SEQUENCE, BLOCK, 1.5)
+        search.take_shared([Outcome(v, True, STATE + PER_SEQUENCE * v) for v in (1, 8, 20)])
+        search.learned = learned_first
+        first, = search.next_values()
+        search.record(Outcome(first, True, STATE + PER_SEQUENCE * first))
+        search.block_share, search.learned = 0.4, True  # the edges other searches found since
+        assert search.aim(0.4) > first + 1
+        assert search.next_values() == [first + 1 if learned_first else search.aim(0.4)]
