@@ -5,7 +5,8 @@ each as soon as its search wants it (fitting.Planner) and the GPU holds it besid
 
 A fresh probe holds little while it sets up (the process, the context, its shard of the model): it starts
 as soon as that fits, then waits at a gate until the GPU has the room of its steps, so that the set-ups of
-some overlap the steps of others. A probe that is expected to stay well under the cap (the line of its
+some overlap the steps of others, and until its search names its value: a search's next probe sets up while
+the one before steps (``PlanQueue``). A probe that is expected to stay well under the cap (the line of its
 search says so) is given the room of that expectation plus a margin, so that several share the GPU; one
 that may reach the cap is given the whole cap. A probe that ran out of memory where the GPU itself was
 full (torch's message says what was free) may have been crowded out, not capped: it is run again alone,
@@ -44,7 +45,7 @@ ROOM_MARGIN = 1.15  # on the line's peak, for a probe that shares the GPU
 # puts it within that of the cap is given the whole cap, not the line's room.
 NEAR_CAP_RESERVED = 1.3
 SETUP_MARGIN, SETUP_SLACK_MIB = 1.5, 512  # on the memory model's state of a probe before its steps
-SET_UP_AHEAD = 2  # fresh probes set up and waiting to step, at least (a set-up takes about as long as the steps)
+WAITING_AT_LEAST = 2  # fresh probes set up and waiting at their gates, at least (a set-up takes about as long as the steps)
 # The share of a step's largest block (the fp32 logits) a search's first aim leaves free under the limit: the
 # middle of what the 1.5B model's edges left on one H200 (fitting.SHARE_BOUNDS; a plan's finished answers then aim
 # the others of their option set with what they found).
@@ -337,7 +338,7 @@ class ProbeRunner:
         """Whether ``item`` can start beside the pieces ``live``: the GPU holds its set-up (a shared process's
         whole room), the host its process, and the fresh probes set up and waiting could all go on to their
         steps, one at a time, once the others have ended (so that none waits for ever); as many wait as
-        could step at once on the whole GPU, or ``SET_UP_AHEAD`` where that is fewer."""
+        could step at once on the whole GPU, or ``WAITING_AT_LEAST`` where that is fewer."""
         if self.session.device.type != "cuda" or self.cap is None:
             # A CPU run: one piece at a time (beside one another they would only share the cores), and beside
             # it the probe set up ahead of its value
@@ -347,7 +348,7 @@ class ProbeRunner:
         if isinstance(item, Probe):
             pending = [o for o in live if isinstance(o, Probe) and not o.went] + [item]
             gpu = gpu and sum(o.setup for o in pending) + max(o.room - o.setup for o in pending) <= self.cap.total \
-                and (len(pending) <= SET_UP_AHEAD or sum(o.room for o in pending) <= self.cap.total)
+                and (len(pending) <= WAITING_AT_LEAST or sum(o.room for o in pending) <= self.cap.total)
         host = (len(live) + 1) * host_bytes(self.session.shapes, item.question.world_size, [item.question.variant],
                                             self.train.init_device, item.question.options, "cuda")
         return gpu and host <= host_memory_for_launch() and len(live) < self.train.build_threads
