@@ -285,6 +285,11 @@ def test_a_cpu_plan_of_tiny_finds_the_injected_edge_and_draws_it(tmp_path):
     trace = load(next((out / "probes").glob("default_N2_*_B4_L128/*memory_usage*.json")))
     names = [e["name"] for e in trace["events"]]
     assert names.index("optimizer_created") < names.index("gate_passed") == names.index("training_started") - 1
+    # ... set up ahead of its value, which its go named; each search's probe set up after its last was stood down
+    gate = next(e for e in trace["events"] if e["name"] == "gate_passed")
+    assert gate["go"] == "4" and gate["batches"] == [2, 4, 128] and trace["meta"]["probe"]["batch_size"] == 4
+    assert result["meta"]["probes_set_up_ahead"] == 8 and result["meta"]["stood_down"] == 4
+    assert not list((out / "probes").glob("*_ahead*"))
     drawn = run_script(["visualize.py", "--dir", str(out)], nproc=None)
     assert drawn.returncode == 0 and (out / "plan.png").stat().st_size > 10_000, drawn.stderr
 
