@@ -52,12 +52,18 @@ SHARED_DOUBLINGS = 6  # without peaks (a CPU run) a shared process doubles from 
 @dataclass(frozen=True)
 class Ladder:
     """The values one shared process measures, each chosen from the peaks of those before it (no torch: the
-    child calls ``next_value``). Always upward, so the first out-of-memory error ends the series."""
+    child calls ``next_value``). Always upward, so the first out-of-memory error ends the series.
+
+    A value's peak on the line, plus ``free_mib`` a unit of the step's largest block (what the probes leave
+    free: ``Search.aim``), meets its target: a step needs that block whole, and a series aimed at the peak alone
+    ran out of memory at its third value under checkpointing with offload (3.5 GiB of logits asked, 1.8 GiB
+    cached apart), leaving no slope for those sets' line."""
     lower: int
     upper: int
     limit_mib: float | None  # the shared process's own allocator limit (None on a CPU run: no peaks, it doubles)
     slope_mib: float | None  # the memory model's estimate of what one unit adds
     inject_oom_above: int | None = None
+    free_mib: float = 0.0
 
     def next_value(self, points: list[tuple[int, float | None]]) -> int | None:
         """The next value after ``points`` (value, peak allocated), or None once the series is done."""
@@ -73,7 +79,7 @@ class Ladder:
         target = first + SHARED_TARGETS[len(points) - 1] * (SHARED_TOP * self.limit_mib - first)
         if not slope or y >= target:
             return None
-        value = min(self.upper, x + math.floor((target - y) / slope))
+        value = min(self.upper, math.floor((target - y + slope * x) / (slope + self.free_mib)))
         return value if value > x else None
 
 

@@ -242,7 +242,8 @@ class ProbeRunner:
         """The values of ``key``'s shared process, under its own allocator limit: ``room`` less the context."""
         search = self.searches[key]
         limit = (room - self.cap.context) / MIB if room else None
-        return Ladder(search.lower, search.upper, limit, search.slope_mib, self.inject_oom_above)
+        return Ladder(search.lower, search.upper, limit, search.slope_mib, self.inject_oom_above,
+                      search.block_mib * search.block_share)
 
     def shared_room(self, key) -> int:
         """A shared process's allocator limit is ``SHARED_LIMIT`` of a probe's (at most ``SHARED_MOST_MIB``), or

@@ -112,7 +112,8 @@ def shared_then_fresh(limit: float, share: float, quirk: int | None = None, vari
     first (under its own lower limit), fresh probes aimed by its line, then the other variants' fresh probes
     from the edge it found."""
     peak, fits = gpu_rank(limit, share, quirk)
-    ladder = fitting.Ladder(1, 4096, fitting.SHARED_LIMIT * limit, PER_SEQUENCE * 1.1)
+    ladder = fitting.Ladder(1, 4096, fitting.SHARED_LIMIT * limit, PER_SEQUENCE * 1.1,
+                            free_mib=BLOCK * BLOCK_SHARE)  # as plan.py's (ProbeRunner.ladder)
     points = []
     while (value := ladder.next_value(points)) is not None:
         assert peak(value) <= fitting.SHARED_LIMIT * limit, "a shared process's values stay under its own limit"
@@ -613,3 +614,24 @@ def test_a_share_learned_after_the_first_probe_aims_the_second():
         search.block_share, search.learned = 0.4, True  # the edges other searches found since
         assert search.aim(0.4) > first + 1
         assert search.next_values() == [first + 1 if learned_first else search.aim(0.4)]
+
+
+def test_a_shared_process_leaves_a_share_of_the_largest_block_free_under_its_target():
+    """Its values aim as the probes do: peak plus a share of the step's largest block (the logits) at the target.
+    Aimed at the peak alone, the third value of a set with checkpointing and offload ran out of memory in its own
+    process on one H200 (3.5 GiB of logits asked with 1.8 GiB cached apart), leaving its line no slope."""
+    limit, slope, free = 16834.0, 250.0, BLOCK * BLOCK_SHARE
+
+    def peak(v: int) -> float:  # the `all` set's at N = 8 under 24 GiB: 261 MiB a sequence above batch 19
+        return 3680 + 238.6 * (v - 1) if v < 19 else 20509 + 261 * (v - 67)
+
+    for free_mib, third in [(0.0, 47), (free, 39)]:
+        ladder, points = fitting.Ladder(1, 4096, limit, slope, free_mib=free_mib), []
+        while (value := ladder.next_value(points)) is not None:
+            points.append((value, peak(value)))
+        assert [v for v, _ in points][-1] == third and len(points) == 3
+    (x1, _), (x2, _) = points[-2:]
+    assert x1 >= fitting.SHARED_NEAR * x2  # far enough up for the line to take its slope from them
+    target = points[0][1] + fitting.SHARED_TARGETS[1] * (fitting.SHARED_TOP * limit - points[0][1])
+    x, y = points[1]
+    assert y + slope * (39 - x) + free * 39 <= target < y + slope * (40 - x) + free * 40
