@@ -475,13 +475,13 @@ class PlanQueue:
     planner: Planner
     after: Callable[[], None]
     items: list[Probe | Shared] = dataclasses.field(default_factory=list)
-    pieces: list[Piece] = dataclasses.field(default_factory=list)
+    pieces: list[Piece | None] = dataclasses.field(default_factory=list)  # each made as it starts (``start``)
     waiting: list[int] = dataclasses.field(default_factory=list)  # not started, in the order they may start
     ahead: dict[object, int] = dataclasses.field(default_factory=dict)  # a search's probe set up ahead of its value
 
     def add(self, item: Probe | Shared) -> int:
         self.items.append(item)
-        self.pieces.append(self.runner.piece(item))
+        self.pieces.append(None)
         self.enqueue(len(self.items) - 1)
         return len(self.items) - 1
 
@@ -511,7 +511,10 @@ class PlanQueue:
         return None if i is None else self.start(i)
 
     def start(self, i: int) -> int:
+        """Out of the queue, its process made now: one dropped before it starts leaves no directory, and one
+        named before it starts is filed by its value from the first."""
         self.waiting.remove(i)
+        self.pieces[i] = self.runner.piece(self.items[i])
         return i
 
     def name_values(self) -> None:
@@ -535,7 +538,6 @@ class PlanQueue:
         for key, i in [(key, i) for key, i in self.ahead.items() if key not in awaited and i in self.waiting]:
             self.waiting.remove(i)
             del self.ahead[key]
-            self.runner.file_probe(self.items[i], self.pieces[i].args[0], None)
         runner = self.runner
         for key in awaited - set(self.ahead):
             room = runner.cap.process_bytes if runner.cap and runner.session.device.type == "cuda" else 0
