@@ -229,6 +229,14 @@ def timed(args: argparse.Namespace, extra: list[str]) -> int:
             print(f"error: --baseline {args.baseline}: {same}; no ratio is recorded", file=sys.stderr)
             return 2
         result.update(baseline={**baseline, "same_work": same}, wall_ratio_to_baseline=wall / baseline["suite_wall_s"])
+    add_run_figures(result, runs)
+    write_json(args.json, result)
+    say_result(result, args.json)
+    return code
+
+
+def add_run_figures(result: dict, runs: dict) -> None:
+    """Each finished run's phases, median step time and peaks, and the tracker's overhead where measured."""
     ratios = {}
     for name, (v, trace_path) in runs.items():
         if trace_path is not None:
@@ -242,7 +250,10 @@ def timed(args: argparse.Namespace, extra: list[str]) -> int:
     if ratios:
         result["tracker_overhead_ratio"] = statistics.median(ratios.values())
         result["tracker_overhead_ratio_per_variant"] = ratios
-    write_json(args.json, result)
+
+
+def say_result(result: dict, json_path: str) -> None:
+    """The figures a reader compares first, then what differed from the baseline's run."""
     print(json.dumps({k: result.get(k) for k in ("suite_wall_s", "wall_ratio_to_baseline", "speedup_vs_upstream",
                                                  "tracker_overhead_ratio", "median_step_time_s", "launch_phases")},
                      indent=1))
@@ -254,8 +265,7 @@ def timed(args: argparse.Namespace, extra: list[str]) -> int:
         changed = {lib: (theirs.get(lib), v) for lib, v in (same["versions"]["this"] or {}).items()
                    if theirs.get(lib) != v}
         print("versions: " + (", ".join(f"{lib} {a} -> {b}" for lib, (a, b) in changed.items()) or "the same") +
-              "; per run, the peaks' differences (MiB, this minus the baseline) are in " + args.json)
-    return code
+              "; per run, the peaks' differences (MiB, this minus the baseline) are in " + json_path)
 
 
 if __name__ == "__main__":
