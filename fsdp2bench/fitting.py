@@ -79,7 +79,7 @@ class Ladder:
         target = first + SHARED_TARGETS[len(points) - 1] * (SHARED_TOP * self.limit_mib - first)
         if not slope or y >= target:
             return None
-        value = min(self.upper, math.floor((target - y + slope * x) / (slope + self.free_mib)))
+        value = min(self.upper, _meets(target, x, y, slope, self.free_mib))
         return value if value > x else None
 
 
@@ -251,8 +251,8 @@ class Search:
 
     def aim(self, share: float) -> int:
         """The largest value whose peak on the line leaves ``share`` of its largest block free under the limit."""
-        x, y, slope = self.line()  # the peak y + slope (v - x) meets the limit less share * block * v at v:
-        return math.floor((self.limit_mib - y + slope * x) / (slope + share * self.block_mib))
+        x, y, slope = self.line()
+        return _meets(self.limit_mib, x, y, slope, share * self.block_mib)
 
     def predicted_peak(self, value: int) -> float | None:
         """The line's peak at ``value``: what a probe is expected to hold, so that probes that will
@@ -276,6 +276,13 @@ class Search:
                 "at_upper_bound": lo == self.upper, "probes": len(self.outcomes), "error": self.error,
                 "started_at": self.seed,
                 "smallest_peak_mib": min((o.peak_mib for o in self.outcomes if o.peak_mib is not None), default=None)}
+
+
+def _meets(target: float, x: int, y: float, slope: float, free_per_unit: float) -> int:
+    """The largest value v whose peak on the line through (x, y), y + slope (v - x), plus ``free_per_unit`` v
+    left free for the step's largest block, stays within ``target``: the shared process's ladder and the probes
+    aim alike."""
+    return math.floor((target - y + slope * x) / (slope + free_per_unit))
 
 
 def _slope(points: list[tuple[int, float]], near: float) -> float | None:
