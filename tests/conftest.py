@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,33 +29,47 @@ def command(args: list[str], nproc: int | None = 2, launcher: list[str] | None =
 
 
 def environment(**extra: str) -> dict:
-    """One thread per process (2 cores run 2 ranks), unbuffered output, never the Hub, and the temp
-    dir of this test run (torchrun leaves a log folder per launch there, not in the machine's)."""
-    temp = {"TMPDIR": LAUNCHES_TMP[0]} if LAUNCHES_TMP else {}
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **temp, **extra}
+    """One thread per process (2 cores run 2 ranks), unbuffered output, never the Hub; the temp dir is the
+    session's own (``TESTS_TMP``, inherited)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **extra}
 
 
-LAUNCHES_TMP: list[str] = []  # the temp dir of every process the tests launch
 # torchrun's logs; multiprocessing's, when a test kills it; torch's compiled-kernel cache
 LEFT_BY_LAUNCHERS = ("torchelastic_", "pymp-", "torchinductor_")
-# Names that a test run can leave in the machine's temp dir (the project's, the launchers', tempfile's
-# default), so that what another program writes there meanwhile is not counted.
-OURS = ("fsdp2bench", "tmp", *LEFT_BY_LAUNCHERS)
+TESTS_TMP: list[str] = []  # the temp dir of every process of this session, its own and those it launches
+MACHINE_TMPDIR: list[str | None] = []  # TMPDIR as the session found it
+
+
+def pytest_configure(config) -> None:
+    """Before the test modules are imported (some make files as they are), every process of the session is given
+    a temp dir of its own, inside the machine's: on a shared machine, what other jobs write there is theirs.
+    pytest's own folders stay where they are (kept for a look after a failure)."""
+    machine = tempfile.gettempdir()
+    MACHINE_TMPDIR.append(os.environ.get("TMPDIR"))
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", machine)
+    TESTS_TMP.append(tempfile.mkdtemp(prefix="fsdp2bench-tests-", dir=machine))
+    os.environ["TMPDIR"] = tempfile.tempdir = TESTS_TMP[0]
+
+
+def pytest_unconfigure(config) -> None:
+    """The session's temp dir goes with it, what the launchers leave there too."""
+    if TESTS_TMP:
+        tempfile.tempdir = os.path.dirname(TESTS_TMP[0])
+        if MACHINE_TMPDIR[0] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = MACHINE_TMPDIR[0]
+        shutil.rmtree(TESTS_TMP.pop(), ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
-def nothing_left_in_the_temp_dir(tmp_path_factory):
-    """A test run leaves nothing in the machine's temp dir, and the launched processes nothing of
-    this project's in theirs (pytest's own folders, removed by pytest, are not counted)."""
-    machine = tempfile.gettempdir()
-    before = set(os.listdir(machine))
-    LAUNCHES_TMP.append(str(tmp_path_factory.mktemp("launches_tmp")))
-    # this process's compiled-kernel cache (a CP layout's check imports inductor), beside the launched ones'
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(LAUNCHES_TMP[0], "torchinductor_tests"))
+def nothing_left_in_the_temp_dir():
+    """The tests' processes leave nothing of theirs in their temp dir but the launchers' own leftovers (what the
+    test modules made as they were imported is already there, and removed by them at exit)."""
+    before = set(os.listdir(TESTS_TMP[0]))
     yield
-    left = sorted(n for n in set(os.listdir(machine)) - before if n.startswith(OURS))
-    ours = sorted(n for n in os.listdir(LAUNCHES_TMP[0]) if not n.startswith(LEFT_BY_LAUNCHERS))
-    assert not left and not ours, f"left in {machine}: {left}; by the launched processes: {ours}"
+    left = sorted(n for n in set(os.listdir(TESTS_TMP[0])) - before if not n.startswith(LEFT_BY_LAUNCHERS))
+    assert not left, f"left in the tests' temp dir {TESTS_TMP[0]}: {left}"
 
 
 def start_script(args: list[str], nproc: int | None = 2, launcher: list[str] | None = None, own_group: bool = False,

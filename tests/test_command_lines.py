@@ -16,11 +16,13 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import psutil
 import pytest
-from conftest import run_script
+from conftest import ROOT, run_script
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -409,3 +411,43 @@ def test_a_parameter_tied_across_two_blocks_is_refused():
     model[1].proj.weight = model[0].proj.weight
     with pytest.raises(UserError, match="--model mine: a parameter is tied across the units 0, 1"):
         check_units_own_their_parameters("mine", model, ["Block"])
+
+
+# --------------------------------------------------------------------------- the tests on a shared machine
+
+def pytest_session(args: list[str], given_tmp: str, cwd=ROOT, **env: str) -> subprocess.CompletedProcess:
+    """A test session of its own, as a user starts one with ``given_tmp`` as the machine's temp dir (TMPDIR)."""
+    shell = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=cwd,
+                          env={**shell, "TMPDIR": given_tmp, **env}, capture_output=True, text=True, timeout=600)
+
+
+def not_pytests(directory) -> list[str]:
+    """What is in ``directory`` besides pytest's own folders (which pytest keeps and removes)."""
+    return sorted(n for n in os.listdir(directory) if not n.startswith("pytest-of-"))
+
+
+def test_a_test_session_leaves_nothing_in_the_temp_dir_it_is_given(tmp_path):
+    """This module builds a model as it is collected (torch makes its compiled-kernel cache then): every process
+    of a session writes its temp files in the session's own dir, which is gone when the session ends."""
+    given = tmp_path / "given"
+    given.mkdir()
+    proc = pytest_session(["tests/test_command_lines.py", "-k", "tied_across_two_blocks"], str(given))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not_pytests(given) == []
+
+
+def test_what_other_jobs_write_in_the_machines_temp_dir_is_not_the_tests(tmp_path):
+    """Another job's files appearing in the machine's temp dir during a session (a shared machine) are not
+    counted against the tests."""
+    given, tests = tmp_path / "given", tmp_path / "tests"
+    given.mkdir()
+    tests.mkdir()
+    (tests / "test_another_job.py").write_text(
+        "import os\n\n\ndef test_another_job_writes_beside_the_tests():\n"
+        "    for name in ('tmp.another_job', 'torchelastic_another_job', 'fsdp2bench another job', 'pymp-x'):\n"
+        "        os.mkdir(os.path.join(os.environ['MACHINE_TMP'], name))\n")
+    proc = pytest_session(["-p", "conftest", str(tests)], str(given), cwd=tmp_path, MACHINE_TMP=str(given),
+                          PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not_pytests(given) == ["fsdp2bench another job", "pymp-x", "tmp.another_job", "torchelastic_another_job"]
