@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import errno
 import faulthandler
 import io
 import json
@@ -275,10 +276,11 @@ LOCK_FILE = ".fsdp2bench.lock"
 
 def lock_output_dir(path: str) -> None:
     """One launch at a time writes into a directory: two would mix their files silently. The lock
-    names its host and process and appears whole or not at all (written under a name of its own,
-    then hard-linked into place, which fails if a lock is there); one left by a process that is gone
-    is taken over."""
-    lock, me = os.path.join(path, LOCK_FILE), f"{socket.gethostname()} {os.getpid()}"
+    names its host, process and the process's start time (a process id is reused once its process is
+    gone) and appears whole or not at all (written under a name of its own, then hard-linked into place,
+    which fails if a lock is there); one left by a process that is gone is taken over."""
+    lock = os.path.join(path, LOCK_FILE)
+    me = f"{socket.gethostname()} {os.getpid()} {started_at(os.getpid()):.2f}"
     fd, mine = tempfile.mkstemp(prefix=f"{LOCK_FILE}.", dir=path)
     with os.fdopen(fd, "w") as f:
         f.write(me)
@@ -296,23 +298,65 @@ def lock_output_dir(path: str) -> None:
     raise UserError(f"--output_dir {path}: could not take {LOCK_FILE}")
 
 
+def started_at(pid: int) -> float | None:
+    """When process ``pid`` of this host started (seconds since the epoch), or None where it is gone."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return None
+
+
 def _refuse_or_clear(path: str, lock: str) -> None:
-    """A lock whose process is gone is removed; one that names a live process, or that cannot be read
-    (never made by this code, which writes it whole), is refused."""
+    """A lock whose process is gone (or whose process id now names a process started later) is removed;
+    one that cannot be read (never made by this code, which writes it whole) is refused, and so is one
+    whose process may still be the run that took it, in words true of what is known of it."""
     try:
         with open(lock) as f:
-            host, pid = f.read().split()
-        alive = host != socket.gethostname() or process_running(int(pid))
+            host, pid, *started = f.read().split()
+        pid_number, when = int(pid), float(started[0]) if len(started) == 1 else None
+        if pid_number < 1 or len(started) > 1:
+            raise ValueError(pid)
     except FileNotFoundError:  # its run ended meanwhile
         return
     except (OSError, ValueError):
         raise UserError(f"--output_dir {path}: {lock} is there but does not name a run; remove it if no run is "
                         "writing there") from None
-    if alive:
-        raise UserError(f"--output_dir {path}: another run (process {pid} on {host}) is writing there; wait for "
-                        f"it to end, choose another directory, or remove {lock} if that run is gone")
+    holder = _lock_holder(host, pid_number, when)
+    if holder:
+        wait = "wait for it to end, " if holder.startswith(RUN_HOLDS) else ""
+        raise UserError(f"--output_dir {path}: {holder}; {wait}choose another directory, or remove {lock} if no run "
+                        "is writing there")
     with contextlib.suppress(FileNotFoundError):  # another launch may have cleared it first
         os.remove(lock)
+
+
+RUN_HOLDS = "another run"  # the words of a lock held by the process that took it
+
+
+def _lock_holder(host: str, pid: int, when: float | None) -> str | None:
+    """What the process a lock names is, as far as this host can tell, or None where it is gone."""
+    if host != socket.gethostname():
+        return f"its lock names process {pid} on {host}, another machine, where this one cannot see whether it runs"
+    now = started_at(pid)
+    if now is None:
+        return None
+    if when is not None:  # the process that took the lock, or a later one given its id
+        return f"{RUN_HOLDS} (process {pid} on {host}) is writing there" if abs(now - when) < 0.05 else None
+    return f"its lock names process {pid} on {host}, which is running{_what_runs(pid)}, but the lock does not " \
+           "say when its process started, so whether that process took it cannot be told"
+
+
+def _what_runs(pid: int) -> str:
+    """" (python3 main.py ...)": the command line of process ``pid``, shortened, where it can be read."""
+    import psutil
+
+    try:
+        command = " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(psutil.Process(pid).cmdline()))
+    except psutil.Error:
+        return ""
+    return f" ({command[:60]}{'...' if len(command) > 60 else ''})" if command else ""
 
 
 def process_running(pid: int) -> bool:
@@ -333,16 +377,30 @@ def _unlock(lock: str, me: str) -> None:
 
 
 def path_kind(path: str) -> str:
-    """What is at ``path``, in the words of an error line."""
-    if os.path.islink(path) and not os.path.exists(path):
-        return "a broken symbolic link (what it points to does not exist)"
-    if not os.path.exists(path):
-        return "no such file or directory"
+    """What is at ``path``, in the words of an error line (a symbolic link is followed)."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return _unreachable(path, exc)
     if os.path.isdir(path):
         return "a directory" + ("" if os.access(path, os.R_OK | os.X_OK) else " that cannot be read")
     if os.path.isfile(path):
         return "a file" + ("" if os.access(path, os.R_OK) else " that cannot be read")
     return "neither a file nor a directory"
+
+
+def _unreachable(path: str, exc: OSError) -> str:
+    """Why following ``path`` fails, by the system's own reason: a loop of links is no broken link."""
+    if exc.errno == errno.ENOENT:
+        return "a broken symbolic link (what it points to does not exist)" if os.path.islink(path) else \
+            "no such file or directory"
+    loop = "a symbolic link loop (its links lead back to themselves, never to a file)" if os.path.islink(path) \
+        else "out of reach (a symbolic link on the way to it loops)"
+    words = {errno.ELOOP: loop,
+             errno.ENOTDIR: "no such file or directory (a part of the path before its last is a file)",
+             errno.EACCES: "out of reach (a directory on the way to it cannot be searched)",
+             errno.ENAMETOOLONG: "a name too long for the file system"}
+    return words.get(exc.errno, f"out of reach ({exc.strerror})")
 
 
 def looks_like_a_path(name: str) -> bool:
@@ -421,12 +479,9 @@ def write_bytes(path: str, content: bytes) -> None:
 
 
 # The mark every file of this benchmark carries (a JSON key, a PNG text chunk): what is at a name it writes
-# is replaced only where it carries the mark (or, written before the mark existed, a run id).
+# is replaced only where it carries the mark. A run id or a familiar shape is no mark: another program's
+# summary.json may hold a "run_id" too.
 MARK_KEY, MARK = "written_by", "fsdp2bench"
-SUMMARIES = ("summary.json", "matrix.json", "plan.json", "loading_summary.json")  # what a figure is drawn from
-# Beside a "meta", the sections of those files as written before the mark: recognised as the benchmark's (and
-# loading.py's early summaries by their own keys).
-OUR_SECTIONS = {"variants", "simulated", "rows", "answers", "modes"}
 
 
 def write_json(path: str, data: dict) -> None:
@@ -438,38 +493,37 @@ def write_json(path: str, data: dict) -> None:
 
 
 def is_ours(path: str) -> bool:
-    """Whether the file at ``path`` was written by this benchmark: a JSON object with the mark, a run id (at its
-    top or in its meta) or a meta beside the sections of its summaries, a figure with the mark or beside a
-    summary of ours, a memory snapshot beside a trace of ours."""
+    """Whether the file at ``path`` carries this benchmark's mark: a JSON object with it, a PNG with it in its
+    text chunks, or a memory snapshot (a pickle, never opened: unpickling runs code) beside a marked trace."""
     try:
         if path.endswith(".json"):
             with open(path, "rb") as f:
                 data = json.loads(f.read())
-            meta = data.get("meta") if isinstance(data, dict) else None
-            return isinstance(data, dict) and (data.get(MARK_KEY) == MARK or isinstance(data.get("run_id"), str)
-                                               or isinstance(meta, dict) and (isinstance(meta.get("run_id"), str)
-                                                                              or bool(OUR_SECTIONS & data.keys()))
-                                               or {"modes", "model_bytes", "checkpoint"} <= data.keys())
-        if path.endswith(".png"):  # marked, or (drawn before the mark) beside a summary of ours
+            return isinstance(data, dict) and data.get(MARK_KEY) == MARK
+        if path.endswith(".png"):
             from PIL import Image
 
             with Image.open(path) as image:
-                marked = image.info.get(MARK_KEY) == MARK
-            here = os.path.dirname(path)
-            return marked or any(is_ours(os.path.join(here, name)) for name in SUMMARIES
-                                 if os.path.isfile(os.path.join(here, name)))
-        if path.endswith("_memory_snapshot.pkl") or "_memory_snapshot_rank" in path:
+                return image.format == "PNG" and image.info.get(MARK_KEY) == MARK
+        if path.endswith(".pkl") and "_memory_snapshot" in os.path.basename(path):
             return is_ours(path.replace("_memory_snapshot", "_memory_usage").rsplit(".", 1)[0] + ".json")
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError):  # PIL's UnidentifiedImageError is an OSError
         return False
     return False
 
 
 def refuse_foreign(paths, flag: str) -> None:
-    """Before anything runs: a file at a name this run will write that this benchmark did not write is left
-    untouched, and the run refused in one line."""
+    """Before anything runs: whatever is at a name this run will write and does not carry the benchmark's mark
+    (a file of another program, a directory, a symbolic link, broken or not) is left untouched, and the run
+    refused in one line."""
     for path in paths:
-        if os.path.isfile(path) and not is_ours(path):
+        if not os.path.lexists(path):
+            continue
+        if os.path.islink(path) or not os.path.isfile(path):
+            what = f"a symbolic link ({path_kind(path)})" if os.path.islink(path) else path_kind(path)
+            raise UserError(f"{flag}: {path} is {what}, where this run writes a file; it is left untouched: move "
+                            f"it away or choose another {flag}")
+        if not is_ours(path):
             raise UserError(f"{flag}: {path} was not written by this benchmark, and this run would replace it; it "
                             f"is left untouched: move it away or choose another {flag}")
 

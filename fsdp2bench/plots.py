@@ -13,6 +13,7 @@ import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.legend_handler import HandlerTuple  # noqa: E402
 
 from fsdp2bench.cli import MARK, MARK_KEY, refuse_foreign  # noqa: E402
 from fsdp2bench.names import (MIB, TRACE_KEYS, VARIANTS, short_name, simulated_dir_name, size_unit,  # noqa: E402
@@ -45,8 +46,11 @@ def read_json(path: str) -> dict:
     try:
         with open(path) as f:
             data = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except json.JSONDecodeError as exc:  # its msg may end in "at" ("Unterminated string starting at")
+        where = f"line {exc.lineno}, column {exc.colno}"
+        raise InputError(f"{path}: not valid JSON ({exc.msg.removesuffix(' at')} at {where})") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not valid JSON (not UTF-8 text)") from None
     except OSError as exc:
         raise InputError(f"{path}: cannot read it ({exc.strerror})") from None
     if not isinstance(data, dict):
@@ -180,6 +184,13 @@ def save(fig, path: str, dpi: int = 110, rect: tuple = (0, 0, 1, 1)) -> None:
 
 
 LEGEND_FONT = 8
+EACH_COLOUR = {tuple: HandlerTuple(ndivide=None, pad=0.0)}  # a key of one shape in each colour it is drawn in
+
+
+def in_each_colour(colours: list[str], label: str, **style) -> tuple:
+    """A legend key for a mark drawn in several colours (one per variant or option set): the mark in each of
+    them, side by side, not in a colour none of them has."""
+    return tuple(plt.Line2D([], [], color=c, label=label, **style) for c in colours)
 LEGEND_GAP = 0.03  # of the axes' height, between the legend's band and the highest point
 
 
@@ -196,7 +207,7 @@ def finish_axes(ax, legend_font: float = LEGEND_FONT, columns: int = 4) -> None:
 def legend_inside(ax, handles: list, labels: list[str], font: float = LEGEND_FONT, columns: int = 4) -> None:
     """The legend at the top of the axes, in a band of its own (``make_room_for_legend``)."""
     ax.legend(handles, labels, fontsize=font, loc="upper center", ncol=min(columns, len(labels)),
-              bbox_to_anchor=(0.5, 1.0), borderaxespad=0.4, framealpha=0.95)
+              bbox_to_anchor=(0.5, 1.0), borderaxespad=0.4, framealpha=0.95, handler_map=EACH_COLOUR)
     ax._legend_band = (handles, labels, font, min(columns, len(labels)))
 
 
@@ -224,12 +235,21 @@ def make_room_for_legend(ax) -> None:
 
 
 def name_coinciding(ax) -> None:
-    """A labelled line with the same points as one drawn after it lies under it: its label says so."""
+    """A labelled line with the same points as one drawn after it lies under it: its label names the line that
+    is seen, the last drawn of them, whole (a name cut at its comma can be the start of another's)."""
     lines = [line for line in ax.get_lines() if not line.get_label().startswith("_")]
+    labels = [line.get_label() for line in lines]
     for i, low in enumerate(lines):
-        below = next((high for high in lines[i + 1:] if _same_points(low, high)), None)
-        if below is not None:  # the other's name: its label up to the first colon or comma
-            low.set_label(f"{low.get_label()} (under {re.split('[:,]', below.get_label())[0]}'s)")
+        seen = next((j for j in range(len(lines) - 1, i, -1) if _same_points(low, lines[j])), None)
+        if seen is not None:
+            low.set_label(f'{labels[i]} (under "{_distinct_part(labels[seen], labels[i])}")')
+
+
+def _distinct_part(label: str, other: str) -> str:
+    """``label`` less the ": what" it shares with ``other`` ("before, fixed" of "before, fixed: sharding rule"
+    beside "after: sharding rule"), else whole."""
+    name, colon, what = label.partition(": ")
+    return name if colon and other.endswith(f": {what}") else label
 
 
 def _same_points(a, b) -> bool:
@@ -240,15 +260,16 @@ def _same_points(a, b) -> bool:
 
 
 def fit_y_axis(ax, label: str) -> None:
-    """From zero, so that magnitudes compare, with room above the highest point; where the lines all lie
-    within a tenth of their height, zoomed to them instead (else they cannot be told apart), and said."""
+    """From zero, so that magnitudes compare, with room above the highest point; where the band from zero to the
+    lowest point would be taller than the lines' own (they would be squeezed into one band), zoomed to the lines
+    instead, and said."""
     values = [v for line in ax.get_lines() for v in line.get_ydata() if v is not None and v == v]
     if not values:
         ax.set_ylabel(label)
         return
     low, high = min(values), max(values)
     span = high - low
-    if high > 0 and 0 < span < 0.1 * high:
+    if 0 < span < low:
         ax.set_ylim(low - span * 0.3, high + span * 0.3)
         ax.set_ylabel(f"{label}, axis not from zero")
     else:
@@ -338,10 +359,12 @@ def plot_projection(summary: dict, path: str) -> bool:
     if not proj:
         return False
     table = proj["per_rank_state_bytes"]
-    sizes = [int(n) for n in table]
+    sizes = positive_sizes(table, "projection.per_rank_state_bytes")
+    positive_sizes([proj["measured"]["world_size"]], "projection.measured.world_size")
     unit, unit_name = size_unit(max(v for row in table.values() for cell in row.values() for v in cell.values()))
     fig, ax = plt.subplots(figsize=(12, 5))
     drawn: dict[tuple, list[str]] = {}
+    starred: list[str] = []  # the colours of the stars drawn
     for i, name in enumerate(VARIANTS):
         if name not in table[str(sizes[0])]:
             continue
@@ -356,12 +379,15 @@ def plot_projection(summary: dict, path: str) -> bool:
             x = n * 2 ** (0.06 * (i - 1.5))  # nudged apart: the intended ones coincide
             ax.plot([x, x], [measured["before_zero_grad"] / unit, measured["end_of_training"] / unit], ls="none",
                     marker="*", ms=12, color=f"C{i}", markeredgecolor="black")
+            starred.append(f"C{i}")
     handles = [plt.Line2D([], [], color=f"C{VARIANTS.index(names[-1])}", lw=2,
                           label=" = ".join(map(short_name, names)) + (" (one line)" if len(names) > 1 else ""))
                for names in drawn.values()]
     handles += [plt.Line2D([], [], color="black", marker="o", ms=3, label="at the step peak"),
-                plt.Line2D([], [], color="black", ls=":", label="between steps"),
-                plt.Line2D([], [], color="grey", marker="*", ms=10, ls="none", label="counted in this run (stars)")]
+                plt.Line2D([], [], color="black", ls=":", label="between steps")]
+    if starred:
+        handles.append(in_each_colour(starred, "counted in this run (stars)", marker="*", ms=10, ls="none",
+                                      markeredgecolor="black"))
     crossover = proj.get("unfixed_costs_more_from_world_size")
     if crossover:
         ax.axvline(crossover, color="grey", ls="--", lw=1)
@@ -373,7 +399,7 @@ def plot_projection(summary: dict, path: str) -> bool:
     ax.set_ylim(bottom=0)
     ax.set_title(f"{summary['meta']['model']}: state per rank by the sharding rule (lines), counted here (stars)")
     ax.grid(alpha=0.3)
-    legend_inside(ax, handles, [h.get_label() for h in handles], columns=3)
+    legend_inside(ax, handles, [(h[0] if isinstance(h, tuple) else h).get_label() for h in handles], columns=3)
     save(fig, path)
     return True
 
@@ -430,7 +456,7 @@ def plot_loading(loads: dict, path: str) -> None:
 def plot_loading_sweep(summary: dict, path: str) -> None:
     """loading.py --simulate_world_size: per mode, what rank 0 of each N added to its host RSS while
     loading, and (where there is a GPU) its GPU peak; shared_memory's one copy per node dotted."""
-    sizes = sorted(int(n) for n in summary["simulated"])
+    sizes = sorted(positive_sizes(summary["simulated"], "simulated"))
     modes = sorted({m for by_mode in summary["simulated"].values() for m, e in by_mode.items() if e["status"] == "ok"})
     points = {mode: [(n, summary["simulated"][str(n)][mode]) for n in sizes
                      if summary["simulated"][str(n)].get(mode, {}).get("status") == "ok"] for mode in modes}
@@ -483,45 +509,62 @@ def plot_simulated(summary: dict, path: str) -> None:
     """Top: the sharding rule's per-rank state for every N (lines) and, at each simulated N, the
     measured peak allocated in training (dots) and the state counted (crosses). Bottom: the
     measured memory beyond that state (activations, gathered parameters, buffers), the finding the
-    rule cannot give."""
+    rule cannot give; a run without an allocator (the CPU) has no such figure, and no bottom panel."""
     table = summary["projection"]["per_rank_state_bytes"]
-    sizes = [int(n) for n in table]
+    sizes = positive_sizes(table, "projection.per_rank_state_bytes")
+    positive_sizes(summary["simulated"], "simulated")
     unit, unit_name = size_unit(max(v for row in table.values() for cell in row.values() for v in cell.values()))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 8.5), sharex=True)
-    measured_any = False
+    measured = any(e["training_peak_allocated_mib"]["max"] is not None
+                   for name in VARIANTS for _, _, e in sweep_points(summary, name))
+    fig, axes = plt.subplots(2 if measured else 1, 1, figsize=(12, 8.5 if measured else 5), sharex=True,
+                             squeeze=False)
+    top = axes[0][0]
     for i, name in enumerate(VARIANTS):
-        if name not in table[str(sizes[0])]:
-            continue
-        top.plot(sizes, [table[str(n)][name]["before_zero_grad"] / unit for n in sizes], color=f"C{i}", lw=1,
-                 label=f"{short_name(name)}: sharding rule")
-        points = sweep_points(summary, name)
-        x = [n * 2 ** (0.05 * (i - 1.5)) for n, _, _ in points]  # nudged apart: the intended ones coincide
-        state = [max(state_bytes(rank["before_zero_grad"]) for rank in e["accounting"]) / unit
-                 for _, _, e in points]
-        peak = [nan_if_none(e["training_peak_allocated_mib"]["max"]) * MIB / unit for _, _, e in points]
-        beyond = [nan_if_none(e["training_peak_beyond_state_mib"]["max"]) * MIB / unit for _, _, e in points]
-        top.plot(x, state, ls="none", marker="x", ms=7, color=f"C{i}", label=f"{short_name(name)}: counted (crosses)")
-        if any(v == v for v in peak):  # not all NaN: the device has an allocator
-            measured_any = True
-            top.plot(x, peak, ls="none", marker="o", ms=6, color=f"C{i}", markeredgecolor="black",
-                     label=f"{short_name(name)}: peak allocated (dots)")
-            bottom.plot(x, beyond, marker="o", ms=5, lw=1, color=f"C{i}", label=short_name(name))
+        if name in table[str(sizes[0])]:
+            _simulated_variant(summary, name, i, sizes, unit, [ax for ax, in axes])
     ranks = sorted({int(r) for by_rank in summary["simulated"].values() for r in by_rank})
     played = "rank 0" if ranks == [0] else f"ranks {', '.join(map(str, ranks))}"
-    top.set_title(f"{summary['meta']['model']}, {played} of simulated N: state at the step peak and peak allocated")
-    top.set_ylabel(f"{unit_name} per rank")
-    bottom.set_title("Measured beyond the state: peak allocated in training minus the state at the step peak")
-    bottom.set_ylabel(f"{unit_name} per rank")
-    if not measured_any:
-        bottom.text(0.5, 0.5, "no allocator counters (CPU run)", ha="center", transform=bottom.transAxes)
-    for ax in (top, bottom):
+    top.set_title(f"{summary['meta']['model']}, {played} of simulated N: state at the step peak"
+                  + (" and peak allocated" if measured else " (no allocator on the CPU: nothing measured beyond it)"))
+    if measured:
+        axes[1][0].set_title("Measured beyond the state: peak allocated in training minus the state at the step peak")
+    for ax, in axes:
+        ax.set_ylabel(f"{unit_name} per rank")
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(n) for n in sizes])
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         finish_axes(ax, legend_font=7)
-    bottom.set_xlabel("world size N (ranks)")
+    axes[-1][0].set_xlabel("world size N (ranks)")
     save(fig, path)
+
+
+def _simulated_variant(summary: dict, name: str, i: int, sizes: list[int], unit: float, axes: list) -> None:
+    """One variant's line, crosses and (with a second panel: the allocator's figures) dots."""
+    table = summary["projection"]["per_rank_state_bytes"]
+    axes[0].plot(sizes, [table[str(n)][name]["before_zero_grad"] / unit for n in sizes], color=f"C{i}", lw=1,
+                 label=f"{short_name(name)}: sharding rule")
+    points = sweep_points(summary, name)
+    x = [n * 2 ** (0.05 * (i - 1.5)) for n, _, _ in points]  # nudged apart: the intended ones coincide
+    state = [max(state_bytes(rank["before_zero_grad"]) for rank in e["accounting"]) / unit for _, _, e in points]
+    axes[0].plot(x, state, ls="none", marker="x", ms=7, color=f"C{i}", label=f"{short_name(name)}: counted (crosses)")
+    peak = [nan_if_none(e["training_peak_allocated_mib"]["max"]) * MIB / unit for _, _, e in points]
+    if len(axes) > 1 and any(v == v for v in peak):
+        beyond = [nan_if_none(e["training_peak_beyond_state_mib"]["max"]) * MIB / unit for _, _, e in points]
+        axes[0].plot(x, peak, ls="none", marker="o", ms=6, color=f"C{i}", markeredgecolor="black",
+                     label=f"{short_name(name)}: peak allocated (dots)")
+        axes[1].plot(x, beyond, marker="o", ms=5, lw=1, color=f"C{i}", label=short_name(name))
+
+
+def positive_sizes(by_size: dict, where: str) -> list[int]:
+    """The world sizes (or lengths) keying ``by_size``, each a whole number above 0: a log axis cannot draw
+    another, and a file that holds one is not what the benchmark wrote (the error names the field)."""
+    sizes = []
+    for key in by_size:
+        if not (isinstance(key, (str, int)) and str(key).isdigit() and int(key) > 0):
+            raise ValueError(f"{where} has {key!r} where a whole number above 0 goes")
+        sizes.append(int(key))
+    return sizes
 
 
 # --------------------------------------------------------------------------- runs at growing sequence lengths
@@ -535,8 +578,10 @@ def sequence_runs(directory: str) -> list[dict]:
         if os.path.isfile(path):
             with reading(path):
                 summary = read_json(path)
-            if summary.get("simulated"):
-                found.append(summary)
+                if summary.get("simulated"):
+                    positive_sizes([summary["meta"]["args"]["block_size"]], "meta.args.block_size")
+                    positive_sizes(summary["simulated"], "simulated")
+                    found.append(summary)
     return found
 
 
@@ -688,21 +733,23 @@ def plot_plan(plan: dict, path: str) -> None:
 
 def _plan_legend(fig, answers: list[dict], sets: list[str], cap: dict | None, panels: tuple[int, int],
                  path: str) -> None:
-    handles = [plt.Line2D([], [], color=f"C{i % 10}", marker="o", label=name) for i, name in enumerate(sets)]
-    handles += [plt.Line2D([], [], color="gray", marker="o", ms=11, mfc="none", ls="", label="the largest that fits"),
-                plt.Line2D([], [], color="gray", marker="s", ms=5, mfc="none", ls="",
-                           label="a shared process's value (aims, decides nothing)"),
-                plt.Line2D([], [], color="gray", ls=":", label="the line that aimed the probes"),
-                plt.Line2D([], [], color="gray", marker="x", ls="", label="ran out of memory (drawn on the cap)")]
+    colours = [f"C{i % 10}" for i in range(len(sets))]  # each mark below is drawn in its option set's colour
+    handles: list = [plt.Line2D([], [], color=c, marker="o", label=name) for c, name in zip(colours, sets)]
+    handles += [in_each_colour(colours, "the largest that fits", marker="o", ms=11, mfc="none", ls=""),
+                in_each_colour(colours, "a shared process's value (aims, decides nothing)", marker="s", ms=5,
+                               mfc="none", ls=""),
+                in_each_colour(colours, "the line that aimed the probes", ls=":"),
+                in_each_colour(colours, "ran out of memory (drawn on the cap)", marker="x", ls="")]
     if any(a.get("at_least") for a in answers):
-        handles.append(plt.Line2D([], [], color="gray", marker=">", ms=10, mfc="none", ls="",
-                                  label="interrupted: the largest fit so far, a lower bound"))
+        handles.append(in_each_colour(colours, "interrupted: the largest fit so far, a lower bound", marker=">", ms=10,
+                                      mfc="none", ls=""))
     if cap:
         handles.append(plt.Line2D([], [], color="black", ls="--",
                                   label=f"the allocator's limit ({cap['gib']:g} GiB less the CUDA context)"))
     rows, columns = panels
     ncol = min(len(handles), 2 if columns == 1 else 4)  # one panel is too narrow for four long labels
-    fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=8)
+    fig.legend(handles, [(h[0] if isinstance(h, tuple) else h).get_label() for h in handles], loc="lower center",
+               ncol=ncol, fontsize=8, handler_map=EACH_COLOUR)
     rows_of_legend = -(-len(handles) // ncol)
     save(fig, path, rect=(0, 0.04 + 0.05 * rows_of_legend / rows, 1, 1))
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -12,8 +14,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fsdp2bench.cli import (RankError, check_replaceable, lock_output_dir, one_line, pick_device,
-                            prepare_output_dir)
+from fsdp2bench.cli import (RankError, UserError, check_replaceable, is_ours, lock_output_dir, one_line,
+                            pick_device, prepare_output_dir)
 from fsdp2bench.isolation import STORE_TIMEOUT, StoreKeys, catch_interrupts, launcher_env, wait_for_keys
 from fsdp2bench.memory_model import model_bytes, param_shapes
 from fsdp2bench.model import build_meta_model, check_units_own_their_parameters, layer_class_names, load_config
@@ -74,12 +76,54 @@ def open_session(facts: ModelFacts, device_choice: str, output_dir: str, summary
     rank, world_size = launcher_env()
     start_child_server(device.type)  # if the entry script has not: its imports overlap the set-up below
     prepare_output_dir(output_dir)
+    run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"  # rank 0's names the launch
     if rank == 0:
         lock_output_dir(output_dir)
+        move_earlier_runs_aside(output_dir, run_id)
         check_replaceable(os.path.join(output_dir, summary_file))
     store = meet_peers(rank, world_size)
     return Session(device, rank, world_size, facts.config, facts.shapes, facts.layer_classes, store,
-                   agree_on_run_id(store, rank))
+                   agree_on_run_id(store, rank, run_id))
+
+
+EARLIER_RUNS = "earlier_runs"  # where a run moves the files of the runs before it in its directory
+
+
+def move_earlier_runs_aside(output_dir: str, run_id: str) -> None:
+    """A run owns its directory: every file of the benchmark's there (its mark), at the top or in a simulated
+    world size's folder, is of an earlier run and goes to ``earlier_runs/<before this run>/``, said in one
+    line, so that no figure or trace of another run is read as this one's. Files without the mark stay."""
+    found = earlier_files(output_dir)
+    if not found:
+        return
+    aside = os.path.join(EARLIER_RUNS, f"before-{run_id}")
+    for relative in found:
+        target = os.path.join(output_dir, aside, relative)
+        try:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.rename(os.path.join(output_dir, relative), target)
+        except OSError as exc:
+            raise UserError(f"--output_dir {output_dir}: cannot move the earlier run's {relative} to {aside}/ "
+                            f"({exc.strerror}); move it away or choose another --output_dir") from None
+    for folder in {os.path.dirname(r) for r in found if os.path.dirname(r)}:
+        with contextlib.suppress(OSError):  # left where it holds files of another program
+            os.rmdir(os.path.join(output_dir, folder))
+    print(f"note: moved the {len(found)} file(s) of earlier runs in {output_dir} to "
+          f"{os.path.join(output_dir, aside)}/; this run writes its own in their place", flush=True)
+
+
+def earlier_files(output_dir: str) -> list[str]:
+    """The benchmark's files in ``output_dir`` (relative paths): at its top and in its ``simulated_N<n>``
+    folders, all judged before any is moved (a snapshot is judged by the trace beside it)."""
+    def plain(path: str, kind: Callable[[str], bool]) -> bool:  # a link is its maker's, never moved
+        return kind(path) and not os.path.islink(path)
+
+    folders = ["", *sorted(f for f in os.listdir(output_dir)
+                           if re.fullmatch(r"simulated_N\d+", f) and plain(os.path.join(output_dir, f), os.path.isdir))]
+    found = [os.path.join(folder, name) for folder in folders for name in sorted(os.listdir(os.path.join(output_dir,
+                                                                                                         folder)))]
+    return [path for path in found if plain(os.path.join(output_dir, path), os.path.isfile)
+            and is_ours(os.path.join(output_dir, path))]
 
 
 PEER_WAIT_S = float(os.environ.get("FSDP2_BENCH_PEER_WAIT_S", 15))  # torchrun's ranks meet in well under 1 s
@@ -99,11 +143,12 @@ def meet_peers(rank: int, world_size: int) -> dist.TCPStore:
     return store
 
 
-def agree_on_run_id(store: dist.TCPStore, rank: int) -> str:
-    """Rank 0 names the launch (when it started, and its process), every rank reads the name."""
+def agree_on_run_id(store: dist.TCPStore, rank: int, run_id: str) -> str:
+    """Rank 0 names the launch (when it started, and its process), every rank reads the name: no rank
+    writes into the directory before rank 0 has moved the earlier runs' files aside."""
     key = StoreKeys("run-id").prefix
     if rank == 0:
-        store.set(key, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        store.set(key, run_id)
     wait_for_keys(store, [key])
     return store.get(key).decode()
 
