@@ -77,6 +77,7 @@ def run(argv: list[str] | None = None) -> int:
             "versions": versions(),
             "model": args.model, "model_type": session.config.model_type, "num_parameters": session.num_parameters,
             "steps_per_variant": len(batches), "fsdp_options": dataclasses.asdict(fsdp_options),
+            "loop": fsdp_options.step.loop, "loss": fsdp_options.step.loss,
             "per_optimizer_step": per_optimizer_step(args, fsdp_options, session.world_size),
             "gpu_memory": checked.cap.as_dict() if checked.cap else None,
             "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()}}

@@ -27,7 +27,9 @@ from fsdp2bench.simulation import DEFAULT_STEPS, parse_world_sizes
 
 NUMBER_RANGES = {"nproc_per_node": (0, 4096), "sweep_steps": (1, 10_000_000)}  # 0 processes: sweeps only
 # main.py's FSDP2, accumulation and layout options: each launch gets those of its option set.
-OWNED = tuple(f.name for f in dataclasses.fields(options.FsdpOptions) if f.name != "layout") + options.LAYOUT_OPTIONS
+# The loop and the loss are not the sets' (every launch takes them as given: they go to main.py unchanged).
+OWNED = tuple(f.name for f in dataclasses.fields(options.FsdpOptions) if f.name not in options.NESTED) \
+    + options.LAYOUT_OPTIONS
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -69,7 +71,8 @@ def check(args: argparse.Namespace, forwarded: list[str]) -> tuple[list[str], di
                         f"with --option_sets")
     device_type = pick_device(given.device).type
     refused = {name: why for name in sets if (why := arguments.layout_refusal(
-        options.OPTION_SETS[name], checked.facts.config, given.block_size, device_type))}
+        dataclasses.replace(options.OPTION_SETS[name], step=checked.fsdp_options.step), checked.facts.config,
+        given.block_size, device_type))}
     plan, skipped = matrix.launches(args.output_dir, sets, sweep_sizes(args), args.sweep_steps, args.nproc_per_node,
                                     forwarded, refused)
     if not plan:

@@ -19,6 +19,7 @@ if __name__ == "__main__":  # ahead of the imports below: the fork server's over
     start_before_imports(sys.argv[1:])
 
 import argparse
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from fsdp2bench.runner import TrainConfig
 from fsdp2bench.series import PROBE_STEPS
 from fsdp2bench.session import ModelFacts, model_facts, open_session, say_interrupted
 from fsdp2bench.simulation import check_fake_group_available, parse_world_sizes
+from fsdp2bench.step import Step
 from fsdp2bench.versions import check_releases
 
 DEFAULT_VARIANTS = f"{INTENDED[0]},accelerate"
@@ -79,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "time (default: auto)")
     p.add_argument("--output_dir", default="out_plan",
                    help="plan.json here, each probe's trace in <output_dir>/probes/ (default: out_plan)")
+    arguments.add_step_options(p)
     p.add_argument("--inject_oom_above", type=int, default=None, metavar="V",
                    help="test option: every probe above V runs out of memory at its first step (default: off)")
     return p.parse_args(argv)
@@ -129,6 +132,7 @@ def validate(argv: list[str] | None = None) -> Checked:
     refuse_foreign([plan_path(args)], "--output_dir")
     args.model = args.model or default_model(device.type, "plan.py")
     facts = model_facts(args.model, SEED, lambda config: check_blocks(blocks, config))
+    arguments.check_step(options.FsdpOptions(step=chosen_step(args)), facts.config, device.type)
     upper = search_upper(args, facts.config, blocks)
     check_block_steps(args, sets, blocks, upper)
     cap = concurrency.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
@@ -146,10 +150,19 @@ def validate(argv: list[str] | None = None) -> Checked:
 def layout_refusal(args: argparse.Namespace, name: str, blocks: list[int], config, device_type: str) -> str | None:
     """Why a set's layout cannot run this model here (it is skipped, and said so): at each fixed block, or, with
     --find block_size, at any (the search keeps to the multiples of what CP needs)."""
-    chosen = options.OPTION_SETS[name]
+    chosen = set_options(args, name)
     tried = blocks if args.find == BATCH else [chosen.layout.sequence_divisor]
     return next((why for block in tried if (why := arguments.layout_refusal(chosen, config, block, device_type))),
                 None)
+
+
+def chosen_step(args: argparse.Namespace) -> Step:
+    return Step(loop=args.loop, loss=args.loss)
+
+
+def set_options(args: argparse.Namespace, name: str) -> options.FsdpOptions:
+    """An option set's options, trained with the loop and the loss asked for."""
+    return dataclasses.replace(options.OPTION_SETS[name], step=chosen_step(args))
 
 
 def parse_block_sizes(text: str) -> list[int]:
@@ -202,7 +215,7 @@ def questions_of(checked: Checked) -> tuple[dict, dict]:
             for variant in checked.variants:
                 for fixed in fixed_values:
                     rank = heaviest_rank(shapes, n, variant, options.OPTION_SETS[name])
-                    q = Question(name, n, rank, variant, checked.args.find, fixed)
+                    q = Question(name, n, rank, variant, checked.args.find, fixed, chosen_step(checked.args))
                     lower = 1 if checked.args.find == BATCH else -(-min(checked.blocks) // q.unit)
                     key = (name, n, variant, fixed)
                     questions[key] = q
@@ -294,6 +307,7 @@ def plan_meta(checked: Checked, session, started: float) -> dict:
             "model": args.model, "num_parameters": session.num_parameters, "device": session.device.type,
             "versions": arguments.versions(), "find": args.find, "sets": checked.sets, "world_sizes": checked.sizes,
             "variants": checked.variants, "block_sizes": checked.blocks, "batch_size": args.batch_size,
+            "loop": args.loop, "loss": args.loss,
             "upper_bound": checked.upper, "probe_steps": PROBE_STEPS, "init_device": args.init_device,
             "gpu_memory": checked.cap.as_dict() if checked.cap else None, "skipped": checked.skipped,
             "option_sets": {name: options.OPTION_SETS[name].changed() for name in checked.sets}}

@@ -23,6 +23,7 @@ from fsdp2bench import names
 from fsdp2bench.isolation import Unsupported
 from fsdp2bench.layout import Meshes, planned_style, tensor_parallel_plan
 from fsdp2bench.options import AUTOCAST, FsdpOptions
+from fsdp2bench.step import CHUNK_TOKENS, CHUNKED, LIGER
 
 
 # --------------------------------------------------------------------------- the fix
@@ -96,11 +97,98 @@ def whole_sequences(input_ids: torch.Tensor) -> Iterator[dict]:
     yield {"input_ids": input_ids, "labels": input_ids}
 
 
+# --------------------------------------------------------------------------- the loss (fsdp2bench/step.py)
+
+IGNORE_INDEX = -100  # transformers' label for "no token to predict"
+
+
+def model_loss(model: nn.Module, inputs: dict):
+    """The model's own loss (or liger's, which replaces the causal LM's forward): its outputs, loss included."""
+    return model(**inputs)
+
+
+def chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               labels: torch.Tensor) -> torch.Tensor:
+    """One chunk's summed cross entropy, upcast to fp32 as transformers' causal-LM loss upcasts the logits."""
+    logits = nn.functional.linear(hidden, weight, bias).float()
+    return nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          labels: torch.Tensor, chunk: int = CHUNK_TOKENS) -> torch.Tensor:
+    """The mean cross entropy over the tokens that have a label, ``chunk`` tokens at a time: each chunk's
+    logits are freed once its loss is summed and recomputed in backward (torch's non-reentrant checkpoint),
+    so that at most one chunk's logits exist."""
+    from torch.utils.checkpoint import checkpoint
+
+    hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    total = sum(checkpoint(chunk_loss, h, weight, bias, y, use_reentrant=False)
+                for h, y in zip(hidden.split(chunk), labels.split(chunk)))
+    return total / (labels != IGNORE_INDEX).sum()
+
+
+def next_token_labels(inputs: dict) -> torch.Tensor:
+    """Each position's next token (what the model's loss shifts its labels into), or the labels already
+    shifted before context parallelism cut the sequence."""
+    if inputs.get("shift_labels") is not None:
+        return inputs["shift_labels"]
+    return nn.functional.pad(inputs["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def loss_in_head(model: nn.Module) -> None:
+    """The chunked loss computed by the output head itself, inside the model's forward: FSDP2 gathers the
+    head's weight only around the forward of the unit that owns it (the root here, a unit of its own under
+    accelerate), so the loss runs where the weight is whole, and its backward inside the unit's backward. Given
+    labels (``chunked_loss``), the head returns the loss in place of the logits; any model whose forward
+    passes its last hidden states to ``get_output_embeddings()`` takes it (step.check refuses models that
+    change the logits after the head)."""
+    head = model.get_output_embeddings()
+    head.next_token_labels = None
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        if head.next_token_labels is None:
+            return nn.functional.linear(hidden, head.weight, head.bias)
+        return chunked_cross_entropy(hidden, head.weight, head.bias, head.next_token_labels)
+
+    head.forward = forward
+
+
+def chunked_loss(model: nn.Module, inputs: dict):
+    """The model's forward without labels, its head (``loss_in_head``) given them: outputs holding the loss
+    alone, as a fused loss returns it."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    head = model.get_output_embeddings()
+    head.next_token_labels = next_token_labels(inputs)
+    try:
+        loss = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}).logits
+    finally:
+        head.next_token_labels = None
+    return CausalLMOutputWithPast(loss=loss)
+
+
+def adopt_loss(model: nn.Module, loss: str) -> None:
+    """What the loss changes in the model before a variant shards it: liger's kernels, by the model's type
+    (its own function, as the Trainer's ``use_liger_kernel`` calls it), or the chunked head."""
+    if loss == LIGER:
+        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
+    elif loss == CHUNKED:
+        loss_in_head(model)
+
+
+def loss_forward(loss: str) -> Callable[[nn.Module, dict], object]:
+    return chunked_loss if loss == CHUNKED else model_loss
+
+
 @dataclass
 class Prepared:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     backward: Callable[[torch.Tensor], None]
+    # The forward and its loss, from the model and a microbatch's inputs to outputs with ``.loss``.
+    forward: Callable[[nn.Module, dict], object] = model_loss
     # The context of one microbatch under gradient accumulation, given whether it is the step's last.
     microbatch: Callable[[bool], ContextManager] = one_microbatch
     # The model's inputs for a microbatch, inside which its forward and backward run (CP splits them there).
@@ -226,8 +314,9 @@ def torch_context_parallel(mesh, strategy: str) -> Callable[[torch.Tensor], Cont
 
 
 def shard(model: nn.Module, ctx: Context) -> None:
-    """TP on the tp mesh, then activation checkpointing, then FSDP2 over dp_shard x cp (the order
-    torchtitan and accelerate keep)."""
+    """The loss's changes to the model, then TP on the tp mesh, then activation checkpointing, then FSDP2
+    over dp_shard x cp (the order torchtitan and accelerate keep)."""
+    adopt_loss(model, ctx.options.step.loss)
     layout = ctx.options.layout
     if layout.tensor_parallel:
         tensor_parallel(model, ctx.meshes.tp, ctx.config)
@@ -253,9 +342,9 @@ def torch_prepared(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: Cont
     options = ctx.options
     inputs = torch_context_parallel(ctx.meshes.cp, options.layout.cp_comm_strategy) \
         if options.layout.context_parallel else whole_sequences
-    k = options.gradient_accumulation_steps
+    k, forward = options.gradient_accumulation_steps, loss_forward(options.step.loss)
     if k == 1:
-        return Prepared(model, optimizer, torch_backward, inputs=inputs)
+        return Prepared(model, optimizer, torch_backward, forward, inputs=inputs)
 
     def microbatch(last: bool) -> ContextManager:
         model.set_requires_gradient_sync(last or options.sync_each_batch)
@@ -263,7 +352,7 @@ def torch_prepared(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: Cont
             model.set_requires_all_reduce(last)
         return contextlib.nullcontext()
 
-    return Prepared(model, optimizer, lambda loss: (loss / k).backward(), microbatch, inputs)
+    return Prepared(model, optimizer, lambda loss: (loss / k).backward(), forward, microbatch, inputs)
 
 
 def optimizer_after_fsdp(model: nn.Module, ctx: Context) -> Prepared:
@@ -385,6 +474,7 @@ def _accelerate_prepared(model: nn.Module | None, ctx: Context) -> Prepared:
         if split != ctx.options.layout.tp_size:
             split_wrong = (f"from_pretrained(tp_plan='auto', device_mesh=<tp mesh of {ctx.options.layout.tp_size}>) "
                            + ("left the model whole" if split == 1 else f"split the model over {split} ranks"))
+    adopt_loss(model, ctx.options.step.loss)
     optimizer = make_optimizer(model, ctx)
     try:
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -400,7 +490,8 @@ def _accelerate_prepared(model: nn.Module | None, ctx: Context) -> Prepared:
     inputs = sequence_split(lambda buffers: accelerator.maybe_context_parallel(
         buffers=buffers, buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers))) \
         if ctx.options.layout.context_parallel else whole_sequences
-    return Prepared(model, optimizer, accelerator.backward, lambda last: accelerator.accumulate(model), inputs)
+    return Prepared(model, optimizer, accelerator.backward, loss_forward(ctx.options.step.loss),
+                    lambda last: accelerator.accumulate(model), inputs)
 
 
 def name_prepare_cannot_import() -> str | None:

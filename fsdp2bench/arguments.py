@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp2bench import concurrency, options, simulation
+from fsdp2bench import concurrency, options, simulation, step
 from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, expect_path, looks_like_a_path,
                             parse_names, pick_device, refuse_foreign)
 from fsdp2bench.data import load_tokens, rank_batches
@@ -97,12 +97,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "'last' is skipped where the sharding rule gives it the bytes of a rank already played "
                         "(default: 0)")
     add_fsdp_options(p)
+    add_step_options(p)
     p.add_argument("--inject_failure", type=parse_failure, default=None,
                    metavar="VARIANT:STEP:RANK[:kill|:oom|:thread|:nan]",
                    help="test option: VARIANT raises on RANK before STEP (:kill dies by SIGKILL instead, :oom raises "
                         "torch's out-of-memory error, :thread raises in the memory tracker's thread, :nan makes a "
                         "parameter NaN so that the run diverges) (default: off)")
     return p.parse_args(argv)
+
+
+def add_step_options(p: argparse.ArgumentParser) -> None:
+    """The loop and the loss every variant trains with (fsdp2bench/step.py, docs/step.md)."""
+    g = p.add_argument_group("Training step (every variant runs the same one; docs/step.md)")
+    g.add_argument("--loop", choices=step.LOOPS, default=step.UPSTREAM,
+                   help=f"{step.UPSTREAM}: the upstream benchmark's loop, whose loop variable keeps the outputs (the "
+                        f"logits) through backward until the next forward returns; {step.TRAINER}: the Hugging Face "
+                        f"Trainer's training_step (also TRL's and torchtitan's): the loss alone outlives the forward "
+                        f"(default: {step.UPSTREAM})")
+    g.add_argument("--loss", choices=step.LOSSES, default=step.MODEL,
+                   help=f"{step.MODEL}: the model's own causal-LM loss on the full logits, upcast to fp32; "
+                        f"{step.CHUNKED}: the head and cross entropy {step.CHUNK_TOKENS} tokens at a time, recomputed "
+                        f"in backward, so the full logits never exist; {step.LIGER}: liger-kernel's fused linear cross "
+                        f"entropy, applied by model type as the Trainer's use_liger_kernel does (GPU only; pip install "
+                        f"-r {step.LIGER_REQUIREMENTS}) (default: {step.MODEL})")
+
+
+def check_step(fsdp_options: options.FsdpOptions, config, device_type: str) -> None:
+    """The loss against the model, the layout and the device (main.py's and plan.py's checks)."""
+    step.check(fsdp_options.step, config, fsdp_options.layout, device_type)
 
 
 def add_fsdp_options(p: argparse.ArgumentParser) -> None:
@@ -253,10 +275,12 @@ def check_context_parallel_device(fsdp_options: options.FsdpOptions, device_type
 
 
 def layout_refusal(fsdp_options: options.FsdpOptions, config, block_size: int, device_type: str) -> str | None:
-    """Why an option set's layout cannot run this model on this device (matrix.py skips it), or None."""
+    """Why an option set's layout cannot run this model on this device, or its loss under it (matrix.py and
+    plan.py skip the set), or None."""
     try:
         check_context_parallel_device(fsdp_options, device_type)
         fsdp_options.layout.check_model(config, block_size)
+        check_step(fsdp_options, config, device_type)
     except UserError as exc:
         return str(exc)
     return None
@@ -343,6 +367,7 @@ def validate(argv: list[str] | None = None) -> Checked:
     check_output_dir(args.output_dir, "summary.json")
     refuse_foreign(files_written(args, names, launch_world), "--output_dir")
     facts = model_facts(args.model, args.seed, lambda config: check_model(config, args.block_size, fsdp_options))
+    check_step(fsdp_options, facts.config, device_type)
     tokens = load_tokens(args.dataset, args.tokenizer, facts.config.vocab_size)
     batches = rank_batches(tokens, args.block_size, args.batch_size, args.dataset_fraction,
                            *data_share(args, fsdp_options, launch_rank, launch_world), args.max_steps,

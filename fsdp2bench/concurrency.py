@@ -22,6 +22,7 @@ from fsdp2bench.memory_model import expected_device_bytes, expected_state, model
 from fsdp2bench.names import GIB, MIB, PEAK_PHASES, UNFIXED, phases
 from fsdp2bench.options import AUTOCAST, FsdpOptions
 from fsdp2bench.starting import started_ahead
+from fsdp2bench.step import logits_copies, logits_tokens
 
 FIXED_MARGIN = 1 * GIB  # the CUDA context and cuBLAS workspaces
 # What a step holds on the GPU beyond its state, as a fraction of the model's fp32 bytes P: gathered
@@ -33,7 +34,6 @@ BEYOND_STATE, NO_RESHARD, FP32_REDUCE, OFFLOADED = 0.7, 0.5, 0.2, 0.3
 # Under TP, 0.1 P more: the 7B shape under tp2 reserved up to 0.77 P beyond its state at N = 128
 # (results/h200/parallel_7b: 42 rows of TP and CP sets, N = 8 to 128).
 TENSOR_PARALLEL = 0.1
-LOGITS_COPIES = 3  # the fp32 logits, their gradient and the bf16 ones
 # What a token adds to a step's peak on one rank, beyond the logits: per block, bf16 activations of
 # about 16 hidden and 4 intermediate widths (4 hidden widths under activation checkpointing, the
 # blocks' inputs; none kept on the GPU when they are offloaded). Fitted to the allocated peaks of
@@ -70,7 +70,8 @@ def variant_need(shapes, world_size: int, name: str, options: FsdpOptions, logit
     fraction = BEYOND_STATE + (0 if options.reshard_after_forward else NO_RESHARD) + \
         (FP32_REDUCE if options.mixed_precision_policy != AUTOCAST else 0) + (OFFLOADED if options.cpu_offload else 0) + \
         (TENSOR_PARALLEL if options.layout.tensor_parallel else 0)
-    return state + temporaries + int(model_bytes(shapes) * fraction) + LOGITS_COPIES * logits_bytes + FIXED_MARGIN
+    return state + temporaries + int(model_bytes(shapes) * fraction) + logits_copies(options.step) * logits_bytes \
+        + FIXED_MARGIN
 
 
 def microbatch_logits_bytes(batch_size: int, block_size: int, config) -> int:
@@ -80,8 +81,10 @@ def microbatch_logits_bytes(batch_size: int, block_size: int, config) -> int:
 
 
 def rank_logits_bytes(batch_size: int, block_size: int, config, options: FsdpOptions) -> int:
-    """``microbatch_logits_bytes`` on one rank of the layout: a cp rank holds 1/C of each sequence."""
-    return microbatch_logits_bytes(batch_size, block_size // options.layout.cp_size, config)
+    """The fp32 logits one rank of the layout makes at once for a microbatch: a cp rank holds 1/C of each
+    sequence, and a chunked or fused loss makes those of one chunk at a time (step.logits_tokens)."""
+    tokens = logits_tokens(options.step, batch_size * (block_size // options.layout.cp_size), config)
+    return microbatch_logits_bytes(1, tokens, config)
 
 
 def activation_bytes_per_token(config, options: FsdpOptions) -> int:
@@ -92,7 +95,7 @@ def activation_bytes_per_token(config, options: FsdpOptions) -> int:
         per_block = 2 * CHECKPOINT_WIDTHS * config.hidden_size
     else:
         per_block = 2 * (HIDDEN_WIDTHS * config.hidden_size + INTERMEDIATE_WIDTHS * config.intermediate_size)
-    logits = LOGITS_COPIES * microbatch_logits_bytes(1, 1, config)
+    logits = logits_copies(options.step) * microbatch_logits_bytes(1, 1, config) if options.step.builds_logits else 0
     return int(ACTIVATION_MARGIN * (logits + config.num_hidden_layers * per_block))
 
 

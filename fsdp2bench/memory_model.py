@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2bench.layout import Degrees, tensor_parallel_dim, tensor_parallel_plan
 from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, UNFIXED
-from fsdp2bench.options import AUTOCAST, FsdpOptions
+from fsdp2bench.options import AUTOCAST, POLICY, FsdpOptions
 
 ADAMW_MOMENTS = 2
 STEP_BYTES = 4  # AdamW's per-parameter fp32 step counter
@@ -68,10 +68,12 @@ def _unique_params(model: nn.Module) -> list[torch.Tensor]:
     return list(model.parameters())  # parameters() already skips tied duplicates
 
 
-def account(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Bytes held on this rank by parameters, gradients, optimizer state and stale parameters.
+def account(model: nn.Module, optimizer: torch.optim.Optimizer, outputs=None) -> dict:
+    """Bytes held on this rank by parameters, gradients, optimizer state and stale parameters, and
+    (``kept_output_bytes``, beside the state) the tensors of the model's ``outputs`` that the loop keeps,
+    other than the loss.
 
-    ``device_bytes`` is the part of the total that lives on the accelerator (AdamW keeps its
+    ``device_bytes`` is the part of the state that lives on the accelerator (AdamW keeps its
     step counters on the host), used to explain measured allocated memory.
     """
     seen: set = set()
@@ -102,7 +104,9 @@ def account(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
                                   if id(p) not in in_model),
         "unreduced_grad_bytes": held(unreduced_grads(model)),
     }
-    return {**result, "device_bytes": device_total}
+    state_on_device = device_total
+    kept = held(v for k, v in (outputs or {}).items() if k != "loss" and torch.is_tensor(v))
+    return {**result, "device_bytes": state_on_device, "kept_output_bytes": kept}
 
 
 def unreduced_grads(model: nn.Module) -> list[torch.Tensor]:
@@ -184,6 +188,13 @@ def _shard_bytes(shapes, degrees: Degrees, rank: int) -> tuple[int, int, int]:
 def _tensor_parallel_bytes(shapes) -> int:
     """Full bytes of the parameters the plan splits: those ``parallelize_module`` replaces by new ones."""
     return sum(math.prod(p[0]) * p[1] for p in shapes if len(p) > 2 and p[2] is not None)
+
+
+def output_itemsize(options: FsdpOptions) -> int:
+    """Bytes per element of the outputs the model returns: bf16 under either precision. Under autocast
+    accelerate's ``convert_outputs_to_fp32`` runs inside the forward, and FSDP2's policy then casts the root's
+    outputs to its ``output_dtype``, bf16; under the policy the head computes in the bf16 parameter dtype."""
+    return 2 if options.mixed_precision_policy in (AUTOCAST, POLICY) else 4
 
 
 def reduce_dtype_bytes(options: FsdpOptions) -> int:

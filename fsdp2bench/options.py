@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from fsdp2bench.cli import UserError, parse_names
 from fsdp2bench.layout import CP_STRATEGIES, Layout
+from fsdp2bench.step import Step
 
 # --mixed_precision_policy: accelerate's mixed_precision="bf16" (bf16 autocast, FSDP2 gathers and
 # reduces in bf16; the upstream's), or an FSDP2 MixedPrecisionPolicy without autocast.
@@ -42,14 +43,16 @@ class FsdpOptions:
     requires_all_reduce: bool = True
     # ParallelismConfig: how the ranks split into replicas, shards, context and tensor groups.
     layout: Layout = Layout()
+    # The training step (fsdp2bench/step.py): not an FSDP2 option, but applied by every variant alike.
+    step: Step = Step()
 
     def changed(self) -> dict:
         """The options that differ from the default (today's configuration, the upstream's), by flag name:
-        the layout's sizes among them."""
+        the layout's sizes and the step's loop and loss among them."""
         out = {}
-        for here, default in ((self, FsdpOptions()), (self.layout, Layout())):
+        for here, default in ((self, FsdpOptions()), (self.layout, Layout()), (self.step, Step())):
             out.update({f.name: getattr(here, f.name) for f in dataclasses.fields(here)
-                        if f.name != "layout" and getattr(here, f.name) != getattr(default, f.name)})
+                        if f.name not in NESTED and getattr(here, f.name) != getattr(default, f.name)})
         return out
 
     def flags(self) -> list[str]:
@@ -71,10 +74,12 @@ class FsdpOptions:
         return self.gradient_accumulation_steps > 1
 
 
+NESTED = ("layout", "step")  # the fields that group options of their own
 # Booleans whose main.py flag takes a value ({true,false}) rather than standing alone.
 VALUED_BOOLS = ("reshard_after_forward", "sync_each_batch", "requires_all_reduce")
 # The options accelerate's FullyShardedDataParallelPlugin takes; the others go to its other objects.
 LAYOUT_OPTIONS = tuple(f.name for f in dataclasses.fields(Layout))
+STEP_OPTIONS = tuple(f.name for f in dataclasses.fields(Step))
 PLUGIN_OPTIONS = ("reshard_after_forward", "mixed_precision_policy", "activation_checkpointing",
                   "activation_checkpointing_offload", "cpu_offload")
 
@@ -138,7 +143,7 @@ def from_args(args) -> FsdpOptions:
                           activation_checkpointing_offload=args.activation_checkpointing_offload,
                           cpu_offload=args.cpu_offload, gradient_accumulation_steps=args.gradient_accumulation_steps,
                           sync_each_batch=bool(args.sync_each_batch), requires_all_reduce=args.requires_all_reduce,
-                          layout=layout)
+                          layout=layout, step=Step(loop=args.loop, loss=args.loss))
     check(options)
     return options
 

@@ -35,6 +35,7 @@ from fsdp2bench.isolation import STAND_DOWN, Piece, StoreKeys, gather_records, h
 from fsdp2bench.memory_model import expected_device_bytes, expected_state, model_bytes
 from fsdp2bench.names import MIB, PEAK_PHASES, phases
 from fsdp2bench.options import OPTION_SETS, FsdpOptions
+from fsdp2bench.step import Step
 from fsdp2bench.runner import Job, TrainConfig, probe_process
 from fsdp2bench.series import AtValue, SeriesJob, point_key, series_process
 from fsdp2bench.session import Session
@@ -65,10 +66,11 @@ class Question:
     variant: str
     searched: str  # BATCH or BLOCK
     fixed: int  # the block size while the batch is searched, the batch size while the block is
+    step: Step = Step()  # the loop and the loss the probes train with, under every set
 
     @property
     def options(self) -> FsdpOptions:
-        return OPTION_SETS[self.option_set]
+        return dataclasses.replace(OPTION_SETS[self.option_set], step=self.step)
 
     @property
     def unit(self) -> int:
@@ -116,7 +118,8 @@ def search_for(question: Question, lower: int, upper: int, cap: GpuCap | None, c
     # Per step of the value searched: its tokens times the other of batch and block; a cp rank holds 1/C of them.
     tokens = question.unit * question.fixed / question.options.layout.cp_size
     per_unit = activation_bytes_per_token(config, question.options) * tokens
-    logits = microbatch_logits_bytes(1, 1, config) * tokens
+    # The step's largest block grows with the value only where the step makes the full logits at once.
+    logits = microbatch_logits_bytes(1, 1, config) * tokens if question.options.step.builds_logits else 0
     return Search(lower, upper, cap.allocator_bytes / MIB, per_unit / MIB, logits / MIB, BLOCK_SHARE)
 
 

@@ -11,6 +11,7 @@ from fsdp2bench.isolation import UNSUPPORTED
 from fsdp2bench.layout import AXES
 from fsdp2bench.memory_model import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_state,
                                      projection, unfixed_costs_more_from)
+from fsdp2bench.step import MODEL, UPSTREAM
 from fsdp2bench.names import (INTENDED, MIB, MICROBATCH_PHASE, PEAK_PHASES, PHASES, STATE_KEYS, UNFIXED, phases,
                               size_said, state_bytes, step_peak_state)
 from fsdp2bench.options import FsdpOptions
@@ -112,6 +113,9 @@ def memory_summary(name: str, per_rank: list[dict], shapes, world_size: int, ran
     on_device = [{ph: r["accounting"][ph]["device_bytes"] for ph in counted} for r in per_rank]
     expected_on_device = [{ph: expected_device_bytes(shapes, world_size, rank, name, ph, options, device_type, steps,
                                                      built_on) for ph in counted} for rank in ranks]
+    kept = [{ph: r["accounting"][ph].get("kept_output_bytes", 0) for ph in counted} for r in per_rank]
+    expected_kept = [{ph: 0 if ph == "end_of_setup" else r.get("expected_kept_output_bytes", 0) for ph in counted}
+                     for r in per_rank]
     residual = [None if r["steps"][-1]["allocated_mib"] is None else
                 r["steps"][-1]["allocated_mib"] - r["accounting"]["end_of_training"]["device_bytes"] / MIB
                 for r in per_rank]
@@ -132,7 +136,10 @@ def memory_summary(name: str, per_rank: list[dict], shapes, world_size: int, ran
         "expected": expected,
         "device_bytes": on_device,
         "expected_device_bytes": expected_on_device,
-        "accounting_matches_expected": accounting == expected and on_device == expected_on_device,
+        "kept_output_bytes": kept,
+        "expected_kept_output_bytes": expected_kept,
+        "accounting_matches_expected": accounting == expected and on_device == expected_on_device
+        and kept == expected_kept,
         "steady_allocated_minus_state_mib": _across(residual),
         **({"peak_tensors": [r["peak_tensors"] for r in per_rank]} if "peak_tensors" in per_rank[0] else {}),
         "wall_s": max(r["wall_s"] for r in per_rank),
@@ -312,7 +319,7 @@ NAME_WIDTH = 37  # the longest run name
 def print_table(summary: dict) -> None:
     world, gpu = summary["meta"]["world_size"], summary["meta"]["device"] == "cuda"
     columns = [c for c in TABLE_COLUMNS if gpu or not c[3]]
-    print(f"\nResults over {world} rank(s); memory columns are the maximum over ranks.")
+    print(f"\nResults over {world} rank(s); memory columns are the maximum over ranks. {step_said(summary['meta'])}")
     header = f"{'variant':{NAME_WIDTH}} " + " ".join(f"{title:>{width}}" for title, width, _, _ in columns)
     print(header)
     print("-" * len(header))
@@ -330,6 +337,13 @@ def print_table(summary: dict) -> None:
     for sentence in explanations(summary):
         say(sentence)
     print_checks(summary["checks"])
+
+
+def step_said(meta: dict) -> str:
+    """The loop and the loss every variant trained with (summaries written before they existed: the upstream's)."""
+    loop, loss = meta.get("loop", UPSTREAM), meta.get("loss", MODEL)
+    kept = "the outputs kept until the next forward" if loop == UPSTREAM else "the loss alone kept"
+    return f"Step: loop {loop} ({kept}), loss {loss}."
 
 
 def how_far(failure: list[dict]) -> str:
@@ -518,9 +532,10 @@ def measured_crossover(simulated: dict) -> dict:
 def print_sweep_table(summary: dict) -> None:
     sim = summary["meta"]["simulated"]
     say(f"\nSimulated world sizes ({summary['meta']['model']}): one process played each rank shown, on a fake "
-        f"process group (real allocations, no communication); {sim['steps']} steps per run.")
-    header = (f"{'N':>4} {'rank':>4} {'variant':{NAME_WIDTH}} {'train':>8} {'alloc':>8} {'resv':>6} "
-              f"{'params':>7} {'grads':>7} {'optim':>7} {'stale':>7} {'gap B':>5} {'beyond':>7}")
+        f"process group (real allocations, no communication); {sim['steps']} steps per run. "
+        f"{step_said(summary['meta'])}")
+    header = (f"{'N':>4} {'rank':>4} {'variant':{NAME_WIDTH}} {'train':>7} {'alloc':>7} {'resv':>6} "
+              f"{'params':>7} {'grads':>7} {'optim':>7} {'stale':>7} {'kept':>7} {'gap B':>5} {'beyond':>7}")
     print(header)
     print("-" * len(header))
     for n, rank, name, v in simulated_entries(summary["simulated"]):
@@ -528,16 +543,19 @@ def print_sweep_table(summary: dict) -> None:
             print(f"{n:>4} {rank:>4} {name:38} {v['status']}")
             continue
         state = v["accounting"][0]["before_zero_grad"]
-        print(f"{n:>4} {rank:>4} {name:{NAME_WIDTH}} {_fmt(v['training_peak_allocated_mib']['max']):>8} "
-              f"{_fmt(v['peak_allocated_mib']['max']):>8} {_fmt(v['peak_reserved_mib']['max'], '.0f'):>6} "
+        kept = v.get("kept_output_bytes", [{}])[0].get("before_zero_grad", 0)
+        print(f"{n:>4} {rank:>4} {name:{NAME_WIDTH}} {_fmt(v['training_peak_allocated_mib']['max']):>7} "
+              f"{_fmt(v['peak_allocated_mib']['max']):>7} {_fmt(v['peak_reserved_mib']['max'], '.0f'):>6} "
               f"{_mib(state['param_bytes']):>7} {_mib(state['grad_bytes']):>7} "
-              f"{_mib(state['optimizer_state_bytes']):>7} {_mib(state['stale_param_bytes']):>7} {_gap_bytes(v):>5} "
-              f"{_fmt(v['training_peak_beyond_state_mib']['max']):>7}")
+              f"{_mib(state['optimizer_state_bytes']):>7} {_mib(state['stale_param_bytes']):>7} {_mib(kept):>7} "
+              f"{_gap_bytes(v):>5} {_fmt(v['training_peak_beyond_state_mib']['max']):>7}")
     say("MiB: train = the allocator's peak over the optimizer steps; alloc = the same over the whole run, building "
-        "the model included; resv = reserved by the caching allocator. Then the state held at the step peak (after "
-        "the last optimizer step): params, grads, optim (AdamW state), stale (the optimizer's old full parameters); "
-        "gap B = largest difference in bytes from the FSDP2 sharding rule, any moment; beyond = train minus that "
-        "state (activations, gathered parameters, buffers).", indent="     ")
+        "the model included; resv = reserved by the caching allocator, the set-up's cache given back before the "
+        "first step. Then the state held at the step peak (after the last optimizer step): params, grads, optim "
+        "(AdamW state), stale (the optimizer's old full parameters); kept = the outputs the loop keeps (the "
+        "logits under the upstream loop and the model's loss); gap B = largest difference in bytes from the FSDP2 "
+        "sharding rule, any moment; beyond = train minus that state (activations, gathered parameters, buffers, "
+        "kept outputs).", indent="     ")
     crossover = summary["simulation_findings"]["unfixed_exceeds_intended_from_world_size"]
     sizes = ", ".join(str(n) for n in summary["meta"]["simulated"]["world_sizes"])
     exact = (summary.get("projection") or {}).get("unfixed_costs_more_from_world_size")

@@ -18,12 +18,13 @@ from fsdp2bench import snapshots
 from fsdp2bench.child import TracedChild, run_traced_child
 from fsdp2bench.isolation import STAND_DOWN, StoreKeys, init_group, name_process, wait_at_gate
 from fsdp2bench.layout import Meshes
-from fsdp2bench.memory_model import account, local_tensor
+from fsdp2bench.memory_model import account, local_tensor, output_itemsize
 from fsdp2bench.model import build_model
 from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, rank_file
 from fsdp2bench.options import FsdpOptions
 from fsdp2bench.progress import Progress
 from fsdp2bench.simulation import init_simulated_group
+from fsdp2bench.step import kept_output_bytes
 from fsdp2bench.weights import SharedWeights
 from measure import MemoryTracker
 
@@ -84,34 +85,43 @@ class TrainStep:
     """One optimizer step at a time, queued; a call returns the loss still on the device (reading it
     would wait for the GPU): the microbatches' mean, as each was before the division by K.
 
-    The outputs, logits included, are part of what a step costs. They stay alive through backward and
-    the optimizer step, and on until the next forward has returned, as the loop variable of the
-    upstream's loop (and of most user code) keeps them: where they sit changes where the caching
-    allocator puts the next step's blocks (1042 MiB of reserved memory at N = 1 for the 1.5B model).
-    With K microbatches a step runs K forwards and backwards, each inside the variant's
-    ``microbatch`` context (which decides whether its gradients are reduced), then one optimizer step.
+    What the loop keeps is part of what a step costs (fsdp2bench/step.py). Under the upstream loop the
+    outputs, logits included, stay alive through backward and the optimizer step, and on until the next
+    forward has returned, as the upstream's loop variable keeps them: where they sit changes where the
+    caching allocator puts the next step's blocks (1042 MiB of reserved memory at N = 1 for the 1.5B
+    model). Under the Trainer's loop only the loss outlives the forward, as its ``compute_loss`` returns it.
+    With K microbatches a step runs K forwards and backwards, each inside the variant's ``microbatch``
+    context (which decides whether its gradients are reduced), then one optimizer step.
     """
 
-    def __init__(self, prep: utils.Prepared, microbatches: int = 1):
+    def __init__(self, prep: utils.Prepared, microbatches: int = 1, keeps_outputs: bool = True):
         self.prep = prep
         self.microbatches = microbatches
-        self.outputs = None
+        self.keeps_outputs = keeps_outputs
+        self.outputs = None  # what the upstream loop keeps (the memory accounting counts it)
+
+    def forward_backward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """One microbatch; its loss, detached."""
+        prep = self.prep
+        with prep.inputs(input_ids) as inputs:
+            if self.keeps_outputs:
+                self.outputs = prep.forward(prep.model, inputs)  # the previous outputs go only now
+                loss = self.outputs.loss
+            else:
+                loss = prep.forward(prep.model, inputs).loss  # the outputs are gone before backward
+            prep.backward(loss)
+        return loss.detach()
 
     def __call__(self, input_ids: torch.Tensor, before_zero_grad: Callable[[], None] | None = None,
                  between_microbatches: Callable[[], None] | None = None) -> torch.Tensor:
         prep, k = self.prep, self.microbatches
         if k == 1:
-            with prep.inputs(input_ids) as inputs:
-                self.outputs = prep.model(**inputs)  # the previous outputs go only now
-                prep.backward(self.outputs.loss)
-            loss = self.outputs.loss.detach()
+            loss = self.forward_backward(input_ids)
         else:
             losses = []
             for i, micro in enumerate(input_ids.chunk(k)):
-                with prep.microbatch(i == k - 1), prep.inputs(micro) as inputs:
-                    self.outputs = prep.model(**inputs)
-                    prep.backward(self.outputs.loss)
-                losses.append(self.outputs.loss.detach())
+                with prep.microbatch(i == k - 1):
+                    losses.append(self.forward_backward(micro))
                 if i == 0 and between_microbatches is not None:
                     between_microbatches()
             loss = torch.stack(losses).mean()
@@ -230,6 +240,7 @@ def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.S
     start = time.perf_counter()
     prep = prepare(job, tracker, meshes)
     accounting = {"end_of_setup": account(prep.model, prep.optimizer)}
+    release_setup_cache(job.device)
     if job.gated and (job := wait_for_go(job, tracker, store)) is None:
         return {"wall_s": time.perf_counter() - start, "stood_down": True}
     batches = host_batches(job)  # before the clock of the first step starts
@@ -239,7 +250,11 @@ def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.S
     progress = Progress(job.name, len(job.batches), job.position,
                         enabled=job.rank == 0 and not job.simulated and not job.train.quiet)
     readback = StepReadback(job.device, len(job.batches))
-    train_step = TrainStep(prep, job.train.options.gradient_accumulation_steps)
+    options = job.train.options
+    train_step = TrainStep(prep, options.gradient_accumulation_steps, options.step.keeps_outputs)
+
+    def held() -> dict:
+        return account(prep.model, prep.optimizer, train_step.outputs)
 
     def read_back(step: int) -> None:
         loss, seconds = readback.result(step)
@@ -252,7 +267,7 @@ def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.S
         for step, batch in enumerate(batches):
             injected_failure(job, step, tracker, prep.model)
             tracker.polling = not (job.train.tracker_overhead and step % 2)
-            hooks = [(lambda phase=phase: accounting.update({phase: account(prep.model, prep.optimizer)}))
+            hooks = [(lambda phase=phase: accounting.update({phase: held()}))
                      if step == last else None for phase in ("before_zero_grad", MICROBATCH_PHASE)]
             readback.queued(step, train_step(batch.to(job.device, non_blocking=True), *hooks))
             tracker.record_step(step)
@@ -263,8 +278,9 @@ def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.S
         read_back(last)
     progress.close()
     tracker.mark("training_finished")
-    accounting["end_of_training"] = account(prep.model, prep.optimizer)
+    accounting["end_of_training"] = held()
     found = {"wall_s": time.perf_counter() - start, "accounting": accounting,
+             "expected_kept_output_bytes": expected_kept_outputs(job),
              "allocator": tracker.allocator_stats(), "counter_peaks": tracker.counter_peaks(),
              "polled_peaks": tracker.polled_peaks()}
     if records_history(job):  # while the model exists to name the blocks
@@ -272,6 +288,23 @@ def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.S
                                                        snapshots.parameter_sizes(prep.model),
                                                        job.device.index or 0, HISTORY_ENTRIES)
     return found
+
+
+def release_setup_cache(device: torch.device) -> None:
+    """The allocator's cache of the set-up (a model built on the GPU leaves all of it there) given back before
+    the first step, so that a training peak of reserved memory counts training's blocks, whatever the init
+    device (the counters are reset when training starts: measure.py)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def expected_kept_outputs(job: Job) -> int:
+    """What the memory model says the loop keeps of a microbatch's outputs on this rank (step.py): its
+    tokens (a cp rank's share of each sequence) times the vocabulary, in the dtype the model returns."""
+    options = job.train.options
+    sequences = job.batches.shape[1] // options.gradient_accumulation_steps
+    tokens = sequences * (job.batches.shape[2] // options.layout.cp_size)
+    return kept_output_bytes(options.step, tokens, job.config.vocab_size, output_itemsize(options))
 
 
 def wait_for_go(job: Job, tracker: MemoryTracker, store: dist.Store) -> Job | None:
