@@ -17,6 +17,7 @@ if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them i
     quiet_while_starting()
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -96,7 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "docs/performance.md")
     p.add_argument("--nproc_per_node", type=int, default=2,
                    help="ranks of the timed launch: 1 runs main.py with python, more with torchrun (default: 2)")
-    p.add_argument("--json", default="speed.json", help="where to write the result (default: speed.json)")
+    p.add_argument("--json", default=None,
+                   help="where to write the result (default: speed.json in --output_dir, beside the run it times)")
     p.add_argument("--output_dir", default="out_speed",
                    help="main.py's output directory for this run (default: out_speed)")
     p.add_argument("--baseline", default=None, metavar="DIR",
@@ -113,25 +115,74 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     """Everything speed.py refuses in one line before it launches: its own options, then main.py's
-    arguments as main.py will check them."""
+    arguments as the timed launch's rank 0 will check them."""
     from fsdp2bench import arguments
 
     args = parse_args(argv)
     check_ranges(args, {"nproc_per_node": (1, 4096)})
-    check_writable_file(args.json, "--json")
-    refuse_foreign([args.json], "--json")
+    json_flag = "--json" if args.json is not None else "--output_dir"
+    args.json = args.json if args.json is not None else os.path.join(args.output_dir, "speed.json")
+    check_writable_file(args.json, json_flag)
+    refuse_foreign([args.json], json_flag)
+    check_baseline(args)
+    extra = [a for a in args.main_args if a != "--"]
+    with launched_as_rank_zero(args.nproc_per_node):
+        arguments.validate([*extra, "--output_dir", args.output_dir])
+    return args, extra
+
+
+def check_baseline(args: argparse.Namespace) -> None:
+    """The baseline's tree and interpreter, each refused by its own flag; ``args.baseline_said`` names the
+    baseline as the user gave it, for every later line about it."""
+    given = [f"--{flag} {getattr(args, flag)}" for flag in ("baseline", "baseline_python")
+             if getattr(args, flag) is not None]
+    args.baseline_said = " ".join(given)
     if args.baseline is not None:  # an empty path would be the current directory's main.py
         expect_path(args.baseline, "--baseline", "directory")
-    if args.baseline is not None and not os.path.isfile(os.path.join(args.baseline, "main.py")):
-        raise UserError(f"--baseline {args.baseline}: not a tree of this project (no main.py in it)")
+        if not os.path.isfile(os.path.join(args.baseline, "main.py")):
+            raise UserError(f"--baseline {args.baseline}: not a tree of this project (no main.py in it)")
     if args.baseline_python is not None:
         expect_path(args.baseline_python, "--baseline_python", "file")
         if not os.access(args.baseline_python, os.X_OK):
             raise UserError(f"--baseline_python {args.baseline_python}: a file that cannot be run")
-        args.baseline = args.baseline or os.path.dirname(os.path.abspath(__file__))
-    extra = [a for a in args.main_args if a != "--"]
-    arguments.validate([*extra, "--output_dir", args.output_dir])
-    return args, extra
+        args.baseline = args.baseline or ROOT
+        check_interpreter(args.baseline_python, args.baseline)
+
+
+PYTHON_READY = "fsdp2bench: the libraries import"
+
+
+def check_interpreter(python: str, tree: str) -> None:
+    """Any program given as the baseline's Python must import what main.py imports: one that is no Python, or a
+    Python without the libraries, is refused now, not after a timed run that cannot be compared."""
+    probe = f"import torch, accelerate, transformers; print({PYTHON_READY!r})"
+    try:
+        ran = subprocess.run([python, "-c", probe], cwd=tree, capture_output=True, text=True, timeout=600)
+        ready = PYTHON_READY in ran.stdout
+        why = (ran.stderr.strip().splitlines() or [f"it printed nothing and exited with code {ran.returncode}"])[-1]
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        ready, why = False, str(exc)
+    if not ready:
+        raise UserError(f"--baseline_python {python}: cannot run the benchmark: it must be a Python that imports "
+                        f"torch, accelerate and transformers ({why[:200]})")
+
+
+@contextlib.contextmanager
+def launched_as_rank_zero(nproc: int):
+    """The launcher's variables as the timed launch's rank 0 will have them (torchrun on this host), for as long
+    as main.py's checks read them: what depends on the world size is checked at the launch's own."""
+    launch = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    before = {name: os.environ.get(name) for name in launch}
+    os.environ.update(launch)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def finished_runs(summary: dict, output_dir: str) -> dict[str, tuple[dict, str | None]]:
@@ -164,12 +215,9 @@ def against_baseline(ours: dict, theirs: dict) -> dict:
             if with_losses else None}
 
 
-def baseline_did_the_same_work(summary: dict, runs: dict, baseline: dict) -> dict | str:
-    """The comparison of the two versions' runs, or why the baseline's wall time is no comparison: it
-    wrote no summary, or it ran other steps, ranks or variants."""
-    theirs = read_summary(baseline["output_dir"])
-    if theirs is None or "meta" not in theirs or not ("variants" in theirs or "simulated" in theirs):
-        return f"its run wrote no readable {baseline['output_dir']}/summary.json"
+def baseline_did_the_same_work(summary: dict, runs: dict, baseline: dict, theirs: dict) -> dict | str:
+    """The comparison of the two versions' runs, or why the baseline's wall time is no comparison: it ran
+    other steps, ranks or variants."""
     for key in ("steps_per_variant", "world_size"):
         if theirs["meta"].get(key) != summary["meta"][key]:
             return f"its run's {key} was {theirs['meta'].get(key)}, this run's {summary['meta'][key]}"
@@ -185,18 +233,35 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return timed(args, extra)
     except KeyboardInterrupt:
-        written = f"{args.output_dir}" + (f" and {args.output_dir}_baseline" if args.baseline else "")
-        print(f"Interrupted; what the runs wrote is in {written}; {args.json} was not written", file=sys.stderr)
+        print(f"Interrupted; {what_the_runs_wrote(args)}; {args.json} was not written", file=sys.stderr)
         return 130
+
+
+def what_the_runs_wrote(args: argparse.Namespace) -> str:
+    """Where to look after an interrupt: the runs' folders that are there (an early one made none)."""
+    there = [d for d in (args.output_dir, f"{args.output_dir}_baseline" if args.baseline else None)
+             if d is not None and os.path.isdir(d)]
+    return f"what the runs wrote is in {' and '.join(there)}" if there else "no run wrote anything"
+
+
+def run_baseline(args: argparse.Namespace, extra: list[str]) -> tuple[dict, dict]:
+    """The baseline's launch and its summary, before the timed run: one that failed or wrote no summary is
+    refused at once, by the flags that asked for it."""
+    baseline = time_baseline(args.baseline, args.nproc_per_node, extra, args.output_dir,
+                             args.baseline_python or sys.executable)
+    theirs = read_summary(baseline["output_dir"])
+    if baseline["exit_code"] != 0:
+        why = f"its run failed (exit code {baseline['exit_code']})"
+    elif theirs is None or "meta" not in theirs or not ("variants" in theirs or "simulated" in theirs):
+        why = f"its run wrote no readable {baseline['output_dir']}/summary.json"
+    else:
+        return baseline, theirs
+    raise UserError(f"{args.baseline_said}: {why}; the timed run was not started and no ratio is recorded")
 
 
 def timed(args: argparse.Namespace, extra: list[str]) -> int:
     """The baseline's launch, then this version's, timed; speed.json from this version's summary."""
-    baseline = time_baseline(args.baseline, args.nproc_per_node, extra, args.output_dir,
-                             args.baseline_python or sys.executable) if args.baseline else None
-    if baseline and baseline["exit_code"] != 0:
-        print(f"error: the baseline run in {args.baseline} failed (exit code {baseline['exit_code']})", file=sys.stderr)
-        return 2
+    baseline, theirs = run_baseline(args, extra) if args.baseline else (None, None)
     command = launcher(args.nproc_per_node, ROOT, [*extra, "--tracker_overhead", "--output_dir", args.output_dir])
     launched, start = time.time(), time.perf_counter()
     here = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
@@ -224,9 +289,9 @@ def timed(args: argparse.Namespace, extra: list[str]) -> int:
               "tracker_overhead_ratio": None}
     runs = finished_runs(summary, args.output_dir)
     if baseline:
-        same = baseline_did_the_same_work(summary, runs, baseline)
+        same = baseline_did_the_same_work(summary, runs, baseline, theirs)
         if isinstance(same, str):
-            print(f"error: --baseline {args.baseline}: {same}; no ratio is recorded", file=sys.stderr)
+            print(f"error: {args.baseline_said}: {same}; no ratio is recorded", file=sys.stderr)
             return 2
         result.update(baseline={**baseline, "same_work": same}, wall_ratio_to_baseline=wall / baseline["suite_wall_s"])
     add_run_figures(result, runs)
@@ -259,8 +324,11 @@ def say_result(result: dict, json_path: str) -> None:
                      indent=1))
     same = (result.get("baseline") or {}).get("same_work")
     if same:
-        print(f"against the baseline: {same['runs_compared']} runs, peaks equal to the byte: {same['peaks_equal']}, "
-              f"losses bit-equal: {same['losses_bit_equal']}")
+        peaks = {True: "equal to the byte", False: "they differ"}.get(same["peaks_equal"],
+                                                                       "no allocator peaks to compare (a CPU run has none)")
+        losses = {True: "bit-equal", False: "they differ"}.get(same["losses_bit_equal"],
+                                                              "none recorded to compare (a simulated rank records none)")
+        print(f"against the baseline: {same['runs_compared']} runs, peaks: {peaks}, losses: {losses}")
         theirs = same["versions"]["baseline"] or {}
         changed = {lib: (theirs.get(lib), v) for lib, v in (same["versions"]["this"] or {}).items()
                    if theirs.get(lib) != v}

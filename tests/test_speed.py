@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import psutil
-from conftest import ROOT, TINY, VARIANTS, load, run_script, start_script
+import pytest
+from conftest import ROOT, TINY, VARIANTS, child_running, load, run_script, start_script
 
 
 def test_speed_json_splits_the_launch_and_every_variant(tmp_path):
@@ -51,6 +55,8 @@ def test_speed_times_a_simulated_sweep_against_a_baseline(tmp_path):
     same = speed["baseline"]["same_work"]
     assert same["runs_compared"] == 8 and sorted(same["peak_differences_mib"]) == sorted(runs)
     assert same["losses_bit_equal"] is None  # a fake process group's losses are not compared
+    assert ("against the baseline: 8 runs, peaks: no allocator peaks to compare (a CPU run has none), losses: none "
+            "recorded to compare (a simulated rank records none)") in proc.stdout, proc.stdout
 
 
 def speed_training(tmp_path):
@@ -100,6 +106,71 @@ def test_a_baseline_that_did_other_work_gives_no_ratio(tmp_path):
                        "--variants", VARIANTS[0]], nproc=None)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: --baseline {tree}: its run wrote no readable {tmp_path}/run_baseline/summary.json; no ratio is "
-        "recorded")
-    assert not record.exists()
+        f"error: --baseline {tree}: its run wrote no readable {tmp_path}/run_baseline/summary.json; the timed run "
+        "was not started and no ratio is recorded")
+    assert not record.exists() and not (tmp_path / "run").exists()
+
+
+def test_main_options_are_checked_at_the_launchs_own_world_size(tmp_path):
+    """main.py's options are checked as the timed launch's rank 0 will check them, at --nproc_per_node ranks:
+    TP over 2 ranks runs under speed.py as under torchrun, and is refused where 2 does not divide the ranks."""
+    out, record = tmp_path / "run", tmp_path / "speed.json"
+    tp = ["--", *TINY, "--max_steps", "2", "--variants", VARIANTS[0], "--tp_size", "2"]
+    proc = run_script(["speed.py", "--nproc_per_node", "2", "--output_dir", str(out), *tp], nproc=None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # without --json, the record is the run's, in its output directory: none is left in the checkout
+    assert load(out / "speed.json")["world_size"] == 2 and load(out / "summary.json")["meta"]["world_size"] == 2
+    assert not (ROOT / "speed.json").exists()
+    for nproc in ("1", "3"):
+        proc = run_script(["speed.py", "--nproc_per_node", nproc, "--json", str(record), "--output_dir",
+                           str(tmp_path / f"run{nproc}"), *tp], nproc=None)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert proc.stderr.strip().splitlines() == [
+            f"error: --cp_size 1 x --tp_size 2 = 2 does not divide the world size {nproc}"]
+        assert not (tmp_path / f"run{nproc}").exists()
+
+
+@pytest.mark.parametrize("interpreter", ["/bin/true", "no libraries"])
+def test_a_baseline_interpreter_that_cannot_run_the_benchmark_is_refused_before_anything_runs(tmp_path, interpreter):
+    """Any --baseline_python that is no Python with torch, accelerate and transformers (a program that prints
+    nothing, an interpreter that cannot import them) is refused by its own flag before any launch."""
+    if interpreter == "no libraries":  # this interpreter, without its site-packages
+        interpreter = str(tmp_path / "bare_python")
+        (tmp_path / "bare_python").write_text(f'#!/bin/sh\nexec {sys.executable} -S -I "$@"\n')
+        (tmp_path / "bare_python").chmod(0o755)
+    out, record = tmp_path / "run", tmp_path / "speed.json"
+    proc = run_script(["speed.py", "--nproc_per_node", "1", "--json", str(record), "--output_dir", str(out),
+                       "--baseline_python", interpreter, "--", *TINY, "--max_steps", "2"], nproc=None)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --baseline_python {interpreter}: "), proc.stderr
+    assert "cannot run the benchmark" in lines[0]
+    assert not out.exists() and not (tmp_path / "run_baseline").exists() and not record.exists()
+
+
+def test_a_baseline_run_that_wrote_nothing_is_told_by_the_flags_given_before_the_timed_run(tmp_path):
+    """A baseline interpreter whose run writes no summary: named by the flag the user gave, at once."""
+    fake = tmp_path / "python_that_runs_nothing"
+    fake.write_text(f'#!/bin/sh\ncase "$1" in -c) exec {sys.executable} "$@";; esac\nexit 0\n')
+    fake.chmod(0o755)
+    out, record = tmp_path / "run", tmp_path / "speed.json"
+    proc = run_script(["speed.py", "--nproc_per_node", "1", "--json", str(record), "--output_dir", str(out),
+                       "--baseline_python", str(fake), "--", *TINY, "--max_steps", "2"], nproc=None)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: --baseline_python {fake}: its run wrote no readable {out}_baseline/summary.json; the timed run was "
+        "not started and no ratio is recorded")
+    assert not out.exists() and not record.exists()
+
+
+def test_an_interrupt_before_the_runs_wrote_anything_names_no_folder_that_is_not_there(tmp_path):
+    out, record = tmp_path / "run", tmp_path / "speed.json"
+    proc = start_script(["speed.py", "--nproc_per_node", "1", "--json", str(record), "--output_dir", str(out),
+                         "--baseline", str(ROOT), "--", *TINY, "--max_steps", "2"], nproc=None, own_group=True)
+    child_running(proc.pid, "torchrun")
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C at a terminal, while the baseline's launcher starts
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    there = [str(d) for d in (out, Path(f"{out}_baseline")) if d.exists()]
+    said = f"what the runs wrote is in {' and '.join(there)}" if there else "no run wrote anything"
+    assert stderr.strip().splitlines()[-1] == f"Interrupted; {said}; {record} was not written", stderr
