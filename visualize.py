@@ -16,12 +16,14 @@ if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them i
 
 import argparse
 import os
+import re
+import warnings
 
 from fsdp2bench.cli import (OneLineParser, UserError, check_ranges, exit_with, expect_path)
 from fsdp2bench.names import VARIANTS, simulated_dir_name
 from fsdp2bench.plots import (InputError, latest_run, load_traces, loading_stems, plot_loading, plot_loading_sweep,
-                              plot_matrix, plot_plan, plot_sequences, plot_sweep, plot_training, read_json, reading,
-                              sequence_runs)
+                              plot_matrix, plot_plan, plot_sequences, plot_summary_projection, plot_sweep,
+                              plot_training, read_json, reading, sequence_runs)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,6 +71,10 @@ def plot(args: argparse.Namespace) -> list[str]:
     if summary.get("simulated"):
         with reading(summary_path):
             plot_sweep(summary, args.dir)
+        strays = load_traces(args.dir, {name: f"{name}_memory_usage" for name in VARIANTS}, [])
+        if strays:  # a sweep writes its traces in its simulated_N<n> folders, none here
+            print(f"note: left out {sum(map(len, strays.values()))} trace file(s) of another run in {args.dir}: "
+                  "the sweep summary.json describes writes none there")
         return []
     loading_path = os.path.join(args.dir, "loading_summary.json")
     with reading(loading_path):
@@ -90,28 +96,73 @@ def plot(args: argparse.Namespace) -> list[str]:
         plot_sequences(sequences, path)
         print(f"wrote {path}")
         return []
+    return plot_traces(args, summary, loading)
+
+
+def plot_traces(args: argparse.Namespace, summary: dict, loading: dict) -> list[str]:
+    """The figures of a run's traces: only those of the run its summary describes (or, without one, of the
+    run that started last); a file of another run is left out, and said."""
     problems: list[str] = []
     runs = load_traces(args.dir, {name: f"{name}_memory_usage" for name in VARIANTS}, problems)
     loads = load_traces(args.dir, loading_stems(args.dir), problems)
     if not runs and not loads:
         raise InputError(problems[0] if problems else f"--dir {args.dir}: no <variant>_memory_usage.json files "
                          "from main.py (nor loading_*_memory_usage.json from loading.py)")
-    run_id = summary.get("meta", {}).get("run_id") if isinstance(summary.get("meta"), dict) else None
-    runs, left_out = latest_run(runs, run_id)
-    if left_out:
-        print(f"note: left out {left_out} trace file(s) of other runs in {args.dir}; plotting only the run that "
-              f"{'summary.json describes' if run_id else 'started last'}")
+    runs = one_run(runs, summary_run_id(summary) or parent_sweep_run_id(args.dir), "summary.json", args.dir)
     if runs:
         plot_training(runs, args.dir, args.memory_threshold, args.filter_partition)
+    elif summary:
+        plot_summary_projection(args.dir)
+    loads = one_run(loads, loading.get("run_id"), "loading_summary.json", args.dir)
     if loads:
         path = os.path.join(args.dir, "loading_memory.png")
-        plot_loading(latest_run(loads, None)[0], path)
+        plot_loading(loads, path)
         print(f"wrote {path}")
     return problems
 
 
+def one_run(traces: dict, run_id: str | None, described_by: str, directory: str) -> dict:
+    """``latest_run``, saying what it left out and which run it kept."""
+    kept, left_out = latest_run(traces, run_id)
+    if left_out:
+        which = f"the run {described_by} describes ({run_id})" if run_id else "the run that started last"
+        print(f"note: left out {left_out} trace file(s) of other runs in {directory}; plotting only {which}"
+              + ("" if kept else f", which has none here"))
+    return kept
+
+
+def summary_run_id(summary: dict) -> str | None:
+    meta = summary.get("meta")
+    return meta.get("run_id") if isinstance(meta, dict) and isinstance(meta.get("run_id"), str) else None
+
+
+def parent_sweep_run_id(directory: str) -> str | None:
+    """The run of the sweep whose ``simulated_N<n>`` folder ``directory`` is, from the sweep's summary.json."""
+    parent = os.path.dirname(os.path.abspath(directory))
+    path = os.path.join(parent, "summary.json")
+    if not re.fullmatch(r"simulated_N\d+", os.path.basename(os.path.abspath(directory))) or not os.path.isfile(path):
+        return None
+    try:
+        summary = read_json(path)
+    except InputError:  # the folder's own traces are drawn all the same
+        return None
+    return summary_run_id(summary) if summary.get("simulated") else None
+
+
+def warn_once(message, category, filename, lineno, file=None, line=None) -> None:
+    """A library's warning (matplotlib's, say) in one line, once, not its source line once per place."""
+    text = " ".join(str(message).split())
+    if text not in SAID:
+        SAID.add(text)
+        print(f"warning: {text}", file=sys.stderr)
+
+
+SAID: set[str] = set()
+
+
 def main(argv: list[str] | None = None) -> int:
     interrupts_raise()  # a Ctrl-C while drawing: one line (cli.exit_with); each figure is saved whole
+    warnings.showwarning = warn_once
     try:
         problems = plot(validate(argv))
     except (UserError, InputError) as exc:

@@ -126,15 +126,16 @@ def load_traces(directory: str, stems: dict[str, str], problems: list[str]) -> d
 
 
 def latest_run(traces: dict[str, dict[int, dict]], preferred: str | None) -> tuple[dict, int]:
-    """Only the traces of one launch: ``preferred`` (summary.json's run) if present, else the one
-    that started last. Returns them and how many files of other launches were left out."""
+    """Only the traces of one launch: ``preferred`` (the run its summary describes; none of them where none is
+    of that run), else the one that started last. Returns them and how many files of other launches were left
+    out."""
     ids = {t.get("run_id") for ranks in traces.values() for t in ranks.values()}
-    if len(ids) <= 1:
+    if ids <= {preferred} or (preferred is None and len(ids) <= 1):
         return traces, 0
     started = {i: max((t["started_at"] for ranks in traces.values() for t in ranks.values()
                        if t.get("run_id") == i and isinstance(t.get("started_at"), (int, float))), default=0.0)
                for i in ids}
-    chosen = preferred if preferred in ids else max(ids, key=lambda i: started[i])
+    chosen = preferred if preferred is not None else max(ids, key=lambda i: started[i])
     kept = {name: {r: t for r, t in ranks.items() if t.get("run_id") == chosen} for name, ranks in traces.items()}
     left_out = sum(len(ranks) for ranks in traces.values()) - sum(len(ranks) for ranks in kept.values())
     return {name: ranks for name, ranks in kept.items() if 0 in ranks}, left_out
@@ -420,6 +421,11 @@ def plot_training(runs: dict, directory: str, threshold: float, partition: float
     else:
         plot_loss(runs, os.path.join(directory, "loss.png"))
         print(f"wrote {os.path.join(directory, 'loss.png')}")
+    plot_summary_projection(directory)
+
+
+def plot_summary_projection(directory: str) -> None:
+    """memory_vs_world_size.png of the run summary.json describes, where it has a projection."""
     summary_path = os.path.join(directory, "summary.json")
     path = os.path.join(directory, "memory_vs_world_size.png")
     summary = read_json(summary_path) if os.path.exists(summary_path) else {}

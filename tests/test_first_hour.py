@@ -190,3 +190,81 @@ def test_a_signal_to_one_loading_process_fails_its_mode_only_and_the_last_line_s
             break
     assert proc.returncode == 1 and len(failed) == 1 and "SIGTERM" in statuses[failed[0]], statuses
     assert stderr.strip().splitlines()[-1].startswith(f"FAILED: {failed[0]}: failed: "), stderr
+
+
+def png(path) -> bytes:
+    """A figure a user drew with matplotlib (no mark of this benchmark's)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    fig.savefig(path)
+    plt.close(fig)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["another program's JSON with a run id", "a directory", "a link to a run's summary",
+                                  "a broken link", "a symbolic link loop"])
+def test_only_a_file_with_the_benchmarks_mark_is_replaced(tmp_path, kind):
+    """A run id, a "meta" or a familiar shape is no mark: another program writes those too."""
+    out = tmp_path / "out"
+    out.mkdir()
+    summary = out / "summary.json"
+    if kind.startswith("another program"):
+        summary.write_text('{"run_id": "wandb-7f3a", "meta": {"run_id": "wandb-7f3a"}, "variants": {}}')
+    elif kind == "a directory":
+        summary.mkdir()
+    elif kind == "a link to a run's summary":
+        (tmp_path / "kept.json").write_text('{"written_by": "fsdp2bench", "meta": {}}')
+        summary.symlink_to(tmp_path / "kept.json")
+    else:
+        summary.symlink_to(summary if kind == "a symbolic link loop" else tmp_path / "gone")
+    before = sorted((p.name, p.is_symlink()) for p in out.iterdir())
+    proc = run_script(["main.py", *TINY, "--output_dir", str(out)], nproc=None)
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    line, = proc.stderr.strip().splitlines()
+    assert line.startswith("error: ") and str(summary) in line and "Traceback" not in proc.stderr
+    assert sorted((p.name, p.is_symlink()) for p in out.iterdir()) == before
+    if kind.startswith("another program"):
+        assert "wandb-7f3a" in summary.read_text()
+
+
+def test_visualize_leaves_a_users_figure_beside_a_summary_of_ours(tmp_path):
+    out = tmp_path / "out"
+    assert run_script(["main.py", *TINY, "--max_steps", "2", "--variants", VARIANTS[0], "--output_dir", str(out)],
+                      nproc=None).returncode in (0, 1)
+    figure = png(out / "loss.png")
+    proc = run_script(["visualize.py", "--dir", str(out)], nproc=None)
+    assert proc.returncode == 2 and f"{out / 'loss.png'} was not written by this benchmark" in proc.stderr
+    assert (out / "loss.png").read_bytes() == figure
+    from PIL import Image
+
+    with Image.open(out / "rss_memory.png") as drawn:  # the figures it draws carry the mark
+        assert drawn.info.get("written_by") == "fsdp2bench"
+
+
+def test_a_second_run_into_a_directory_moves_the_first_runs_files_aside_in_one_line(tmp_path):
+    """The README's run, then a sweep into the same out/: the sweep owns out/; the first run is kept whole."""
+    out = tmp_path / "out"
+    first = run_script(["main.py", *TINY, "--max_steps", "2", "--variants", VARIANTS[0], "--output_dir", str(out)],
+                       nproc=None)
+    assert first.returncode in (0, 1), first.stderr
+    assert run_script(["visualize.py", "--dir", str(out)], nproc=None).returncode == 0
+    first_id = load(out / "summary.json")["meta"]["run_id"]
+    firsts = sorted(p.name for p in out.iterdir() if p.is_file())
+    notes = png(out / "my_notes.png")  # the user's: stays where it is
+    second = run_script(["main.py", *TINY, "--max_steps", "2", "--variants", VARIANTS[0], "--simulate_world_size",
+                         "2", "--output_dir", str(out)], nproc=None)
+    assert second.returncode in (0, 1), second.stderr
+    said = [line for line in second.stdout.splitlines() if "earlier runs" in line]
+    aside, = (out / "earlier_runs").iterdir()
+    assert said == [f"note: moved the {len(firsts)} file(s) of earlier runs in {out} to {aside}/; this run writes "
+                    "its own in their place"]
+    assert sorted(p.name for p in aside.iterdir()) == firsts and load(aside / "summary.json")["meta"]["run_id"] == first_id
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == ["my_notes.png", "summary.json"]
+    assert (out / "my_notes.png").read_bytes() == notes
+    drawn = run_script(["visualize.py", "--dir", str(out)], nproc=None)
+    assert drawn.returncode == 0 and "note:" not in drawn.stdout, drawn.stdout
+    assert sorted(p.name for p in out.glob("*.png")) == ["memory_vs_world_size.png", "my_notes.png"]
