@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
+import pytest
 from conftest import TINY, VARIANTS, run_script
 
 
@@ -82,17 +84,74 @@ def test_a_file_with_wrong_contents_is_named_left_out_and_the_rest_is_drawn(suit
     assert (work / "loss.png").stat().st_size > 10_000 and "Traceback" not in proc.stderr
 
 
-def test_files_of_an_earlier_run_in_the_same_directory_are_left_out(suite, tmp_path):
+def test_a_directory_holding_two_runs_is_drawn_as_the_run_its_summary_describes(suite, tmp_path):
     work = tmp_path / "out"
     shutil.copytree(suite[0], work)  # 2 ranks, 4 variants
     proc = run_script(["main.py", *TINY, "--max_steps", "2", "--variants", VARIANTS[0], "--output_dir", str(work)],
                       nproc=None)
     assert proc.returncode == 0, proc.stderr
+    aside, = (work / "earlier_runs").iterdir()  # the run moved the first run's files there
+    for trace in aside.glob("*_memory_usage*.json"):  # put back by hand: a directory of two runs
+        if not (work / trace.name).exists():
+            shutil.copy(trace, work / trace.name)
+    run_id = json.loads((work / "summary.json").read_text())["meta"]["run_id"]
     proc = run_script(["visualize.py", "--dir", str(work)], nproc=None)
     assert proc.returncode == 0, proc.stderr
-    # The new run rewrote the first variant's rank-0 file; its rank-1 file and the 3 others' 6 are old.
-    assert "note: left out 7 trace file(s) of other runs" in proc.stdout
+    # The new run wrote the first variant's rank-0 file; its rank-1 file and the 3 others' 6 are the first run's.
+    assert f"note: left out 7 trace file(s) of other runs in {work}; plotting only the run summary.json describes " \
+           f"({run_id})" in proc.stdout
     assert f"no results for {', '.join(VARIANTS[1:])}" in proc.stdout
+    (work / "summary.json").write_text(json.dumps({**json.loads((work / "summary.json").read_text()),
+                                                   "meta": {"run_id": "a later run"}}))
+    for trace in work.glob("*_memory_usage*.json"):
+        if json.loads(trace.read_text())["run_id"] == run_id:
+            trace.unlink()
+    proc = run_script(["visualize.py", "--dir", str(work)], nproc=None)  # a summary beside no trace of its run
+    assert "plotting only the run summary.json describes (a later run), which has none here" in proc.stdout
+    assert "wrote" not in proc.stdout.replace("memory_vs_world_size.png", "")
+
+
+@pytest.fixture(scope="module")
+def cpu_sweep(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sweep")
+    proc = run_script(["main.py", *TINY, "--max_steps", "2", "--simulate_world_size", "2,8", "--output_dir",
+                       str(out)], nproc=None)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_json_errors_and_sizes_no_axis_can_draw_are_one_line_each(cpu_sweep, tmp_path):
+    """A string cut short is named without "at at"; a world size of 0 on a log axis is refused by its field,
+    before matplotlib warns (once per line that drew it) and fails."""
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / f"{VARIANTS[0]}_memory_usage.json").write_text('{\n "timestamps": [1],\n "events": "unterminated')
+    proc = run_script(["visualize.py", "--dir", str(cut)], nproc=None)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"error: {cut / VARIANTS[0]}_memory_usage.json: not valid JSON (Unterminated string starting at line 3, "
+        "column 12)")
+    for n in ("0", "-8"):
+        zero = tmp_path / f"zero{n}"
+        shutil.copytree(cpu_sweep, zero)
+        summary = json.loads((zero / "summary.json").read_text())
+        summary["simulated"][n] = summary["simulated"].pop("8")
+        (zero / "summary.json").write_text(json.dumps(summary))
+        proc = run_script(["visualize.py", "--dir", str(zero)], nproc=None)
+        assert proc.returncode == 2 and proc.stderr.strip() == (
+            f"error: {zero / 'summary.json'}: not what main.py writes (ValueError: simulated has '{n}' where a whole "
+            "number above 0 goes)"), proc.stderr
+
+
+def test_a_libraries_warning_is_one_line_said_once(capsys):
+    import warnings
+
+    import visualize
+
+    warnings.showwarning = visualize.warn_once
+    for _ in range(4):
+        warnings.warn_explicit("Data has no positive values,\n and therefore cannot be log-scaled.", UserWarning,
+                               "matplotlib/ticker.py", 48)
+    assert capsys.readouterr().err == "warning: Data has no positive values, and therefore cannot be log-scaled.\n"
 
 
 def drawn(monkeypatch, draw) -> list:
@@ -125,3 +184,29 @@ def test_plots_hide_no_series_and_say_what_they_count(suite, monkeypatch):
     projection, = drawn(monkeypatch, lambda plots: plots.plot_projection(summary, "x"))
     assert projection.axes[0].get_ylabel() == "state per rank (MiB)"
     assert projection.axes[0].get_title() == "tiny: state per rank by the sharding rule (lines), counted here (stars)"
+
+
+def test_figures_draw_what_has_data_and_say_truly_what_each_mark_is(suite, cpu_sweep, monkeypatch):
+    """Lines of 300-360 MiB fill the axis (it does not start at 0); a legend key shows each colour its marks are
+    drawn in; a line under another names that one whole; a CPU sweep has no empty allocator panel."""
+    from fsdp2bench import plots
+
+    out, _ = suite
+    runs = plots.load_traces(str(out), {name: f"{name}_memory_usage" for name in VARIANTS}, [])
+    rss, = drawn(monkeypatch, lambda p: p.plot_memory(runs, p.MEMORY_PLOTS["rss_memory.png"], "x", 0, 2))
+    values = [v for line in rss.axes[0].get_lines() for v in line.get_ydata() if v == v]
+    low, high = rss.axes[0].get_ylim()
+    assert (max(values) - min(values)) / (high - low) > 0.5 and rss.axes[0].get_ylabel().endswith("not from zero")
+    summary = json.loads((out / "summary.json").read_text())
+    projection, = drawn(monkeypatch, lambda p: p.plot_projection(summary, "x"))
+    ax = projection.axes[0]
+    stars = {line.get_color() for line in ax.get_lines() if line.get_marker() == "*"}
+    key, = [h for h in ax._legend_band[0] if isinstance(h, tuple)]
+    assert len(stars) == 4 and {h.get_color() for h in key} == stars and {h.get_marker() for h in key} == {"*"}
+    sweep = json.loads((cpu_sweep / "summary.json").read_text())
+    figure, = drawn(monkeypatch, lambda p: p.plot_simulated(sweep, "x"))
+    assert len(figure.axes) == 1 and not figure.axes[0].texts
+    labels = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
+    assert 'after: sharding rule (under "accelerate")' in labels
+    assert 'before, fixed: sharding rule (under "accelerate")' in labels
+    assert not [label for label in labels if "before's" in label]
