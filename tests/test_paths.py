@@ -14,15 +14,17 @@ import visualize
 from fsdp2bench import arguments
 from fsdp2bench.cli import UserError
 
-MISSING, BROKEN_LINK, FILE, DIRECTORY = "missing", "a broken link", "a file", "a directory"
+MISSING, BROKEN_LINK, LOOP, FILE, DIRECTORY = "missing", "a broken link", "a link loop", "a file", "a directory"
+LOOP_WORDS = "a symbolic link loop"  # not "a broken symbolic link": nothing is missing
 # What the error line says of each kind where the option reads a directory or a file.
-READ = {"directory": {MISSING: "no such file or directory", BROKEN_LINK: "a broken symbolic link",
+READ = {"directory": {MISSING: "no such file or directory", BROKEN_LINK: "a broken symbolic link", LOOP: LOOP_WORDS,
                       FILE: "a file, not a directory"},
-        "file": {MISSING: "no such file or directory", BROKEN_LINK: "a broken symbolic link",
+        "file": {MISSING: "no such file or directory", BROKEN_LINK: "a broken symbolic link", LOOP: LOOP_WORDS,
                  DIRECTORY: "a directory, not a file"}}
 # Where it writes a directory (created if missing) or a file.
-WRITE = {"directory": {BROKEN_LINK: "a broken symbolic link", FILE: "a file, not a directory"},
-         "file": {BROKEN_LINK: "a broken symbolic link", DIRECTORY: "a directory; the script writes a file there"}}
+WRITE = {"directory": {BROKEN_LINK: "a broken symbolic link", LOOP: LOOP_WORDS, FILE: "a file, not a directory"},
+         "file": {BROKEN_LINK: "a broken symbolic link", LOOP: LOOP_WORDS,
+                  DIRECTORY: "a directory; the script writes a file there"}}
 
 
 def matrix_validate(argv: list[str]) -> None:
@@ -53,6 +55,9 @@ def make(tmp_path, kind: str) -> str:
     path = tmp_path / "given path"
     if kind == BROKEN_LINK:
         os.symlink(tmp_path / "gone", path)
+    elif kind == LOOP:  # two links, each pointing at the other
+        os.symlink(tmp_path / "other link", path)
+        os.symlink(path, tmp_path / "other link")
     elif kind == FILE:
         path.write_text("some text")
     elif kind == DIRECTORY:
