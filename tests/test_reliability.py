@@ -210,7 +210,9 @@ def test_a_slow_write_of_the_lock_loses_the_race_and_is_refused(tmp_path, monkey
     slow.join()
     assert outcome["fast"] == "took it"
     assert outcome["slow"].startswith(f"--output_dir {tmp_path}: another run (process {os.getpid()}")
-    assert (tmp_path / ".fsdp2bench.lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
+    host, pid, started = (tmp_path / ".fsdp2bench.lock").read_text().split()  # and when its process started
+    assert (host, int(pid), float(started)) == (socket.gethostname(), os.getpid(),
+                                                round(psutil.Process().create_time(), 2))
     assert sorted(p.name for p in tmp_path.iterdir()) == [".fsdp2bench.lock"]  # no temporary lock left
 
 
@@ -225,3 +227,19 @@ def test_ctrl_c_outside_a_runs_own_handling_is_named_sigint(capsys):
         exit_with(interrupted)
     assert ended.value.code == 130
     assert capsys.readouterr().err == "Interrupted (SIGINT); what was written is whole, nothing more is\n"
+
+
+def test_a_lock_naming_a_live_process_says_only_what_is_known_of_it(tmp_path):
+    """Process 1 runs, but is no run of this benchmark: a lock without its start time is refused in words true
+    of it (not "another run"); one whose start time is not process 1's was left by a run that is gone (its
+    process id given again) and is taken over."""
+    lock = tmp_path / ".fsdp2bench.lock"
+    lock.write_text(f"{socket.gethostname()} 1")
+    proc = run_script(["main.py", *SHORT, "--output_dir", str(tmp_path)], nproc=None)
+    assert proc.returncode == 2 and "another run" not in proc.stderr
+    assert proc.stderr.strip().startswith(f"error: --output_dir {tmp_path}: its lock names process 1 on "
+                                          f"{socket.gethostname()}, which is running (")
+    assert "whether that process took it cannot be told" in proc.stderr and lock.exists()
+    lock.write_text(f"{socket.gethostname()} 1 {psutil.Process(1).create_time() - 60:.2f}")
+    proc = run_script(["main.py", *SHORT, "--output_dir", str(tmp_path)], nproc=None)
+    assert proc.returncode in (0, 1) and (tmp_path / "summary.json").exists() and not lock.exists(), proc.stderr
