@@ -11,6 +11,8 @@ cp and tp group train on the same batch. No torch at module level: the matrix la
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from dataclasses import dataclass
 
@@ -121,16 +123,20 @@ def tensor_parallel_dim(param_name: str, plan: dict[str, str], base_prefix: str)
 
 
 def check_tensor_parallel(config, tp: int) -> None:
-    """TP needs the model's own plan, in styles the torch variants apply, and T must split every head count
-    and the MLP width evenly."""
-    plan = tensor_parallel_plan(config)
+    """TP needs the model's own plan, a mapping of module patterns to styles the torch variants apply, each
+    entry splitting a module of the model; T must split every head count, the MLP width and each split weight
+    evenly; and the split shapes must line up (checked by a forward on the meta device)."""
+    where = config_file(config)
+    plan = getattr(config, "base_model_tp_plan", None)
     if not plan:
-        raise UserError(f"--tp_size {tp}: the {config.model_type} config has no tensor-parallel plan "
-                        "(base_model_tp_plan)")
+        raise UserError(f"--tp_size {tp}: {where} has no tensor-parallel plan (base_model_tp_plan)")
+    if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
+        raise UserError(f"--tp_size {tp}: {where}: base_model_tp_plan must map module patterns to styles "
+                        f"({{\"layers.*.mlp.up_proj\": \"colwise\", ...}}), got {_short(plan)}")
     unknown = sorted({style for style in plan.values() if style not in TP_STYLES})
     if unknown:
         raise UserError(f"--tp_size {tp}: the {config.model_type} plan uses {', '.join(unknown)}; the torch variants "
-                        f"apply {' and '.join(TP_STYLES)} only")
+                        f"apply {' and '.join(TP_STYLES)} only ({where})")
     sizes = {"attention heads (num_attention_heads)": config.num_attention_heads,
              "key/value heads (num_key_value_heads)": getattr(config, "num_key_value_heads", None)
              or config.num_attention_heads,
@@ -138,6 +144,119 @@ def check_tensor_parallel(config, tp: int) -> None:
     for what, size in sizes.items():
         if size % tp:
             raise UserError(f"--tp_size {tp} does not divide the model's {size} {what}")
+    check_plan_on_the_model(config, plan, tp, where)
+
+
+def config_file(config) -> str:
+    """The config.json a model was read from, or what the config is (a preset's has no file)."""
+    directory = getattr(config, "_name_or_path", "") or ""
+    return os.path.join(directory, "config.json") if directory and os.path.isdir(directory) else \
+        f"the {config.model_type} config"
+
+
+def _short(value) -> str:
+    text = json.dumps(value) if isinstance(value, (dict, list, str, int, float)) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# Each style splits these kinds of module (torch's ColwiseParallel and RowwiseParallel, as the variants apply them)
+SPLITS = {"colwise": ("Linear",), "rowwise": ("Linear",), "embedding_rowwise": ("Embedding",)}
+
+
+def check_plan_on_the_model(config, plan: dict[str, str], tp: int, where: str) -> None:
+    """Every entry splits a module it can split, by T evenly; then the model's forward on the meta device with each
+    planned weight cut to one rank's part: an entry whose neighbours are left whole fails there, not in a run."""
+    base = _meta_base_model(config)
+    if base is None:  # a config transformers cannot build: the model's own check says so
+        return
+    for pattern, style in plan.items():
+        matched = [(name, m) for name, m in base.named_modules() if name and planned_style(name, {pattern: style})]
+        if not matched:
+            raise UserError(f"--tp_size {tp}: {where}: base_model_tp_plan entry \"{pattern}\" matches no module of "
+                            f"the model (e.g. {_module_example(base)}), so it would split nothing")
+        for name, module in matched:
+            _check_kind(module, name, pattern, style, tp, where)
+    whole = _meta_forward(base)
+    for name, module in base.named_modules():
+        if name and (style := planned_style(name, plan)):
+            _cut_to_one_rank(module, style, tp)
+    failed = _meta_forward(base)
+    if failed is not None and whole is None:
+        scope, why = failed
+        if not any(n.startswith(scope + ".") for n, _ in base.named_modules()):  # a leaf: the block around it
+            scope = scope.rpartition(".")[0] or scope
+        entries = [p for p in plan if any(planned_style(n, {p: plan[p]}) for n, _ in base.named_modules()
+                                          if n.startswith(scope + ".") or n == scope)]
+        named = ("entry " if len(entries) == 1 else "entries ") + ", ".join(f'"{e}"' for e in entries)
+        raise UserError(f"--tp_size {tp}: {where}: base_model_tp_plan {named} split{'s' if len(entries) == 1 else ''} "
+                        f"{scope} without what it feeds or is fed by: its shapes do not line up on {tp} ranks "
+                        f"({why})")
+
+
+def _meta_base_model(config):
+    """The base model (what the plan's patterns name modules under) on the meta device, or None."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except Exception:  # transformers cannot build it: model_facts refuses it in one line
+        return None
+    return model.get_submodule(model.base_model_prefix) if getattr(model, "base_model_prefix", "") else model
+
+
+def _module_example(base) -> str:
+    names = [n for n, m in base.named_modules() if type(m).__name__ == "Linear"]
+    return '"' + re.sub(r"\.\d+\.", ".*.", names[0]) + '"' if names else "none is a Linear"
+
+
+def _check_kind(module, name: str, pattern: str, style: str, tp: int, where: str) -> None:
+    kind = type(module).__name__
+    if kind not in SPLITS[style]:
+        raise UserError(f"--tp_size {tp}: {where}: base_model_tp_plan entry \"{pattern}\": \"{style}\" splits "
+                        f"{' or '.join(SPLITS[style])} modules, and {name} is a {kind}")
+
+
+def _cut_to_one_rank(module, style: str, tp: int) -> None:
+    """Rank 0's part of a planned weight (and a colwise bias), the larger of an uneven split, in place."""
+    import torch
+
+    dim = TP_STYLES[style]
+    shape = list(module.weight.shape)
+    shape[dim] = -(-shape[dim] // tp)
+    module.weight = torch.nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
+    if style == "colwise" and getattr(module, "bias", None) is not None:
+        module.bias = torch.nn.Parameter(torch.empty(shape[0], device="meta"), requires_grad=False)
+
+
+def _meta_forward(base, length: int = 8) -> tuple[str, str] | None:
+    """The base model's forward on meta tensors (a causal mask given whole, so that nothing reads a value): None,
+    or the innermost module running when it failed and the first line of why."""
+    import torch
+
+    running: list[str] = []
+    names = {id(m): n for n, m in base.named_modules()}
+
+    def enter(module, _args) -> None:
+        running.append(names[id(module)])
+
+    def leave(_module, _args, _output) -> None:
+        running.pop()
+
+    hooks = [m.register_forward_pre_hook(enter) for m in base.modules()]
+    hooks += [m.register_forward_hook(leave) for m in base.modules()]
+    try:
+        with torch.no_grad():
+            base(input_ids=torch.zeros(1, length, dtype=torch.long, device="meta"),
+                 attention_mask=torch.zeros(1, 1, length, length, device="meta"),
+                 position_ids=torch.zeros(1, length, dtype=torch.long, device="meta"))
+        return None
+    except Exception as exc:  # whatever a split that does not line up raises inside the model
+        return (running[-1] if running else "the model"), (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def check_context_parallel(config, cp: int, block_size: int) -> None:

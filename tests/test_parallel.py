@@ -253,3 +253,33 @@ def test_a_torch_or_accelerate_without_the_api_is_refused(monkeypatch):
     monkeypatch.delattr(torch.distributed.tensor.parallel, "parallelize_module")
     with pytest.raises(UserError, match="--tp_size: torch .* has no torch.distributed.tensor.parallel.parallelize_module"):
         options.check_parallel_libraries(Layout(tp_size=2))
+
+
+@pytest.mark.parametrize("plan, words", [
+    ("colwise", 'base_model_tp_plan must map module patterns to styles ({"layers.*.mlp.up_proj": "colwise", ...}), '
+                'got "colwise"'),
+    (["layers.*.mlp.up_proj"], "base_model_tp_plan must map module patterns to styles"),
+    ({"layers.*.mlp.up_proj": 1}, "base_model_tp_plan must map module patterns to styles"),
+    ({"model.layers.*.mlp.up_proj": "colwise"}, 'base_model_tp_plan entry "model.layers.*.mlp.up_proj" matches no '
+                                                 'module of the model (e.g. "layers.*.self_attn.q_proj")'),
+    ({"norm": "colwise"}, 'base_model_tp_plan entry "norm": "colwise" splits Linear modules, and norm is a'),
+    ({"layers.*.self_attn.q_proj": "colwise"}, 'base_model_tp_plan entry "layers.*.self_attn.q_proj" splits '
+                                               'layers.0.self_attn without what it feeds or is fed by'),
+    ({"layers.*.mlp.down_proj": "rowwise"}, 'base_model_tp_plan entry "layers.*.mlp.down_proj" splits layers.0.mlp '
+                                            'without what it feeds or is fed by'),
+    ({"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise"},
+     'base_model_tp_plan entries "layers.*.mlp.gate_proj", "layers.*.mlp.up_proj" split layers.0.mlp without'),
+])
+def test_a_tp_plan_that_cannot_split_the_model_is_refused_naming_the_file_and_the_entry(tmp_path, plan, words):
+    """A plan of the wrong kind, an entry that splits nothing or a module it cannot split, or entries whose
+    split shapes do not line up with what they feed: one line naming config.json and the entry, before anything
+    runs (they gave a traceback, ran splitting nothing, or failed inside a matmul)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**load_config("tiny").to_dict(), "base_model_tp_plan": plan}))
+    proc = run_script(["main.py", *TINY, "--model", str(model), "--simulate_world_size", "2", "--tp_size", "2",
+                       "--output_dir", str(tmp_path / "out")], nproc=None)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --tp_size 2: {model / 'config.json'}: {words}"), lines
+    assert not (tmp_path / "out").exists()
