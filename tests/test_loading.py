@@ -242,3 +242,15 @@ def test_both_formats_are_checked_alike_before_any_mode_runs(tmp_path, kind, fau
     assert len(lines) == 1 and lines[0].startswith("error: --checkpoint"), proc.stderr
     assert message.format(dir=ckpt, ext=ext, first=first) in lines[0], lines[0]
     assert not out.exists()
+
+
+def test_a_run_without_a_model_on_the_cpu_says_its_own_model_and_time(tmp_path):
+    """The first line of loading.py's default CPU run is about loading.py's run, not main.py's training run."""
+    proc = run_script(["loading.py", "--device", "cpu", "--output_dir", str(tmp_path / "out")])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.startswith("No --model given"), proc.stdout[:500]
+    assert " ".join(proc.stdout.split()).startswith(  # one paragraph, folded at the console's width
+        "No --model given and no GPU: loading.py loads the tiny model, a functional run of seconds (13 s with torchrun "
+        "--nproc_per_node 2 on 2 cores). The real one on the CPU: add --model qwen2.5-1.5b.")
+    assert "main.py" not in proc.stdout
+    assert (tmp_path / "out" / "loading_summary.json").exists()
