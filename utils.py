@@ -135,7 +135,7 @@ def next_token_labels(inputs: dict) -> torch.Tensor:
     return nn.functional.pad(inputs["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def loss_in_head(model: nn.Module) -> None:
+def loss_in_head(model: nn.Module, chunk: int = CHUNK_TOKENS) -> None:
     """The chunked loss computed by the output head itself, inside the model's forward: FSDP2 gathers the
     head's weight only around the forward of the unit that owns it (the root here, a unit of its own under
     accelerate), so the loss runs where the weight is whole, and its backward inside the unit's backward. Given
@@ -148,7 +148,7 @@ def loss_in_head(model: nn.Module) -> None:
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         if head.next_token_labels is None:
             return nn.functional.linear(hidden, head.weight, head.bias)
-        return chunked_cross_entropy(hidden, head.weight, head.bias, head.next_token_labels)
+        return chunked_cross_entropy(hidden, head.weight, head.bias, head.next_token_labels, chunk)
 
     head.forward = forward
 

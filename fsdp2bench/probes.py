@@ -441,6 +441,7 @@ class ProbeRunner:
                 "training_peak_allocated_mib": summary["training_peak_allocated_mib"]["max"],
                 "peak_rss_mib": summary["peak_rss_mib"]["max"], "median_step_time_s": summary["median_step_time_s"],
                 "accounting_matches_expected": summary["accounting_matches_expected"],
+                "kept_output_bytes": summary["kept_output_bytes"][0]["before_zero_grad"],
                 "train_wall_s": record["wall_s"], "build_s": _event(record, "model_built").get("build_s")})
         if "out of memory" not in failure:
             return f"{q.label(probe.value)}: {failure}"
