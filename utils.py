@@ -413,7 +413,7 @@ def accelerate_scaling(options: FsdpOptions) -> dict:
         kwargs["gradient_accumulation_plugin"] = GradientAccumulationPlugin(
             num_steps=options.gradient_accumulation_steps, sync_each_batch=options.sync_each_batch)
     degrees = options.layout.at(dist.get_world_size())
-    if degrees.replicate > 1 or degrees.cp > 1 or degrees.tp > 1:
+    if accelerate_scaling_layout(options):
         from accelerate import ParallelismConfig
 
         cp = {}
@@ -427,12 +427,21 @@ def accelerate_scaling(options: FsdpOptions) -> dict:
     return kwargs
 
 
+def accelerate_scaling_layout(options: FsdpOptions) -> bool:
+    """Whether accelerate gets a ParallelismConfig for this layout: replicas, context or tensor groups."""
+    import torch.distributed as dist
+
+    degrees = options.layout.at(dist.get_world_size())
+    return degrees.replicate > 1 or degrees.cp > 1 or degrees.tp > 1
+
+
 def accelerate_fsdp2(model: nn.Module | None, ctx: Context) -> Prepared:
     """accelerate's own path. Under TP it takes no model built here (``model`` is None): it needs one that
-    transformers made tensor-parallel. Under TP or CP a failure of that set-up is the libraries' answer for
-    these releases, said as such (``Unsupported``)."""
-    layout = ctx.options.layout
-    if not (layout.tensor_parallel or layout.context_parallel):
+    transformers made tensor-parallel. Wherever the layout goes through accelerate's ParallelismConfig (HSDP,
+    TP, CP), a refusal of that set-up by accelerate's own checks (made as ``Accelerator`` is built, before the
+    model is prepared) or a failure of it is the libraries' answer for these releases, said as such
+    (``Unsupported``), whatever the layout."""
+    if not accelerate_scaling_layout(ctx.options):
         return _accelerate_prepared(model, ctx)
     try:
         return _accelerate_prepared(model, ctx)

@@ -106,9 +106,10 @@ def status_of(reason: str | None) -> str:
 def describe(exc: BaseException) -> str:
     """One line for a failure; out-of-memory, a file that cannot be written (a full disk), and what the
     libraries cannot do, named as such."""
-    first = (str(exc).strip().splitlines() or [""])[0][:300]
-    if isinstance(exc, Unsupported):
+    first = (str(exc).strip().splitlines() or [""])[0]
+    if isinstance(exc, Unsupported):  # the libraries' whole sentence: it is the finding
         return f"{UNSUPPORTED}: {first}"
+    first = first[:300]
     if isinstance(exc, torch.OutOfMemoryError):
         # Where the process list cut it short, the limit and what the process held (measure.held_at_failure)
         held = OOM_HELD.search(str(exc))

@@ -283,3 +283,18 @@ def test_a_tp_plan_that_cannot_split_the_model_is_refused_naming_the_file_and_th
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: --tp_size 2: {model / 'config.json'}: {words}"), lines
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags", [["--dp_replicate_size", "2"], ["--tp_size", "2"]])
+def test_a_layout_accelerate_refuses_is_one_finding_whole_whatever_the_layout(tmp_path, flags):
+    """No rank left for FSDP to shard over: accelerate's own check refuses its ParallelismConfig, under HSDP as
+    under TP; the same status, its whole sentence, and the exit code of a run whose other variants ran."""
+    out = tmp_path / "out"
+    proc = run_script(["main.py", *TINY, "--max_steps", "2", *flags, "--variants", f"{TORCH_INTENDED[0]},accelerate",
+                       "--output_dir", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    status = load(out / "summary.json")["variants"]["accelerate"]["status"]
+    assert status.startswith(UNSUPPORTED + "ValueError: FSDP is enabled but the parallelism config has no dimension")
+    assert status.endswith("or leave ranks for FSDP to use by lowering `tp_size`.")
+    said = proc.stdout.replace("\n", " ")
+    assert "by lowering `tp_size`.; the other variants ran" in said and "FAILED" not in proc.stderr
