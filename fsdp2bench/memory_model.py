@@ -279,23 +279,27 @@ def expected_device_bytes(shapes, world_size: int, rank: int, variant: str, phas
     return sum(state.values()) - counters
 
 
-def projection(shapes, variants: list[str], sizes: list[int] = PROJECTION_WORLD_SIZES) -> dict:
-    """Per-rank state of each variant for larger clusters, between steps and at the step peak, on the
-    worst rank: rank 0, whose chunk of every parameter is the largest (``shard_rows``)."""
-    return {str(n): {name: {phase: sum(expected_state(shapes, n, 0, name, phase).values())
+def projection(shapes, variants: list[str], sizes: list[int] = PROJECTION_WORLD_SIZES,
+               options: FsdpOptions = FsdpOptions()) -> dict:
+    """Per-rank state of each variant for larger clusters, between steps and at the step peak, on rank 0
+    (whose chunk of every parameter is the largest: ``shard_rows``), under the run's options and layout: at
+    the sizes the layout fits (a TP set's T divides N), each parameter cut by TP first."""
+    return {str(n): {name: {phase: sum(expected_state(shapes, n, 0, name, phase, options).values())
                             for phase in ("end_of_training", "before_zero_grad")} for name in variants}
-            for n in sizes}
+            for n in sizes if options.layout.fits(n)}
 
 
 CROSSOVER_SEARCH = 1 << 16  # the largest N a crossover is looked for at (the simulation's largest world)
 
 
-def unfixed_costs_more_from(shapes, reference: str) -> tuple[int, dict] | None:
+def unfixed_costs_more_from(shapes, reference: str, options: FsdpOptions = FsdpOptions()) -> tuple[int, dict] | None:
     """The exact smallest N at which the unfixed variant's state at the step peak exceeds
-    ``reference``'s, by the sharding rule at every N in turn (not only the projection's powers of
-    two), with both states there; None where it never does up to ``CROSSOVER_SEARCH``."""
+    ``reference``'s, by the sharding rule at every N the layout fits in turn (not only the projection's
+    powers of two), with both states there; None where it never does up to ``CROSSOVER_SEARCH``."""
     for n in range(1, CROSSOVER_SEARCH + 1):
-        held = {name: sum(expected_state(shapes, n, 0, name, "before_zero_grad").values())
+        if not options.layout.fits(n):
+            continue
+        held = {name: sum(expected_state(shapes, n, 0, name, "before_zero_grad", options).values())
                 for name in (UNFIXED, reference)}
         if held[UNFIXED] > held[reference]:
             return n, held

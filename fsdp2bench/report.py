@@ -167,11 +167,13 @@ def tracker_overhead(steps: list[dict]) -> float | None:
     return statistics.median(timed[True]) / statistics.median(timed[False])
 
 
-def state_projection(shapes, names: list[str], sizes: list[int] = PROJECTION_WORLD_SIZES) -> dict:
-    """The sharding rule's per-rank state of each variant at each world size, and where the lines cross."""
-    table = projection(shapes, names, sizes)
+def state_projection(shapes, names: list[str], sizes: list[int] = PROJECTION_WORLD_SIZES,
+                     options: FsdpOptions = FsdpOptions()) -> dict:
+    """The sharding rule's per-rank state of each variant at each world size the run's layout fits, and where
+    the lines cross."""
+    table = projection(shapes, names, sizes, options)
     reference = next((n for n in INTENDED if n in names), None)
-    crossover = unfixed_costs_more_from(shapes, reference) if reference and UNFIXED in names else None
+    crossover = unfixed_costs_more_from(shapes, reference, options) if reference and UNFIXED in names else None
     return {"per_rank_state_bytes": table,
             "unfixed_costs_more_from_world_size": crossover[0] if crossover else None,
             "state_bytes_there": crossover[1] if crossover else None,
@@ -193,10 +195,10 @@ def _held_at_step_peak(entry: dict) -> int:
     return state_bytes(step_peak_state(entry))
 
 
-def projection_summary(shapes, variants: dict, world_size: int) -> dict:
+def projection_summary(shapes, variants: dict, world_size: int, options: FsdpOptions) -> dict:
     measured = {name: {phase: _held_state(v, phase) for phase in ("end_of_training", "before_zero_grad")}
                 for name, v in variants.items() if v.get("status") == "ok"}
-    return {**state_projection(shapes, list(variants)),
+    return {**state_projection(shapes, list(variants), options=options),
             "measured": {"world_size": world_size, "per_rank_state_bytes": measured}}
 
 
@@ -511,8 +513,9 @@ MEASURED_FIGURES = {  # key in summary.json -> (how to read it off an entry, wha
 
 def measured_crossover(simulated: dict) -> dict:
     """Per measured figure, the smallest simulated N at which the unfixed variant's exceeds that of
-    every intended variant in the sweep (None where it never does, or where they were not all run).
-    A figure the device cannot measure (no allocator on CPU) is left out."""
+    every intended variant that ran there (None where it never does, or where none of them ran). A variant
+    that did not run (accelerate where the libraries cannot) is not compared. A figure the device cannot
+    measure (no allocator on CPU) is left out."""
     names = {name for _, _, name, _ in simulated_entries(simulated)}
     intended = [n for n in INTENDED if n in names]
     found = {}
@@ -522,8 +525,8 @@ def measured_crossover(simulated: dict) -> dict:
             continue
         found[key] = None
         for n, row in sorted(table.items()):
-            if intended and UNFIXED in row and all(v in row for v in intended) and \
-                    row[UNFIXED] > max(row[v] for v in intended):
+            ran = [v for v in intended if v in row]
+            if ran and UNFIXED in row and row[UNFIXED] > max(row[v] for v in ran):
                 found[key] = n
                 break
     return found

@@ -134,7 +134,7 @@ def record_group(suite: Suite, jobs: list[Job], failures: list[str | None], star
     suite.summary["checks"] = report.run_checks(variants, s.device.type)
     suite.summary["unsupported"] = report.unsupported_findings(list(variants.items()))
     suite.summary["accelerate_vs_torch"] = report.accelerate_vs_torch(variants)
-    suite.summary["projection"] = report.projection_summary(s.shapes, variants, s.world_size)
+    suite.summary["projection"] = report.projection_summary(s.shapes, variants, s.world_size, suite.train.options)
     save_summary(suite.summary_path, suite.summary)
 
 
@@ -199,7 +199,8 @@ def record_sweep(suite: Suite, runs: list, sizes: list[int]) -> None:
     suite.summary["simulation_findings"] = {
         "unfixed_exceeds_intended_from_world_size": report.measured_crossover(simulated)}
     suite.summary["projection"] = report.state_projection(s.shapes, suite.names,
-                                                          sorted(set(PROJECTION_WORLD_SIZES) | set(sizes)))
+                                                          sorted(set(PROJECTION_WORLD_SIZES) | set(sizes)),
+                                                          suite.train.options)
     save_summary(suite.summary_path, suite.summary)
 
 

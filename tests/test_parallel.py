@@ -20,7 +20,7 @@ from fsdp2bench.cli import UserError
 from fsdp2bench.layout import Degrees, Layout
 from fsdp2bench.memory_model import ParamShape, expected_device_bytes, expected_state
 from fsdp2bench.model import load_config
-from fsdp2bench.names import INTENDED, UNFIXED
+from fsdp2bench.names import INTENDED, UNFIXED, state_bytes, step_peak_state
 
 TORCH_INTENDED = [v for v in INTENDED if v != "accelerate"]
 # A loss under TP and one without it differ only by the order of their sums (a rowwise layer adds the
@@ -298,3 +298,22 @@ def test_a_layout_accelerate_refuses_is_one_finding_whole_whatever_the_layout(tm
     assert status.endswith("or leave ranks for FSDP to use by lowering `tp_size`.")
     said = proc.stdout.replace("\n", " ")
     assert "by lowering `tp_size`.; the other variants ran" in said and "FAILED" not in proc.stderr
+
+
+def test_the_projection_and_the_findings_follow_the_layout_and_the_variants_that_ran(matrix):
+    """Under tp2 the sharding rule cuts each planned weight by TP first: the projection at the run's N is what
+    the ranks counted, it has no N that T does not divide, and the sweep's finding compares the unfixed
+    variant with the intended variants that ran (accelerate did not)."""
+    out, _ = matrix
+    summary = load(out / "tp2" / "summary.json")
+    projection = summary["projection"]
+    measured = projection["measured"]["per_rank_state_bytes"]
+    for name in [*TORCH_INTENDED, UNFIXED]:
+        assert projection["per_rank_state_bytes"]["2"][name] == measured[name], name
+    assert "1" not in projection["per_rank_state_bytes"] and projection["unfixed_costs_more_from_world_size"] % 2 == 0
+    sweep = load(out / "tp2" / "sweep" / "summary.json")
+    found = sweep["simulation_findings"]["unfixed_exceeds_intended_from_world_size"]["state_at_step_peak"]
+    rows = {n: {name: e for name, e in by_rank["0"].items()} for n, by_rank in sweep["simulated"].items()}
+    assert all(rows[n]["accelerate"]["status"].startswith("unsupported") for n in rows)
+    assert found == min(int(n) for n, row in rows.items() if state_bytes(step_peak_state(row[UNFIXED])) >
+                        max(state_bytes(step_peak_state(row[v])) for v in TORCH_INTENDED))
