@@ -30,7 +30,7 @@ from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ra
 from fsdp2bench.data import load_tokens
 from fsdp2bench.isolation import Interrupted, launcher_keeps_to_one_thread
 from fsdp2bench.matrix import fitting_sizes
-from fsdp2bench.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, default_model, max_positions
+from fsdp2bench.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, max_positions
 from fsdp2bench.names import INTENDED, MIB, VARIANTS
 from fsdp2bench.probes import (BATCH, BLOCK, BLOCK_STEP, ProbeRunner, Question, block_step, heaviest_rank,
                                leaders_of, search_for)
@@ -44,11 +44,15 @@ from fsdp2bench.versions import check_releases
 DEFAULT_VARIANTS = f"{INTENDED[0]},accelerate"
 SEED = 421  # main.py's: the weights are drawn the same way
 DEFAULT_UPPER = {BATCH: 4096, BLOCK: 1 << 20}  # the block's is lowered to the model's positions
+# A CPU has no cap, so a search there runs to its upper bound: kept small, so that checking the search is quick.
+CPU_UPPER = {BATCH: 8, BLOCK: 1024}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(__doc__.splitlines()[0], [
-        ("python3 plan.py --world_size 8,64 --gpu_memory 24", "one process plays each rank it probes")],
+        ("python3 plan.py --world_size 8,64 --gpu_memory 24", "one process plays each rank it probes"),
+        ("python3 plan.py --device cpu --world_size 2 --inject_oom_above 3", "on a CPU (no cap): the search against "
+         "an edge it injects")],
         "docs/plan.md")
     p.add_argument("--model", default=None,
                    help=f"a preset or a local directory with config.json (default: {GPU_DEFAULT_MODEL} "
@@ -130,13 +134,21 @@ def validate(argv: list[str] | None = None) -> Checked:
         raise UserError(f"--batch_size is the fixed batch of --find {BLOCK}; with --find {BATCH} it is searched")
     check_output_dir(args.output_dir, "plan.json")
     refuse_foreign([plan_path(args)], "--output_dir")
-    args.model = args.model or default_model(device.type, "plan.py")
+    if device.type != "cuda":
+        say(f"A CPU plan has no memory cap: nothing runs out of memory there unless --inject_oom_above says so, so it "
+            f"finds no edge (each answer is its upper bound, {CPU_UPPER[args.find]} unless --upper_bound says) and "
+            f"only checks the search{'' if args.model else f', on the {CPU_DEFAULT_MODEL} model'}. A real answer "
+            f"needs a GPU: python3 plan.py --world_size 8,64 --gpu_memory 24")
+    args.model = args.model or (GPU_DEFAULT_MODEL if device.type == "cuda" else CPU_DEFAULT_MODEL)
     facts = model_facts(args.model, SEED, lambda config: check_blocks(blocks, config))
     arguments.check_step(options.FsdpOptions(step=chosen_step(args)), facts.config, device.type)
-    upper = search_upper(args, facts.config, blocks)
+    upper = search_upper(args, facts.config, blocks, device.type)
     check_block_steps(args, sets, blocks, upper)
     cap = concurrency.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
     refused = {name: why for name in sets if (why := layout_refusal(args, name, blocks, facts.config, device.type))}
+    if len(refused) == len(sets):
+        raise UserError(f"--sets {args.sets}: none can be planned here: "
+                        + "; ".join(f"{name}: {why}" for name, why in refused.items()))
     sets = [name for name in sets if name not in refused]
     skipped = [f"{name}: not planned ({why})" for name, why in refused.items()]
     skipped += [f"{name}: not planned at N = {', '.join(str(n) for n in sizes if n not in fitting_sizes(name, sizes))} "
@@ -182,11 +194,13 @@ def check_blocks(blocks: list[int], config) -> None:
         arguments.check_positions(block, config)
 
 
-def search_upper(args: argparse.Namespace, config, blocks: list[int]) -> int:
-    """The largest value a search tries: given, or the default (a block never beyond the model's positions)."""
+def search_upper(args: argparse.Namespace, config, blocks: list[int], device_type: str) -> int:
+    """The largest value a search tries: given, or the default (a block never beyond the model's positions,
+    nor below the search's start; small on a CPU, where nothing caps it)."""
     positions = max_positions(config) or DEFAULT_UPPER[BLOCK]
+    default = (DEFAULT_UPPER if device_type == "cuda" else CPU_UPPER)[args.find]
     upper = args.upper_bound if args.upper_bound is not None else \
-        DEFAULT_UPPER[BATCH] if args.find == BATCH else min(DEFAULT_UPPER[BLOCK], positions)
+        default if args.find == BATCH else max(min(default, positions), max(blocks))
     if args.find == BLOCK and upper > positions:
         raise UserError(f"--upper_bound {upper} exceeds the model's {positions} positions")
     if args.find == BLOCK and upper < max(blocks):

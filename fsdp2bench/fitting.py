@@ -406,7 +406,7 @@ def plan_record(meta: dict, questions: dict, searches: dict[Hashable, Search], p
             "shared_processes": len(shared), "shared_values": sum(len(s["values"]) for s in shared.values()),
             "probes_set_up_ahead": sum(1 for p in probes if p.ahead), "stood_down": len(stood_down),
             "stood_down_process_s": sum(p.ended - p.started for p in stood_down)}
-    return {"meta": meta, "answers": answers, "findings": findings(answers, meta["variants"][0])}
+    return {"meta": meta, "answers": answers, "findings": findings(answers, meta["variants"][0], meta["device"])}
 
 
 def answer_of(question, search: Search, limit_mib: float | None) -> dict:
@@ -445,7 +445,7 @@ def in_units(found: dict | None, unit: int) -> dict | None:
     return {**found, **scaled}
 
 
-def findings(answers: list[dict], reference: str) -> list[str]:
+def findings(answers: list[dict], reference: str, device_type: str = "cuda") -> list[str]:
     """Per N (and fixed value): the cheapest set that fits more tokens per step than the default, by its
     probe's time per token; or, where nothing fits, the smallest peak seen."""
     out = []
@@ -471,7 +471,7 @@ def findings(answers: list[dict], reference: str) -> list[str]:
             out.append(f"{where}: {name} = {lowest} does not fit under any set{seen}.")
             continue
         default = next((a for a in cell if a["option_set"] == "default"), None)
-        out.append(_cheapest_beyond(where, default, fitting_ones))
+        out.append(_cheapest_beyond(where, default, fitting_ones, "GPU" if device_type == "cuda" else "CPU's cores"))
     return out
 
 
@@ -486,10 +486,11 @@ def _time_per_token(answer: dict) -> float | None:
     return step / answer["tokens_per_rank_per_step"] if step else None
 
 
-def _cheapest_beyond(where: str, default: dict | None, fitting_ones: list[dict]) -> str:
+def _cheapest_beyond(where: str, default: dict | None, fitting_ones: list[dict], device: str) -> str:
     if default is None or not default["largest"]:
         best = max(fitting_ones, key=lambda a: a["tokens_per_rank_per_step"])
-        return f"{where}: the default fits nothing; {best['option_set']} fits the most, {_fit_said(best)}."
+        first = "the default was not planned" if default is None else "the default fits nothing"
+        return f"{where}: {first}; {best['option_set']} fits the most, {_fit_said(best)}."
     more = [a for a in fitting_ones if a["tokens_per_rank_per_step"] > default["tokens_per_rank_per_step"]
             and _time_per_token(a) is not None]
     said = f"{where}: the default fits {_fit_said(default)}"
@@ -498,7 +499,8 @@ def _cheapest_beyond(where: str, default: dict | None, fitting_ones: list[dict])
     cheapest = min(more, key=_time_per_token)
     return (f"{said}; the cheapest set that fits more is {cheapest['option_set']}, {_fit_said(cheapest)}, at "
             f"{_time_per_token(cheapest) * 1e6:.1f} us per token in its probe (the default "
-            f"{_time_per_token(default) * 1e6:.1f}; probes beside one another share the GPU, so these are rough)")
+            f"{_time_per_token(default) * 1e6:.1f}; probes beside one another share the {device}, so these are "
+            f"rough)")
 
 
 def _fit_said(answer: dict) -> str:

@@ -235,6 +235,38 @@ def test_bad_input_is_refused_before_any_probe(argv, message, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("argv, reason", [
+    (["--sets", "cp2"], "cp2: --cp_size 2: context parallelism does not run on the CPU"),
+    (["--sets", "cp2,tp4", "--world_size", "4"], "tp4: --tp_size 4 does not divide"),
+])
+def test_a_plan_of_sets_none_of_which_can_run_names_each_ones_reason(argv, reason, tmp_path):
+    """The reason is the CPU, or the model's heads: not the world size."""
+    with pytest.raises(UserError, match=f"--sets [^:]*: none can be planned here: .*{reason}") as refused:
+        plan.validate(["--device", "cpu", "--output_dir", str(tmp_path / "out"), *argv])
+    assert "none can run at --world_size" not in str(refused.value)
+
+
+def test_findings_without_the_default_planned_and_on_a_cpu_say_so():
+    answer = {"option_set": "tp2", "world_size": 8, "fixed": 128, "variant": "v", "searched": "batch_size",
+              "error": None, "finished": True, "largest": 4, "tokens_per_rank_per_step": 512,
+              "fit": {"median_step_time_s": 0.5}, "smallest_peak_mib": 100.0}
+    said, = fitting.findings([answer], "v", "cpu")
+    assert "the default was not planned; tp2 fits the most" in said and "fits nothing" not in said
+    default = {**answer, "option_set": "default", "largest": 2, "tokens_per_rank_per_step": 256}
+    said, = fitting.findings([default, answer], "v", "cpu")
+    assert "share the CPU's cores" in said and "GPU" not in said
+
+
+def test_a_cpu_plan_says_first_that_it_has_no_cap_and_stops_soon(tmp_path):
+    proc = run_script(["plan.py", "--device", "cpu", "--world_size", "2", "--sets", "default", "--variants",
+                       "torch_optimizer_after_fsdp", "--output_dir", str(tmp_path / "out")], nproc=None, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.startswith("A CPU plan has no memory cap") and "plan.py --world_size 8,64 --gpu_memory 24" in \
+        proc.stdout.split("\n\n")[0].replace("\n", " ")
+    answer, = load(tmp_path / "out" / "plan.json")["answers"]
+    assert answer["largest"] == plan.CPU_UPPER["batch_size"] == load(tmp_path / "out" / "plan.json")["meta"]["upper_bound"]
+
+
 @pytest.mark.parametrize("gib, total, message", [
     (200, 139.8, "more than this GPU's 139.8 GiB"),
     (0.5, 139.8, "under the 527 MiB that a process's CUDA context holds"),
