@@ -89,7 +89,7 @@ class Search:
 
     ``limit_mib``: the allocator's limit; ``slope_mib``: the memory model's estimate of what one more
     unit of the searched value adds to a step's peak allocated; ``block_mib``: what it adds to the
-    step's largest allocation (the logits). Near the cap a step fails once its peak leaves no free
+    step's largest allocation (the logits; under a chunked or fused loss the MLP's widest activation). Near the cap a step fails once its peak leaves no free
     stretch of the largest block's size: the first aim is a peak of the limit less ``block_share`` of that
     block, and each probe after it bounds that share (``share_bounds``). Without them the search doubles and
     halves; ``follow`` starts it at another search's edge instead.

@@ -29,13 +29,13 @@ import torch
 
 from fsdp2bench import report
 from fsdp2bench.concurrency import (GpuCap, activation_bytes_per_token, host_bytes, host_memory_for_launch,
-                                    microbatch_logits_bytes, rank_logits_bytes, variant_need)
+                                    rank_logits_bytes, variant_need)
 from fsdp2bench.fitting import SHARED_LIMIT, SHARED_MOST_MIB, Ladder, Outcome, Planner, Search
 from fsdp2bench.isolation import STAND_DOWN, Piece, StoreKeys, gather_records, has_keys, run_queue
 from fsdp2bench.memory_model import expected_device_bytes, expected_state, model_bytes
 from fsdp2bench.names import MIB, PEAK_PHASES, phases
 from fsdp2bench.options import OPTION_SETS, FsdpOptions
-from fsdp2bench.step import Step
+from fsdp2bench.step import Step, largest_block_per_token
 from fsdp2bench.runner import Job, TrainConfig, probe_process
 from fsdp2bench.series import AtValue, SeriesJob, point_key, series_process
 from fsdp2bench.session import Session
@@ -118,9 +118,8 @@ def search_for(question: Question, lower: int, upper: int, cap: GpuCap | None, c
     # Per step of the value searched: its tokens times the other of batch and block; a cp rank holds 1/C of them.
     tokens = question.unit * question.fixed / question.options.layout.cp_size
     per_unit = activation_bytes_per_token(config, question.options) * tokens
-    # The step's largest block grows with the value only where the step makes the full logits at once.
-    logits = microbatch_logits_bytes(1, 1, config) * tokens if question.options.step.builds_logits else 0
-    return Search(lower, upper, cap.allocator_bytes / MIB, per_unit / MIB, logits / MIB, BLOCK_SHARE)
+    block = largest_block_per_token(question.options.step, config) * tokens
+    return Search(lower, upper, cap.allocator_bytes / MIB, per_unit / MIB, block / MIB, BLOCK_SHARE)
 
 
 def slow_first(options: FsdpOptions) -> tuple[bool, bool]:

@@ -78,6 +78,15 @@ def logits_copies(step: Step) -> int:
     return 3 if step.loss == CHUNKED else 2
 
 
+def largest_block_per_token(step: Step, config) -> int:
+    """What one more token adds to a step's largest single allocation: its fp32 logits under the model's loss;
+    under a chunked or fused loss, whose logits stop growing at a chunk, a bf16 row of the MLP's widest
+    activation (the planner aims by it: a step near the cap fails once no free stretch of it is left)."""
+    if step.builds_logits:
+        return 4 * config.vocab_size
+    return 2 * max(config.intermediate_size, config.hidden_size)
+
+
 def kept_output_bytes(step: Step, microbatch_tokens: int, vocab_size: int, itemsize: int) -> int:
     """What the loop keeps of a microbatch's outputs after its loss, on a rank: the logits, in the dtype the
     model returns them, under the upstream loop and the model's loss; nothing otherwise (the chunked and fused

@@ -399,7 +399,7 @@ def plan_until(tmp_path, probes_seen: int, own_group: bool = False):
     """A CPU plan of tiny with an edge at 40, started (in a process group of its own: ``own_group``) and left
     running once ``probes_seen`` probes ended."""
     proc = start_script(["plan.py", "--device", "cpu", "--world_size", "2,4", "--sets", "default,ac",
-                         "--variants", "torch_optimizer_after_fsdp", "--inject_oom_above", "40",
+                         "--variants", "torch_optimizer_after_fsdp", "--inject_oom_above", "40", "--upper_bound", "4096",
                          "--output_dir", str(tmp_path / "plan")], nproc=None, own_group=own_group)
     seen = 0
     for line in proc.stdout:
