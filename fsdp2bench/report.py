@@ -341,6 +341,14 @@ def print_table(summary: dict) -> None:
     print_checks(summary["checks"])
 
 
+def unfixed_loss_said(drop: float) -> str:
+    """The unfixed variant's loss between its first and last quarter of steps: a change there is the batches'."""
+    said = f"{abs(drop):.1%} from the first to the last quarter of steps"
+    if f"{abs(drop):.1%}" == "0.0%":
+        return f"its loss did not move, {said}"
+    return f"its loss {'fell' if drop > 0 else 'rose'} {said} only because the batches differ"
+
+
 def step_said(meta: dict) -> str:
     """The loop and the loss every variant trained with (summaries written before they existed: the upstream's)."""
     loop, loss = meta.get("loop", UPSTREAM), meta.get("loss", MODEL)
@@ -420,9 +428,9 @@ def explanations(summary: dict) -> list[str]:
         beside = f"; the intended variants' fell {max(intended):.1%} on the same batches" if intended else ""
         out.append(f"{UNFIXED}: its optimizer still holds {size_said(rank0['stale_param_bytes'])} of full parameters "
                    f"per rank that the model no longer uses; they never get gradients, so AdamW never creates "
-                   f"state ({size_said(rank0['optimizer_state_bytes'])}) and the model's weights never change (its loss "
-                   f"fell {unfixed['loss_drop']:.1%} from the first to the last quarter of steps only because the "
-                   f"batches differ{beside}); zero_grad() never reaches the model's sharded parameters, so their "
+                   f"state ({size_said(rank0['optimizer_state_bytes'])}) and the model's weights never change "
+                   f"({unfixed_loss_said(unfixed['loss_drop'])}{beside}); zero_grad() never reaches the model's "
+                   f"sharded parameters, so their "
                    f"{size_said(rank0['grad_bytes'])} of gradients are never cleared.")
     out += accumulation_sentences(summary)
     proj = summary.get("projection") or {}

@@ -140,3 +140,14 @@ def test_a_refusal_under_torchrun_is_said_once_by_rank_0(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: --batch_size must be a positive integer, got 0"], proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("drop, said", [
+    (0.0, "its loss did not move, 0.0% from the first to the last quarter of steps"),
+    (-0.0004, "its loss did not move, 0.0% from the first to the last quarter of steps"),
+    (0.012, "its loss fell 1.2% from the first to the last quarter of steps only because the batches differ"),
+    (-0.007, "its loss rose 0.7% from the first to the last quarter of steps only because the batches differ"),
+])
+def test_the_unfixed_variants_loss_is_said_as_it_moved(drop, said):
+    """No "fell 0.0% ... only because the batches differ" where nothing fell."""
+    assert report.unfixed_loss_said(drop) == said
