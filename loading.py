@@ -25,14 +25,14 @@ import socket
 from typing import Callable
 
 from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with, expect_path,
-                            parse_names, pick_device, refuse_foreign, save_summary, say, unwritten)
+                            parse_names, pick_device, refuse_foreign, save_summary, unwritten)
 from fsdp2bench.isolation import (Interrupted, Piece, StoreKeys, gather_records, launcher_keeps_to_one_thread,
                                   leave_together, run_isolated, wait_for_keys)
 from fsdp2bench import simulation, weights
 from fsdp2bench.checkpoints import FORMATS, Checkpoint
 from fsdp2bench.loading import (CHECKPOINT_DTYPES, MODES, NEEDS_PEERS, SIMULABLE, LoadConfig, LoadJob, load_process,
                                 print_simulated, print_table, summarise, trace_file, write_checkpoint_process)
-from fsdp2bench.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS
+from fsdp2bench.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS, default_model
 from fsdp2bench.session import ModelFacts, Session, model_facts, open_session, say_interrupted
 from fsdp2bench.versions import check_releases
 
@@ -162,13 +162,9 @@ CPU_DEFAULT_RUN = "13 s with torchrun --nproc_per_node 2 on 2 cores"
 def default_loading_model(device_type: str) -> str:
     """The model a launch without --model or --checkpoint loads; on the CPU, said in one line with this script's
     own time (main.py's training run is another run, and takes minutes)."""
-    if device_type == "cuda":
-        return GPU_DEFAULT_MODEL
-    if os.environ.get("RANK", "0") == "0":
-        say(f"No --model given and no GPU: loading.py loads the {CPU_DEFAULT_MODEL} model, a functional run of seconds "
-            f"({CPU_DEFAULT_RUN}). The real one on the CPU: add --model {GPU_DEFAULT_MODEL}.")
-        sys.stdout.flush()
-    return CPU_DEFAULT_MODEL
+    return default_model(device_type, f"No --model given and no GPU: loading.py loads the {CPU_DEFAULT_MODEL} model, "
+                                      f"a functional run of seconds ({CPU_DEFAULT_RUN}). The real one on the CPU: add "
+                                      f"--model {GPU_DEFAULT_MODEL}.")
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -186,12 +186,13 @@ def max_positions(config) -> int:
 GPU_DEFAULT_MODEL, CPU_DEFAULT_MODEL = "qwen2.5-1.5b", "tiny"
 
 
-def default_model(device_type: str, script: str = "main.py") -> str:
-    """The upstream's model on GPUs; on a CPU run a model that runs in minutes, said in one line."""
+def default_model(device_type: str, said: str | None = None) -> str:
+    """The upstream's model on GPUs; on a CPU run a model that runs in minutes, ``said`` in one line (by default
+    main.py's)."""
     if device_type == "cuda":
         return GPU_DEFAULT_MODEL
     if os.environ.get("RANK", "0") == "0":
-        say(f"No --model given and no GPU: {script} takes the {CPU_DEFAULT_MODEL} model, a functional run of a few "
-            f"minutes (main.py: 127 s on 2 cores). The real one on the CPU (hours): add --model {GPU_DEFAULT_MODEL}.")
+        say(said or f"No --model given and no GPU: main.py takes the {CPU_DEFAULT_MODEL} model, a functional run of a "
+            f"few minutes (main.py: 127 s on 2 cores). The real one on the CPU (hours): add --model {GPU_DEFAULT_MODEL}.")
         sys.stdout.flush()
     return CPU_DEFAULT_MODEL
