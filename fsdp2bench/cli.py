@@ -18,7 +18,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from typing import Callable
+from typing import Callable, NoReturn
 
 
 class UserError(Exception):
@@ -105,6 +105,24 @@ def set_up_standard_streams() -> None:
             setattr(sys, name, SurvivingStream(stream))
 
 
+def interruption_within(exc: BaseException) -> BaseException | None:
+    """The interrupt (Ctrl-C, or SIGTERM's ``Stopped``) among an exception's causes: torch's fake-tensor and
+    dispatch code, for one, wraps what a signal raised inside it in an error of its own."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, (KeyboardInterrupt, Stopped)):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def say_interrupted_outside(exc: BaseException) -> NoReturn:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"Interrupted ({str(exc) or 'SIGINT'}); what was written is whole, nothing more is", file=sys.stderr)
+    sys.exit(130)
+
+
 def exit_with(run: Callable[[], int]) -> None:
     """Run a command; a UserError becomes one line on stderr and exit code 2.
 
@@ -119,9 +137,12 @@ def exit_with(run: Callable[[], int]) -> None:
     except UserError as exc:
         refuse(exc)
     except (KeyboardInterrupt, Stopped) as exc:  # outside a run's own handling of interrupts
-        if os.environ.get("RANK", "0") == "0":
-            print(f"Interrupted ({str(exc) or 'SIGINT'}); what was written is whole, nothing more is", file=sys.stderr)
-        sys.exit(130)
+        say_interrupted_outside(exc)
+    except Exception as exc:  # an interrupt that a library caught and raised again as its own error
+        interrupt = interruption_within(exc)
+        if interrupt is None:
+            raise
+        say_interrupted_outside(interrupt)
     except OSError as exc:  # a file the command writes (a full disk, a directory gone); each is written whole
         if exc.filename is None:
             raise

@@ -243,3 +243,27 @@ def test_a_lock_naming_a_live_process_says_only_what_is_known_of_it(tmp_path):
     lock.write_text(f"{socket.gethostname()} 1 {psutil.Process(1).create_time() - 60:.2f}")
     proc = run_script(["main.py", *SHORT, "--output_dir", str(tmp_path)], nproc=None)
     assert proc.returncode in (0, 1) and (tmp_path / "summary.json").exists() and not lock.exists(), proc.stderr
+
+
+def test_an_interrupt_a_library_wrapped_in_its_own_error_is_still_one_line(capsys):
+    """A SIGTERM that lands inside torch's fake-tensor dispatch comes back as torch's error, its cause the
+    interrupt: the same one line and exit code 130 as a bare one, no traceback; another error still raises."""
+    from fsdp2bench.cli import Stopped, exit_with
+
+    def wrapped() -> int:
+        try:
+            raise Stopped("SIGTERM")
+        except Stopped as exc:
+            raise RuntimeError("while running a fake tensor op") from exc
+
+    with pytest.raises(SystemExit) as ended:
+        exit_with(wrapped)
+    assert ended.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "Interrupted (SIGTERM); what was written is whole, nothing more is"]
+
+    def broken() -> int:
+        raise RuntimeError("not an interrupt")
+
+    with pytest.raises(RuntimeError, match="not an interrupt"):
+        exit_with(broken)
