@@ -51,8 +51,7 @@ CPU_UPPER = {BATCH: 8, BLOCK: 1024}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(__doc__.splitlines()[0], [
         ("python3 plan.py --world_size 8,64 --gpu_memory 24", "one process plays each rank it probes"),
-        ("python3 plan.py --device cpu --world_size 2 --inject_oom_above 3", "on a CPU (no cap): the search against "
-         "an edge it injects")],
+        ("python3 plan.py --device cpu --world_size 2 --inject_oom_above 3", "a CPU has no cap: an edge injected")],
         "docs/plan.md")
     p.add_argument("--model", default=None,
                    help=f"a preset or a local directory with config.json (default: {GPU_DEFAULT_MODEL} "

@@ -344,13 +344,13 @@ def test_a_killed_launcher_leaves_no_orphan_and_keeps_the_partial_traces(tmp_pat
 
 def test_a_second_run_into_the_same_directory_is_refused_while_the_first_lives(tmp_path):
     lock = tmp_path / ".fsdp2bench.lock"
-    lock.write_text(f"{socket.gethostname()} {os.getpid()}")  # this test process: alive
+    lock.write_text(f"{socket.gethostname()} {os.getpid()} {psutil.Process().create_time():.2f}")  # this process
     args = ["main.py", *TINY, "--max_steps", "1", "--variants", VARIANTS[0], "--output_dir", str(tmp_path)]
     proc = run_script(args, nproc=None)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"error: --output_dir {tmp_path}: another run (process {os.getpid()} on "
                                    f"{socket.gethostname()}) is writing there; wait for it to end, choose another "
-                                   f"directory, or remove {lock} if that run is gone")
+                                   f"directory, or remove {lock} if no run is writing there")
     assert not (tmp_path / "summary.json").exists()
     lock.write_text(f"{socket.gethostname()} 999999999")  # a run that is gone: its lock is taken over
     proc = run_script(args, nproc=None)
