@@ -321,7 +321,8 @@ NAME_WIDTH = 37  # the longest run name
 def print_table(summary: dict) -> None:
     world, gpu = summary["meta"]["world_size"], summary["meta"]["device"] == "cuda"
     columns = [c for c in TABLE_COLUMNS if gpu or not c[3]]
-    print(f"\nResults over {world} rank(s); memory columns are the maximum over ranks. {step_said(summary['meta'])}")
+    print(f"\nResults over {world} rank(s); memory columns are the maximum over ranks.")
+    say(step_said(summary))
     header = f"{'variant':{NAME_WIDTH}} " + " ".join(f"{title:>{width}}" for title, width, _, _ in columns)
     print(header)
     print("-" * len(header))
@@ -349,11 +350,16 @@ def unfixed_loss_said(drop: float) -> str:
     return f"its loss {'fell' if drop > 0 else 'rose'} {said} only because the batches differ"
 
 
-def step_said(meta: dict) -> str:
-    """The loop and the loss every variant trained with (summaries written before they existed: the upstream's)."""
+def step_said(summary: dict) -> str:
+    """The loop and the loss every variant trained with, and what the loop kept of the outputs (the same for
+    every variant and N; summaries written before they existed: the upstream's)."""
+    meta = summary["meta"]
     loop, loss = meta.get("loop", UPSTREAM), meta.get("loss", MODEL)
-    kept = "the outputs kept until the next forward" if loop == UPSTREAM else "the loss alone kept"
-    return f"Step: loop {loop} ({kept}), loss {loss}."
+    kept = [phases["before_zero_grad"] for _, e in run_entries(summary) if e.get("kept_output_bytes")
+            for phases in e["kept_output_bytes"]]
+    held = f": {size_said(max(kept))} a rank" if kept and max(kept) else ""
+    said = f"the outputs kept until the next forward{held}" if loop == UPSTREAM else "the loss alone kept"
+    return f"Step: loop {loop} ({said}), loss {loss}."
 
 
 def how_far(failure: list[dict]) -> str:
@@ -544,9 +550,9 @@ def print_sweep_table(summary: dict) -> None:
     sim = summary["meta"]["simulated"]
     say(f"\nSimulated world sizes ({summary['meta']['model']}): one process played each rank shown, on a fake "
         f"process group (real allocations, no communication); {sim['steps']} steps per run. "
-        f"{step_said(summary['meta'])}")
-    header = (f"{'N':>4} {'rank':>4} {'variant':{NAME_WIDTH}} {'train':>7} {'alloc':>7} {'resv':>6} "
-              f"{'params':>7} {'grads':>7} {'optim':>7} {'stale':>7} {'kept':>7} {'gap B':>5} {'beyond':>7}")
+        f"{step_said(summary)}")
+    header = (f"{'N':>4} {'rank':>4} {'variant':{NAME_WIDTH}} {'train':>8} {'alloc':>8} {'resv':>6} "
+              f"{'params':>7} {'grads':>7} {'optim':>7} {'stale':>7} {'gap B':>5} {'beyond':>7}")
     print(header)
     print("-" * len(header))
     for n, rank, name, v in simulated_entries(summary["simulated"]):
@@ -554,19 +560,17 @@ def print_sweep_table(summary: dict) -> None:
             print(f"{n:>4} {rank:>4} {name:38} {v['status']}")
             continue
         state = v["accounting"][0]["before_zero_grad"]
-        kept = v.get("kept_output_bytes", [{}])[0].get("before_zero_grad", 0)
-        print(f"{n:>4} {rank:>4} {name:{NAME_WIDTH}} {_fmt(v['training_peak_allocated_mib']['max']):>7} "
-              f"{_fmt(v['peak_allocated_mib']['max']):>7} {_fmt(v['peak_reserved_mib']['max'], '.0f'):>6} "
+        print(f"{n:>4} {rank:>4} {name:{NAME_WIDTH}} {_fmt(v['training_peak_allocated_mib']['max']):>8} "
+              f"{_fmt(v['peak_allocated_mib']['max']):>8} {_fmt(v['peak_reserved_mib']['max'], '.0f'):>6} "
               f"{_mib(state['param_bytes']):>7} {_mib(state['grad_bytes']):>7} "
-              f"{_mib(state['optimizer_state_bytes']):>7} {_mib(state['stale_param_bytes']):>7} {_mib(kept):>7} "
-              f"{_gap_bytes(v):>5} {_fmt(v['training_peak_beyond_state_mib']['max']):>7}")
+              f"{_mib(state['optimizer_state_bytes']):>7} {_mib(state['stale_param_bytes']):>7} {_gap_bytes(v):>5} "
+              f"{_fmt(v['training_peak_beyond_state_mib']['max']):>7}")
     say("MiB: train = the allocator's peak over the optimizer steps; alloc = the same over the whole run, building "
         "the model included; resv = reserved by the caching allocator, the set-up's cache given back before the "
         "first step. Then the state held at the step peak (after the last optimizer step): params, grads, optim "
-        "(AdamW state), stale (the optimizer's old full parameters); kept = the outputs the loop keeps (the "
-        "logits under the upstream loop and the model's loss); gap B = largest difference in bytes from the FSDP2 "
-        "sharding rule, any moment; beyond = train minus that state (activations, gathered parameters, buffers, "
-        "kept outputs).", indent="     ")
+        "(AdamW state), stale (the optimizer's old full parameters); gap B = largest difference in bytes from the "
+        "FSDP2 sharding rule, any moment; beyond = train minus that state (activations, gathered parameters, "
+        "buffers, the outputs the loop keeps).", indent="     ")
     crossover = summary["simulation_findings"]["unfixed_exceeds_intended_from_world_size"]
     sizes = ", ".join(str(n) for n in summary["meta"]["simulated"]["world_sizes"])
     exact = (summary.get("projection") or {}).get("unfixed_costs_more_from_world_size")
