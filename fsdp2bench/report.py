@@ -322,7 +322,6 @@ def print_table(summary: dict) -> None:
     world, gpu = summary["meta"]["world_size"], summary["meta"]["device"] == "cuda"
     columns = [c for c in TABLE_COLUMNS if gpu or not c[3]]
     print(f"\nResults over {world} rank(s); memory columns are the maximum over ranks.")
-    say(step_said(summary))
     header = f"{'variant':{NAME_WIDTH}} " + " ".join(f"{title:>{width}}" for title, width, _, _ in columns)
     print(header)
     print("-" * len(header))
@@ -337,6 +336,7 @@ def print_table(summary: dict) -> None:
           "     the optimizer holds that the model no longer uses); gap B: largest difference in bytes from the FSDP2\n"
           "     sharding rule (memory_model.py), any rank and moment. drop: fall of the loss from the first to the last\n"
           "     quarter of steps. summary.json has every figure per rank, the polled peaks and the phases.")
+    say(step_said(summary))
     for sentence in explanations(summary):
         say(sentence)
     print_checks(summary["checks"])

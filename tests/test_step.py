@@ -69,8 +69,11 @@ def run(tmp_path, name: str, *flags: str, steps: str = "12") -> dict:
     return summary
 
 
-def test_the_trainers_loop_trains_bit_for_bit_as_the_upstreams_and_keeps_no_outputs(tmp_path):
-    upstream, trainer = run(tmp_path, "upstream"), run(tmp_path, "trainer", "--loop", "trainer")
+def test_the_trainers_loop_trains_bit_for_bit_as_the_upstreams_and_keeps_no_outputs(tmp_path, suite):
+    """Against the shared 2-rank run of the four variants (the upstream loop, the default)."""
+    out, proc = suite
+    upstream, trainer = {**load(out / "summary.json"), "console": proc.stdout}, run(tmp_path, "trainer", "--loop",
+                                                                                      "trainer")
     logits = 2 * 128 * 509 * 2  # batch x block x vocab, bf16 (the dtype the model returns)
     for name in ("torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_not_fixed", "accelerate"):
         assert trainer["variants"][name]["losses"] == upstream["variants"][name]["losses"], name
