@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2bench import names
 from fsdp2bench.isolation import Unsupported
-from fsdp2bench.layout import Meshes, planned_style, tensor_parallel_plan
+from fsdp2bench.layout import Degrees, Meshes, planned_style, tensor_parallel_plan
 from fsdp2bench.options import AUTOCAST, FsdpOptions
 from fsdp2bench.step import CHUNK_TOKENS, CHUNKED, LIGER
 
@@ -413,7 +413,7 @@ def accelerate_scaling(options: FsdpOptions) -> dict:
         kwargs["gradient_accumulation_plugin"] = GradientAccumulationPlugin(
             num_steps=options.gradient_accumulation_steps, sync_each_batch=options.sync_each_batch)
     degrees = options.layout.at(dist.get_world_size())
-    if accelerate_scaling_layout(options):
+    if through_parallelism_config(degrees):
         from accelerate import ParallelismConfig
 
         cp = {}
@@ -427,11 +427,8 @@ def accelerate_scaling(options: FsdpOptions) -> dict:
     return kwargs
 
 
-def accelerate_scaling_layout(options: FsdpOptions) -> bool:
+def through_parallelism_config(degrees: Degrees) -> bool:
     """Whether accelerate gets a ParallelismConfig for this layout: replicas, context or tensor groups."""
-    import torch.distributed as dist
-
-    degrees = options.layout.at(dist.get_world_size())
     return degrees.replicate > 1 or degrees.cp > 1 or degrees.tp > 1
 
 
@@ -441,7 +438,9 @@ def accelerate_fsdp2(model: nn.Module | None, ctx: Context) -> Prepared:
     TP, CP), a refusal of that set-up by accelerate's own checks (made as ``Accelerator`` is built, before the
     model is prepared) or a failure of it is the libraries' answer for these releases, said as such
     (``Unsupported``), whatever the layout."""
-    if not accelerate_scaling_layout(ctx.options):
+    import torch.distributed as dist
+
+    if not through_parallelism_config(ctx.options.layout.at(dist.get_world_size())):
         return _accelerate_prepared(model, ctx)
     try:
         return _accelerate_prepared(model, ctx)

@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2bench.layout import Degrees, tensor_parallel_dim, tensor_parallel_plan
 from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, UNFIXED
-from fsdp2bench.options import AUTOCAST, POLICY, FsdpOptions
+from fsdp2bench.options import AUTOCAST, FsdpOptions
 
 ADAMW_MOMENTS = 2
 STEP_BYTES = 4  # AdamW's per-parameter fp32 step counter
@@ -104,7 +104,7 @@ def account(model: nn.Module, optimizer: torch.optim.Optimizer, outputs=None) ->
                                   if id(p) not in in_model),
         "unreduced_grad_bytes": held(unreduced_grads(model)),
     }
-    state_on_device = device_total
+    state_on_device = device_total  # before the kept outputs are counted: they are not state
     kept = held(v for k, v in (outputs or {}).items() if k != "loss" and torch.is_tensor(v))
     return {**result, "device_bytes": state_on_device, "kept_output_bytes": kept}
 
@@ -194,7 +194,7 @@ def output_itemsize(options: FsdpOptions) -> int:
     """Bytes per element of the outputs the model returns: bf16 under either precision. Under autocast
     accelerate's ``convert_outputs_to_fp32`` runs inside the forward, and FSDP2's policy then casts the root's
     outputs to its ``output_dtype``, bf16; under the policy the head computes in the bf16 parameter dtype."""
-    return 2 if options.mixed_precision_policy in (AUTOCAST, POLICY) else 4
+    return 2
 
 
 def reduce_dtype_bytes(options: FsdpOptions) -> int:

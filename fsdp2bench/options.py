@@ -79,7 +79,6 @@ NESTED = ("layout", "step")  # the fields that group options of their own
 VALUED_BOOLS = ("reshard_after_forward", "sync_each_batch", "requires_all_reduce")
 # The options accelerate's FullyShardedDataParallelPlugin takes; the others go to its other objects.
 LAYOUT_OPTIONS = tuple(f.name for f in dataclasses.fields(Layout))
-STEP_OPTIONS = tuple(f.name for f in dataclasses.fields(Step))
 PLUGIN_OPTIONS = ("reshard_after_forward", "mixed_precision_policy", "activation_checkpointing",
                   "activation_checkpointing_offload", "cpu_offload")
 
