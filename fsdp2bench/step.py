@@ -36,7 +36,8 @@ CHUNK_TOKENS = 1024  # a chunk of the chunked loss: 0.5 GiB of fp32 logits at a 
 LIGER_REQUIREMENTS = "requirements-liger.txt"
 # Config fields of models that change the logits after the head (Gemma's soft-capping, Cohere's and
 # Granite's scales): a loss that takes the head's output in chunks would skip that change.
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+# The value of each that changes nothing: no soft-capping at all; a scale of 1.
+LOGIT_TRANSFORMS = {"final_logit_softcapping": (None,), "logit_scale": (None, 1), "logits_scaling": (None, 1)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,7 +109,7 @@ def check(step: Step, config, layout: Layout, device_type: str) -> None:
     flag = f"--loss {step.loss}"
     if step.loss == LIGER:
         check_liger(config, device_type)
-    changed = [name for name in LOGIT_TRANSFORMS if getattr(config, name, None) not in (None, 1, 1.0)]
+    changed = [name for name, none in LOGIT_TRANSFORMS.items() if getattr(config, name, None) not in none]
     if changed:
         raise UserError(f"{flag}: this {config.model_type} model changes its logits after the head "
                         f"({', '.join(changed)}), which a loss over the head's output in chunks would skip")

@@ -143,7 +143,8 @@ def test_a_loss_that_takes_the_head_whole_is_refused_with_a_split_head(monkeypat
     step.check(step.Step(loss=loss), load_config("tiny"), layout, "cuda")  # the head whole: runs
 
 
-@pytest.mark.parametrize("field,value", [("logit_scale", 0.5), ("final_logit_softcapping", 30.0)])
+@pytest.mark.parametrize("field,value", [("logit_scale", 0.5), ("final_logit_softcapping", 30.0),
+                                         ("final_logit_softcapping", 1.0), ("logits_scaling", 2)])
 def test_the_chunked_loss_refuses_a_model_that_changes_its_logits_after_the_head(tmp_path, field, value):
     with pytest.raises(UserError, match=f"--loss chunked: this qwen2 model changes its logits after the head "
                                         f"[(]{field}[)]"):
@@ -186,3 +187,7 @@ def test_the_matrix_forwards_the_step_to_every_launch(tmp_path):
         entry = summary["simulated"]["4"]["0"][AFTER]
         assert entry["kept_output_bytes"][0]["before_zero_grad"] == 0 and entry["accounting_matches_expected"]
     assert json.loads((out / "matrix.json").read_text())
+
+
+def test_a_logit_scale_of_one_changes_nothing_and_is_not_refused(tmp_path):
+    validate(tmp_path, "--loss", "chunked", model=model_dir(tmp_path, logit_scale=1.0, logits_scaling=1))
