@@ -28,7 +28,8 @@ from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ra
                             parse_names, pick_device, refuse_foreign, save_summary, unwritten)
 from fsdp2bench.isolation import (Interrupted, Piece, StoreKeys, gather_records, launcher_keeps_to_one_thread,
                                   leave_together, run_isolated, wait_for_keys)
-from fsdp2bench import simulation, weights
+from fsdp2bench import accelerate_config, simulation, weights
+from fsdp2bench.arguments import add_config_option
 from fsdp2bench.checkpoints import FORMATS, Checkpoint
 from fsdp2bench.loading import (CHECKPOINT_DTYPES, MODES, NEEDS_PEERS, SIMULABLE, LoadConfig, LoadJob, load_process,
                                 print_simulated, print_table, summarise, trace_file, write_checkpoint_process)
@@ -66,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--simulate_world_size", default=None, metavar="N[,N...]",
                    help=f"play rank 0 of each N alone, with one process ({', '.join(SIMULABLE)}; the other modes "
                         f"need the other ranks' data and are skipped) (default: off)")
+    add_config_option(p, "the setup whose loading mode is named: fsdp_cpu_ram_efficient_loading true loads as "
+                         "the accelerate mode, false as naive")
     return p.parse_args(argv)
 
 
@@ -136,6 +139,17 @@ def files_written(args: argparse.Namespace, modes: list[str]) -> list[str]:
             *(trace_file(where, mode, r) for where, r in places for mode in modes)]
 
 
+def config_mode(config: accelerate_config.ConfigOptions | None) -> dict:
+    """What loading_summary.json records of the user's accelerate config: the mode that loads as it does (every
+    rank's ``from_pretrained`` unless it asks for accelerate's CPU-RAM-efficient loading)."""
+    summary = accelerate_config.summary_of(config, {})
+    if config is not None:
+        summary["mode"] = "accelerate" if config.cpu_ram_efficient_loading else "naive"
+        summary["not_measured"] += ["the FSDP2 and layout options (loading shards with fully_shard's defaults "
+                                    "over every rank)"]
+    return summary
+
+
 def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str], ModelFacts, Checkpoint | None]:
     """Everything loading.py refuses, in one line, before any process or file exists: a given
     checkpoint's every file is opened (headers read, ``.bin`` files mapped) here."""
@@ -144,6 +158,7 @@ def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[st
     check_releases()
     check_launcher_env()
     modes = check_args(args)
+    args.options_from = config_mode(accelerate_config.read(args.config_file))
     device_type = pick_device(args.device).type
     check_output_dir(args.output_dir, "loading_summary.json")
     refuse_foreign(files_written(args, modes), "--output_dir")
@@ -170,6 +185,11 @@ def default_loading_model(device_type: str) -> str:
 def run(argv: list[str] | None = None) -> int:
     args, modes, facts, given = validate(argv)
     s = open_session(facts, args.device, args.output_dir, "loading_summary.json")
+    said = args.options_from
+    if s.rank == 0 and said["config"]:
+        print(f"Options from {said['config']}: it loads as the {said['mode']} mode (fsdp_cpu_ram_efficient_loading "
+              f"{'true' if said['mode'] == 'accelerate' else 'false'}); not mirrored: {'; '.join(said['not_measured'])}",
+              flush=True)
     options = LoadConfig(args.output_dir, args.seed, args.log_interval, args.checkpoint_dtype,
                          args.checkpoint_shard_size, args.checkpoint_format, s.run_id)
     summary_path = os.path.join(args.output_dir, "loading_summary.json")
@@ -181,7 +201,7 @@ def run(argv: list[str] | None = None) -> int:
     try:
         checkpoint = given or Checkpoint(path)
         summary = {"run_id": s.run_id, "model": facts.name, "world_size": s.world_size, "device": s.device.type,
-                   "model_bytes": s.model_bytes, "modes": {},
+                   "model_bytes": s.model_bytes, "modes": {}, "options_from": args.options_from,
                    "checkpoint": {"path": path, "format": checkpoint.format, "dtype": checkpoint.dtype_name(),
                                   "bytes": checkpoint.bytes(), "write_s": write_s}}
         if args.simulate_world_size:

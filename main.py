@@ -24,7 +24,7 @@ import time
 
 import psutil
 
-from fsdp2bench import concurrency, options, simulation, weights
+from fsdp2bench import accelerate_config, concurrency, options, simulation, weights
 from fsdp2bench.arguments import build_threads, per_optimizer_step, validate, versions
 from fsdp2bench.cli import exit_with, say
 from fsdp2bench.isolation import Interrupted
@@ -78,6 +78,7 @@ def run(argv: list[str] | None = None) -> int:
             "model": args.model, "model_type": session.config.model_type, "num_parameters": session.num_parameters,
             "steps_per_variant": len(batches), "fsdp_options": dataclasses.asdict(fsdp_options),
             "loop": fsdp_options.step.loop, "loss": fsdp_options.step.loss,
+            "options_from": accelerate_config.summary_of(checked.config, args.option_sources),
             "per_optimizer_step": per_optimizer_step(args, fsdp_options, session.world_size),
             "gpu_memory": checked.cap.as_dict() if checked.cap else None,
             "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()}}
@@ -94,6 +95,9 @@ def run(argv: list[str] | None = None) -> int:
                         options=fsdp_options, allocator_limit=checked.cap.allocator_bytes if checked.cap else None)
     suite = Suite(session, names, train, batches, meta, args.output_dir, concurrent,
                   {"meta": {**meta, "timeline": timeline}}, room)
+    line = accelerate_config.said(checked.config, args.option_sources, args)
+    if session.rank == 0 and line:
+        say(line)
     if session.rank == 0 and session.device.type == "cpu":
         print(f"Running on CPU{'' if args.simulate_world_size else ' with gloo'}: a functional run. Allocator "
               "figures are n/a; RSS is host memory, not GPU memory.")

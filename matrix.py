@@ -17,7 +17,6 @@ if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them i
     quiet_while_starting()
 
 import argparse
-import dataclasses
 import os
 
 from fsdp2bench import arguments, matrix, options
@@ -26,10 +25,10 @@ from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ra
 from fsdp2bench.simulation import DEFAULT_STEPS, parse_world_sizes
 
 NUMBER_RANGES = {"nproc_per_node": (0, 4096), "sweep_steps": (1, 10_000_000)}  # 0 processes: sweeps only
-# main.py's FSDP2, accumulation and layout options: each launch gets those of its option set.
-# The loop and the loss are not the sets' (every launch takes them as given: they go to main.py unchanged).
-OWNED = tuple(f.name for f in dataclasses.fields(options.FsdpOptions) if f.name not in options.NESTED) \
-    + options.LAYOUT_OPTIONS
+# main.py's FSDP2, accumulation and layout options: each launch gets those of its option set (over the user's
+# accelerate config, with --config_file). The loop and the loss are not the sets' (every launch takes them as
+# given: they go to main.py unchanged).
+OWNED = options.OWN_FIELDS + options.LAYOUT_OPTIONS
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -64,14 +63,14 @@ def check(args: argparse.Namespace, forwarded: list[str]) -> tuple[list[str], di
     check_output_dir(args.output_dir, "matrix.json")
     refuse_foreign([os.path.join(args.output_dir, "matrix.json")], "--output_dir")
     checked = arguments.validate([*forwarded, "--output_dir", args.output_dir])
-    given, defaults = checked.args, arguments.parse_args([])
-    owned = [name for name in OWNED if getattr(given, name) != getattr(defaults, name)]  # main.py's own flags
+    given = checked.args
+    owned = [name for name in OWNED if given.option_sources[name] == "flag"]  # main.py's own flags
     if owned:
         raise UserError(f"--{owned[0]} is set by matrix.py for each launch from its option set; choose the sets "
                         f"with --option_sets")
     device_type = pick_device(given.device).type
     refused = {name: why for name in sets if (why := arguments.layout_refusal(
-        dataclasses.replace(options.OPTION_SETS[name], step=checked.fsdp_options.step), checked.facts.config,
+        checked.fsdp_options.over(options.OPTION_SETS[name].changed()), checked.facts.config,
         given.block_size, device_type))}
     plan, skipped = matrix.launches(args.output_dir, sets, sweep_sizes(args), args.sweep_steps, args.nproc_per_node,
                                     forwarded, refused)

@@ -19,17 +19,15 @@ if __name__ == "__main__":  # ahead of the imports below: the fork server's over
     start_before_imports(sys.argv[1:])
 
 import argparse
-import dataclasses
 import os
 import time
 from dataclasses import dataclass
 
-from fsdp2bench import arguments, concurrency, fitting, options, weights
+from fsdp2bench import accelerate_config, arguments, concurrency, fitting, options, weights
 from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with,
                             parse_names, pick_device, refuse_foreign, save_summary, say)
 from fsdp2bench.data import load_tokens
 from fsdp2bench.isolation import Interrupted, launcher_keeps_to_one_thread
-from fsdp2bench.matrix import fitting_sizes
 from fsdp2bench.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, max_positions
 from fsdp2bench.names import INTENDED, MIB, VARIANTS
 from fsdp2bench.probes import (BATCH, BLOCK, BLOCK_STEP, ProbeRunner, Question, block_step, heaviest_rank,
@@ -85,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output_dir", default="out_plan",
                    help="plan.json here, each probe's trace in <output_dir>/probes/ (default: out_plan)")
     arguments.add_step_options(p)
+    arguments.add_config_option(p, "the options each set is put over (a set's own options win)")
     p.add_argument("--inject_oom_above", type=int, default=None, metavar="V",
                    help="test option: every probe above V runs out of memory at its first step (default: off)")
     return p.parse_args(argv)
@@ -106,6 +105,8 @@ class Checked:
     facts: ModelFacts
     cap: concurrency.GpuCap | None
     skipped: list[str]
+    base: options.FsdpOptions  # what each set's options are put over: the loop, the loss and the user's config
+    config: accelerate_config.ConfigOptions | None
 
 
 def validate(argv: list[str] | None = None) -> Checked:
@@ -139,29 +140,35 @@ def validate(argv: list[str] | None = None) -> Checked:
             f"only checks the search{'' if args.model else f', on the {CPU_DEFAULT_MODEL} model'}. A real answer "
             f"needs a GPU: python3 plan.py --world_size 8,64 --gpu_memory 24")
     args.model = args.model or (GPU_DEFAULT_MODEL if device.type == "cuda" else CPU_DEFAULT_MODEL)
-    facts = model_facts(args.model, SEED, lambda config: check_blocks(blocks, config))
-    arguments.check_step(options.FsdpOptions(step=chosen_step(args)), facts.config, device.type)
+    config = accelerate_config.read(args.config_file)
+    base = options.FsdpOptions(step=chosen_step(args)).over(config.values if config else {})
+    options.check(base)
+    facts = model_facts(args.model, SEED, lambda model: check_blocks(blocks, model))
+    arguments.check_wrapped_classes(config, facts.layer_classes)
+    arguments.check_step(base, facts.config, device.type)
     upper = search_upper(args, facts.config, blocks, device.type)
-    check_block_steps(args, sets, blocks, upper)
+    check_block_steps(args, base, sets, blocks, upper)
     cap = concurrency.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
-    refused = {name: why for name in sets if (why := layout_refusal(args, name, blocks, facts.config, device.type))}
+    refused = {name: why for name in sets
+               if (why := layout_refusal(args, set_options(base, name), blocks, facts.config, device.type))}
     if len(refused) == len(sets):
         raise UserError(f"--sets {args.sets}: none can be planned here: "
                         + "; ".join(f"{name}: {why}" for name, why in refused.items()))
     sets = [name for name in sets if name not in refused]
     skipped = [f"{name}: not planned ({why})" for name, why in refused.items()]
-    skipped += [f"{name}: not planned at N = {', '.join(str(n) for n in sizes if n not in fitting_sizes(name, sizes))} "
-                "(its layout's sizes do not divide N)" for name in sets if fitting_sizes(name, sizes) != sizes]
-    if not any(fitting_sizes(name, sizes) for name in sets):
+    fits_at = {name: [n for n in sizes if set_options(base, name).layout.fits(n)] for name in sets}
+    skipped += [f"{name}: not planned at N = {', '.join(str(n) for n in sizes if n not in fits_at[name])} "
+                "(its layout's sizes do not divide N)" for name in sets if fits_at[name] != sizes]
+    if not any(fits_at.values()):
         raise UserError(f"--sets {args.sets}: none can run at --world_size {args.world_size} (a set's layout must "
                         f"divide N: an HSDP set's {options.NODE_RANKS} shards, a TP or CP set's sizes)")
-    return Checked(args, sets, sizes, variants, blocks, upper, facts, cap, skipped)
+    return Checked(args, sets, sizes, variants, blocks, upper, facts, cap, skipped, base, config)
 
 
-def layout_refusal(args: argparse.Namespace, name: str, blocks: list[int], config, device_type: str) -> str | None:
+def layout_refusal(args: argparse.Namespace, chosen: options.FsdpOptions, blocks: list[int], config,
+                   device_type: str) -> str | None:
     """Why a set's layout cannot run this model here (it is skipped, and said so): at each fixed block, or, with
     --find block_size, at any (the search keeps to the multiples of what CP needs)."""
-    chosen = set_options(args, name)
     tried = blocks if args.find == BATCH else [chosen.layout.sequence_divisor]
     return next((why for block in tried if (why := arguments.layout_refusal(chosen, config, block, device_type))),
                 None)
@@ -171,9 +178,9 @@ def chosen_step(args: argparse.Namespace) -> Step:
     return Step(loop=args.loop, loss=args.loss)
 
 
-def set_options(args: argparse.Namespace, name: str) -> options.FsdpOptions:
-    """An option set's options, trained with the loop and the loss asked for."""
-    return dataclasses.replace(options.OPTION_SETS[name], step=chosen_step(args))
+def set_options(base: options.FsdpOptions, name: str) -> options.FsdpOptions:
+    """An option set's options put over ``base``: the loop and the loss asked for, and the user's config."""
+    return base.over(options.OPTION_SETS[name].changed())
 
 
 def parse_block_sizes(text: str) -> list[int]:
@@ -207,12 +214,13 @@ def search_upper(args: argparse.Namespace, config, blocks: list[int], device_typ
     return upper
 
 
-def check_block_steps(args: argparse.Namespace, sets: list[str], blocks: list[int], upper: int) -> None:
+def check_block_steps(args: argparse.Namespace, base: options.FsdpOptions, sets: list[str], blocks: list[int],
+                      upper: int) -> None:
     """A searched block moves in steps (probes.block_step): the range given must hold one."""
     if args.find != BLOCK:
         return
     for name in sets:
-        step = block_step(options.OPTION_SETS[name])
+        step = block_step(set_options(base, name))
         if -(-blocks[0] // step) * step > upper:
             raise UserError(f"--block_size {blocks[0]} to --upper_bound {upper} holds no multiple of {step} tokens, "
                             f"the step a searched block moves by{' under ' + name if step != BLOCK_STEP else ''}")
@@ -224,11 +232,12 @@ def questions_of(checked: Checked) -> tuple[dict, dict]:
     shapes = checked.facts.shapes
     fixed_values = checked.blocks if checked.args.find == BATCH else [checked.args.batch_size]
     for name in checked.sets:
-        for n in fitting_sizes(name, checked.sizes):
+        chosen = set_options(checked.base, name)
+        for n in [n for n in checked.sizes if chosen.layout.fits(n)]:
             for variant in checked.variants:
                 for fixed in fixed_values:
-                    rank = heaviest_rank(shapes, n, variant, options.OPTION_SETS[name])
-                    q = Question(name, n, rank, variant, checked.args.find, fixed, chosen_step(checked.args))
+                    rank = heaviest_rank(shapes, n, variant, chosen)
+                    q = Question(name, n, rank, variant, checked.args.find, fixed, checked.base)
                     lower = 1 if checked.args.find == BATCH else -(-min(checked.blocks) // q.unit)
                     key = (name, n, variant, fixed)
                     questions[key] = q
@@ -253,6 +262,9 @@ def run(argv: list[str] | None = None) -> int:
     runner = ProbeRunner(session, train, tokens, questions, searches, checked.cap, args.output_dir,
                          args.inject_oom_above, leaders_of(questions, searches, session.shapes))
     meta = plan_meta(checked, session, started)
+    line = accelerate_config.said(checked.config, {}, args)
+    if line:
+        say(line)
     for note in checked.skipped:
         print(f"Skipped: {note}", flush=True)
     say(f"Planning {len(searches)} answers ({args.find} per option set, N and variant): a shared process per "
@@ -323,7 +335,10 @@ def plan_meta(checked: Checked, session, started: float) -> dict:
             "loop": args.loop, "loss": args.loss,
             "upper_bound": checked.upper, "probe_steps": PROBE_STEPS, "init_device": args.init_device,
             "gpu_memory": checked.cap.as_dict() if checked.cap else None, "skipped": checked.skipped,
-            "option_sets": {name: options.OPTION_SETS[name].changed() for name in checked.sets}}
+            "option_sets": {name: options.OPTION_SETS[name].changed() for name in checked.sets},
+            "options_from": accelerate_config.summary_of(checked.config, {k: "config" for k in
+                                                                          (checked.config.values if checked.config
+                                                                           else {})})}
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from fsdp2bench import names
 from fsdp2bench.isolation import Unsupported
 from fsdp2bench.layout import Degrees, Meshes, planned_style, tensor_parallel_plan
-from fsdp2bench.options import AUTOCAST, FsdpOptions
+from fsdp2bench.options import AUTOCAST, FP32, FsdpOptions
 from fsdp2bench.step import CHUNK_TOKENS, CHUNKED, LIGER
 
 
@@ -200,9 +200,12 @@ BF16_POLICY = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, outp
 
 def mixed_precision_policy(options: FsdpOptions) -> MixedPrecisionPolicy:
     """What accelerate gives ``fully_shard``: its bf16 policy for ``mixed_precision="bf16"`` (beside
-    autocast), or the policy the option names (bf16 parameters, gradients reduced in fp32)."""
+    autocast), FSDP2's default (fp32 throughout) for ``mixed_precision="no"``, or the policy the option
+    names (bf16 parameters, gradients reduced in fp32)."""
     if options.mixed_precision_policy == AUTOCAST:
         return MixedPrecisionPolicy(**BF16_POLICY)
+    if options.mixed_precision_policy == FP32:
+        return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
@@ -385,7 +388,8 @@ def make_accelerator(device: torch.device, layer_classes: list[str], cpu_ram_eff
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=layer_classes,
         cpu_ram_efficient_loading=cpu_ram_efficient_loading, reshard_after_forward=options.reshard_after_forward,
-        mixed_precision_policy=None if autocast else mixed_precision_policy(options),
+        mixed_precision_policy=None if options.mixed_precision_policy in (AUTOCAST, FP32) else
+        mixed_precision_policy(options),
         activation_checkpointing=options.activation_checkpointing,
         # Named only when on: the field came in accelerate 1.15 (options.check_libraries refuses it before).
         **({"activation_checkpointing_offload": True} if options.activation_checkpointing_offload else {}),

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp2bench import concurrency, options, simulation, step
+from fsdp2bench import accelerate_config, concurrency, options, simulation, step
 from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, expect_path, looks_like_a_path,
                             parse_names, pick_device, refuse_foreign)
 from fsdp2bench.data import load_tokens, rank_batches
 from fsdp2bench.isolation import launcher_keeps_to_one_thread
-from fsdp2bench.layout import CP_STRATEGIES
+from fsdp2bench.layout import CP_STRATEGIES, Layout
 from fsdp2bench.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS, default_model, max_positions
 from fsdp2bench.names import VARIANTS, rank_file
 from fsdp2bench.runner import FailureSpec
@@ -127,22 +127,35 @@ def check_step(fsdp_options: options.FsdpOptions, config, device_type: str) -> N
     step.check(fsdp_options.step, config, fsdp_options.layout, device_type)
 
 
+def add_config_option(p: argparse.ArgumentParser, becomes: str) -> None:
+    """``--config_file``, main.py's, plan.py's and loading.py's: the user's accelerate config (accelerate_config.py)."""
+    p.add_argument("--config_file", default=None, metavar="PATH",
+                   help=f"an accelerate config file (what accelerate config writes), read by accelerate's own "
+                        f"loader: its FSDP2 plugin fields, parallelism config and mixed precision become {becomes} "
+                        f"(default: none)")
+
+
 def add_fsdp_options(p: argparse.ArgumentParser) -> None:
-    """accelerate's FullyShardedDataParallelPlugin options, under its names; every variant applies them."""
+    """accelerate's FullyShardedDataParallelPlugin options, under its names; every variant applies them. Each
+    is None when not given, so that a user's accelerate config can set it (apply_config)."""
+    add_config_option(p, "the options below; a flag given here wins. Under accelerate launch its FSDP config is "
+                         "read without this")
     g = p.add_argument_group("FSDP2 options (accelerate's plugin names; the torch variants apply the same)")
-    g.add_argument("--reshard_after_forward", type=options.parse_bool, default=True, metavar="{true,false}",
+    g.add_argument("--reshard_after_forward", type=options.parse_bool, default=None, metavar="{true,false}",
                    help="free each block's gathered parameters after its forward (default: true)")
-    g.add_argument("--mixed_precision_policy", choices=options.MIXED_PRECISION, default=options.AUTOCAST,
+    g.add_argument("--mixed_precision_policy", choices=options.MIXED_PRECISION, default=None,
                    help=f"{options.AUTOCAST}: accelerate's mixed_precision='bf16' (autocast; FSDP2 gathers and "
                         f"reduces in bf16), the upstream's; {options.POLICY}: an FSDP2 MixedPrecisionPolicy, bf16 "
-                        f"parameters and fp32 gradient reduction, no autocast (default: {options.AUTOCAST})")
-    g.add_argument("--activation_checkpointing", action="store_true",
-                   help="recompute each block's activations in backward instead of keeping them (default: off)")
-    g.add_argument("--activation_checkpointing_offload", action="store_true",
-                   help="with --activation_checkpointing: keep the checkpoints' saved inputs in host memory (default: off)")
-    g.add_argument("--cpu_offload", action="store_true",
-                   help="CPUOffloadPolicy: parameters, gradients and AdamW state on the host; the optimizer step "
-                        "runs on the CPU (default: off)")
+                        f"parameters and fp32 gradient reduction, no autocast; {options.FP32}: accelerate's "
+                        f"mixed_precision='no', fp32 throughout (default: {options.AUTOCAST})")
+    for name, says in (("activation_checkpointing", "recompute each block's activations in backward instead of "
+                                                    "keeping them"),
+                       ("activation_checkpointing_offload", "with --activation_checkpointing: keep the checkpoints' "
+                                                            "saved inputs in host memory"),
+                       ("cpu_offload", "CPUOffloadPolicy: parameters, gradients and AdamW state on the host; the "
+                                       "optimizer step runs on the CPU")):
+        g.add_argument(f"--{name}", type=options.parse_bool, nargs="?", const=True, default=None,
+                       metavar="{true,false}", help=f"{says}; alone it means true (default: false)")
     add_scaling_options(p)
 
 
@@ -150,14 +163,14 @@ def add_scaling_options(p: argparse.ArgumentParser) -> None:
     """accelerate's GradientAccumulationPlugin fields and torch's all-reduce switch; the torch variants make
     the FSDP2 calls these lead to."""
     g = p.add_argument_group("Gradient accumulation (accelerate's names; the torch variants apply the same)")
-    g.add_argument("--gradient_accumulation_steps", type=int, default=1, metavar="K",
+    g.add_argument("--gradient_accumulation_steps", type=int, default=None, metavar="K",
                    help="microbatches of --batch_size per optimizer step; each loss is divided by K, as "
                         "accelerate's backward does; --max_steps counts optimizer steps (default: 1)")
     g.add_argument("--sync_each_batch", type=options.parse_bool, default=None, metavar="{true,false}",
                    help="with K > 1: reduce-scatter the gradients after every microbatch (true), or keep each "
                         "parameter's whole gradient on every rank until the last one (false, accelerate's "
                         "default: its accumulate() then calls set_requires_gradient_sync(False)) (default: false)")
-    g.add_argument("--requires_all_reduce", type=options.parse_bool, default=True, metavar="{true,false}",
+    g.add_argument("--requires_all_reduce", type=options.parse_bool, default=None, metavar="{true,false}",
                    help="torch's set_requires_all_reduce for the microbatches before the last: false, under HSDP "
                         "with --sync_each_batch true, reduce-scatters each one but all-reduces across replicas "
                         "only once; accelerate does not offer it (default: true)")
@@ -174,11 +187,11 @@ def add_layout_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp_shard_size", type=int, default=None, metavar="S",
                    help="HSDP given by its shards instead: S ranks per FSDP group, the rest replicas; S must divide "
                         "N / (C x T) at every N, so that a sweep keeps one node's shape (default: N / (C x T))")
-    g.add_argument("--cp_size", type=int, default=1, metavar="C",
+    g.add_argument("--cp_size", type=int, default=None, metavar="C",
                    help="context parallelism: each sequence split over C ranks (torch's context_parallel around "
                         "each microbatch; FSDP2 shards over S x C); GPU only, SDPA attention, --block_size a "
                         "multiple of 2C (default: 1)")
-    g.add_argument("--tp_size", type=int, default=1, metavar="T",
+    g.add_argument("--tp_size", type=int, default=None, metavar="T",
                    help="tensor parallelism: each block's weights split over T ranks by the model's own plan "
                         "(its config's base_model_tp_plan); T must divide the attention heads, key/value heads and "
                         "MLP width (default: 1)")
@@ -197,9 +210,40 @@ NUMBER_RANGES = {"batch_size": (1, 1 << 16), "block_size": (2, 1 << 20), "max_st
                  "gpu_memory": (0.001, 1 << 20)}
 
 
+def option_defaults() -> dict:
+    """Each option a flag or an accelerate config can set, and its value when neither does: FsdpOptions' own
+    (two stay None: they are refused where given without the option they modify)."""
+    defaults = {name: getattr(options.FsdpOptions(), name) for name in options.OWN_FIELDS}
+    defaults.update({name: getattr(Layout(), name) for name in options.LAYOUT_OPTIONS})
+    return {**defaults, "sync_each_batch": None, "cp_comm_strategy": None}
+
+
+def apply_config(args: argparse.Namespace) -> accelerate_config.ConfigOptions | None:
+    """Each option from its flag, else from the user's accelerate config (``--config_file``, or the FSDP config
+    ``accelerate launch`` passed on), else its default; where each came from in ``args.option_sources``."""
+    if hasattr(args, "option_sources"):
+        return None
+    config = accelerate_config.read(args.config_file)
+    sources = {}
+    for name, default in option_defaults().items():
+        if getattr(args, name) is not None:
+            sources[name] = "flag"
+        elif config is not None and name in config.values:
+            setattr(args, name, config.values[name])
+            sources[name] = "config"
+        else:
+            setattr(args, name, default)
+            sources[name] = "default"
+    if args.cp_size == 1 and sources["cp_comm_strategy"] == "config":  # a flag turned the file's CP off
+        args.cp_comm_strategy, sources["cp_comm_strategy"] = None, "default"
+    args.option_sources = sources
+    return config
+
+
 def check_args(args: argparse.Namespace, world_size: int) -> tuple[list[str], options.FsdpOptions]:
     """Refuse what cannot work before any process or model exists; return the variants and options.
     ``world_size``: that of the launch checked (a sweep's own N are checked instead)."""
+    apply_config(args)
     for flag in ("batch_size", "block_size"):
         if getattr(args, flag) <= 0:
             raise UserError(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
@@ -347,6 +391,7 @@ class Checked:
     facts: ModelFacts
     batches: torch.Tensor  # this rank's: (steps, sequences, block)
     cap: concurrency.GpuCap | None  # --gpu_memory
+    config: accelerate_config.ConfigOptions | None  # the user's accelerate config, where one is read
 
 
 def validate(argv: list[str] | None = None) -> Checked:
@@ -356,6 +401,7 @@ def validate(argv: list[str] | None = None) -> Checked:
     args = parse_args(argv)
     check_releases()
     launch_rank, launch_world = check_launcher_env()
+    config = apply_config(args)
     names, fsdp_options = check_args(args, launch_world)
     device_type = pick_device(args.device).type
     args.model = args.model or default_model(device_type)
@@ -366,7 +412,8 @@ def validate(argv: list[str] | None = None) -> Checked:
     check_context_parallel_device(fsdp_options, device_type)
     check_output_dir(args.output_dir, "summary.json")
     refuse_foreign(files_written(args, names, launch_world), "--output_dir")
-    facts = model_facts(args.model, args.seed, lambda config: check_model(config, args.block_size, fsdp_options))
+    facts = model_facts(args.model, args.seed, lambda model: check_model(model, args.block_size, fsdp_options))
+    check_wrapped_classes(config, facts.layer_classes)
     check_step(fsdp_options, facts.config, device_type)
     tokens = load_tokens(args.dataset, args.tokenizer, facts.config.vocab_size)
     batches = rank_batches(tokens, args.block_size, args.batch_size, args.dataset_fraction,
@@ -381,6 +428,13 @@ def validate(argv: list[str] | None = None) -> Checked:
                            device_type, fsdp_options,
                            concurrency.rank_logits_bytes(args.batch_size, args.block_size, facts.config, fsdp_options))
     cap = None if args.gpu_memory is None else concurrency.gpu_cap(args.gpu_memory, pick_device(args.device).index)
-    return Checked(args, names, fsdp_options, facts, batches, cap)
+    return Checked(args, names, fsdp_options, facts, batches, cap, config)
+
+
+def check_wrapped_classes(config: accelerate_config.ConfigOptions | None, layer_classes: list[str]) -> None:
+    """A config that names the blocks to wrap names the model's own: the units every variant shards by."""
+    if config is not None and config.layer_classes and set(config.layer_classes) != set(layer_classes):
+        raise UserError(f"{config.source}: fsdp_transformer_layer_cls_to_wrap {','.join(config.layer_classes)}: "
+                        f"the suite shards this model by its blocks, {','.join(layer_classes)}")
 
 

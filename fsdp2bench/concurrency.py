@@ -20,7 +20,7 @@ import torch.distributed as dist
 from fsdp2bench.isolation import StoreKeys, wait_for_keys
 from fsdp2bench.memory_model import expected_device_bytes, expected_state, model_bytes
 from fsdp2bench.names import GIB, MIB, PEAK_PHASES, UNFIXED, phases
-from fsdp2bench.options import AUTOCAST, FsdpOptions
+from fsdp2bench.options import AUTOCAST, FP32, FsdpOptions
 from fsdp2bench.starting import started_ahead
 from fsdp2bench.step import logits_copies, logits_tokens
 
@@ -88,13 +88,15 @@ def rank_logits_bytes(batch_size: int, block_size: int, config, options: FsdpOpt
 
 
 def activation_bytes_per_token(config, options: FsdpOptions) -> int:
-    """What one more token per microbatch adds to a step's peak on the GPU (``HIDDEN_WIDTHS``)."""
+    """What one more token per microbatch adds to a step's peak on the GPU (``HIDDEN_WIDTHS``), its
+    activations in bf16 or, under fp32, twice that."""
+    itemsize = 4 if options.mixed_precision_policy == FP32 else 2
     if options.activation_checkpointing_offload:
         per_block = 0
     elif options.activation_checkpointing:
-        per_block = 2 * CHECKPOINT_WIDTHS * config.hidden_size
+        per_block = itemsize * CHECKPOINT_WIDTHS * config.hidden_size
     else:
-        per_block = 2 * (HIDDEN_WIDTHS * config.hidden_size + INTERMEDIATE_WIDTHS * config.intermediate_size)
+        per_block = itemsize * (HIDDEN_WIDTHS * config.hidden_size + INTERMEDIATE_WIDTHS * config.intermediate_size)
     logits = logits_copies(options.step) * microbatch_logits_bytes(1, 1, config) if options.step.builds_logits else 0
     return int(ACTIVATION_MARGIN * (logits + config.num_hidden_layers * per_block))
 

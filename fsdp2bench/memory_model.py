@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2bench.layout import Degrees, tensor_parallel_dim, tensor_parallel_plan
 from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, UNFIXED
-from fsdp2bench.options import AUTOCAST, FsdpOptions
+from fsdp2bench.options import AUTOCAST, FP32, FsdpOptions
 
 ADAMW_MOMENTS = 2
 STEP_BYTES = 4  # AdamW's per-parameter fp32 step counter
@@ -66,6 +66,47 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def _unique_params(model: nn.Module) -> list[torch.Tensor]:
     return list(model.parameters())  # parameters() already skips tied duplicates
+
+
+def applied_setup(model: nn.Module, layer_classes: list[str]) -> dict:
+    """What FSDP2 and the forward were given, read back from a prepared model: the first block's FSDP unit
+    (torch's ``fully_shard.state``: its resharding, precision, offload and mesh), the checkpoint wrappers, and
+    whether the forward runs inside accelerate's autocast wrapper (``convert_outputs_to_fp32``). Each
+    variant's own evidence that the options reached it (``expected_setup`` says what they should give)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, OffloadWrapper
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    # A block's unit: the checkpoint wrapper or the block inside it, whichever holds the block's parameters.
+    state = next(s for m in model.modules() if isinstance(m, FSDPModule)
+                 and type(getattr(m, "_checkpoint_wrapped_module", m)).__name__.removeprefix("FSDP") in layer_classes
+                 and (s := fully_shard.state(m))._fsdp_param_group is not None)
+    group, policy = state._fsdp_param_group, state._mp_policy
+    forward = getattr(model.forward, "__func__", model.forward)
+    return {"reshard_after_forward": group.post_forward_mesh_info is not None,
+            "param_dtype": dtype_name(policy.param_dtype), "reduce_dtype": dtype_name(policy.reduce_dtype),
+            "autocast": type(getattr(forward, "__wrapped__", None)).__name__ == "ConvertOutputsToFp32",
+            "activation_checkpointing": any(isinstance(m, CheckpointWrapper) for m in model.modules()),
+            "activation_checkpointing_offload": any(isinstance(m, OffloadWrapper) for m in model.modules()),
+            "cpu_offload": any(p.offload_to_cpu for p in group.fsdp_params),
+            "fsdp_mesh": list(group.mesh_info.mesh.shape)}
+
+
+def expected_setup(options: FsdpOptions) -> dict:
+    """What ``applied_setup`` reads back from a variant prepared with ``options``, its mesh and autocast
+    aside (the torch variants wrap the forward in bf16 autocast as the upstream does; accelerate's FSDP2 path
+    leaves it to the policy's bf16 parameters)."""
+    bf16 = options.mixed_precision_policy != FP32
+    return {"reshard_after_forward": options.reshard_after_forward,
+            "param_dtype": "bfloat16" if bf16 else "float32",
+            "reduce_dtype": "bfloat16" if options.mixed_precision_policy == AUTOCAST else "float32",
+            "activation_checkpointing": options.activation_checkpointing,
+            "activation_checkpointing_offload": options.activation_checkpointing_offload,
+            "cpu_offload": options.cpu_offload}
+
+
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """A policy's dtype by name; None (FSDP2 keeps the parameters' own) is fp32 here."""
+    return str(dtype or torch.float32).removeprefix("torch.")
 
 
 def account(model: nn.Module, optimizer: torch.optim.Optimizer, outputs=None) -> dict:
@@ -191,14 +232,16 @@ def _tensor_parallel_bytes(shapes) -> int:
 
 
 def output_itemsize(options: FsdpOptions) -> int:
-    """Bytes per element of the outputs the model returns: bf16 under either precision. Under autocast
-    accelerate's ``convert_outputs_to_fp32`` runs inside the forward, and FSDP2's policy then casts the root's
-    outputs to its ``output_dtype``, bf16; under the policy the head computes in the bf16 parameter dtype."""
-    return 2
+    """Bytes per element of the outputs the model returns: bf16 under either bf16 precision, fp32 under
+    fp32. Under autocast accelerate's ``convert_outputs_to_fp32`` runs inside the forward, and FSDP2's policy
+    then casts the root's outputs to its ``output_dtype``, bf16; under the policy the head computes in the
+    bf16 parameter dtype."""
+    return 4 if options.mixed_precision_policy == FP32 else 2
 
 
 def reduce_dtype_bytes(options: FsdpOptions) -> int:
-    """Bytes per element of the gradient reduction: bf16 under autocast, fp32 under the fp32-reduce policy."""
+    """Bytes per element of the gradient reduction: bf16 under autocast, fp32 under the fp32-reduce policy
+    and under fp32."""
     return 2 if options.mixed_precision_policy == AUTOCAST else 4
 
 

@@ -21,10 +21,12 @@ from fsdp2bench.layout import CP_STRATEGIES, Layout
 from fsdp2bench.step import Step
 
 # --mixed_precision_policy: accelerate's mixed_precision="bf16" (bf16 autocast, FSDP2 gathers and
-# reduces in bf16; the upstream's), or an FSDP2 MixedPrecisionPolicy without autocast.
+# reduces in bf16; the upstream's), an FSDP2 MixedPrecisionPolicy without autocast, or accelerate's
+# mixed_precision="no" (fp32 throughout: no autocast, no policy).
 AUTOCAST = "bf16_autocast"
 POLICY = "bf16_params_fp32_reduce"
-MIXED_PRECISION = (AUTOCAST, POLICY)
+FP32 = "fp32"
+MIXED_PRECISION = (AUTOCAST, POLICY, FP32)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +67,14 @@ class FsdpOptions:
                 out += [f"--{name}", str(value).lower()]
         return out
 
+    def over(self, changes: dict) -> "FsdpOptions":
+        """These options with ``changes`` (flag names, as ``changed`` gives them) put over them: an option set
+        applied to the options of a user's config."""
+        def part(value, fields):
+            return dataclasses.replace(value, **{k: v for k, v in changes.items() if k in fields})
+        return dataclasses.replace(part(self, OWN_FIELDS), layout=part(self.layout, LAYOUT_OPTIONS),
+                                   step=part(self.step, STEP_OPTIONS))
+
     @property
     def hsdp(self) -> bool:
         return self.layout.hsdp
@@ -79,6 +89,8 @@ NESTED = ("layout", "step")  # the fields that group options of their own
 VALUED_BOOLS = ("reshard_after_forward", "sync_each_batch", "requires_all_reduce")
 # The options accelerate's FullyShardedDataParallelPlugin takes; the others go to its other objects.
 LAYOUT_OPTIONS = tuple(f.name for f in dataclasses.fields(Layout))
+STEP_OPTIONS = tuple(f.name for f in dataclasses.fields(Step))
+OWN_FIELDS = tuple(f.name for f in dataclasses.fields(FsdpOptions) if f.name not in NESTED)
 PLUGIN_OPTIONS = ("reshard_after_forward", "mixed_precision_policy", "activation_checkpointing",
                   "activation_checkpointing_offload", "cpu_offload")
 

@@ -35,7 +35,7 @@ from fsdp2bench.isolation import STAND_DOWN, Piece, StoreKeys, gather_records, h
 from fsdp2bench.memory_model import expected_device_bytes, expected_state, model_bytes
 from fsdp2bench.names import MIB, PEAK_PHASES, phases
 from fsdp2bench.options import OPTION_SETS, FsdpOptions
-from fsdp2bench.step import Step, largest_block_per_token
+from fsdp2bench.step import largest_block_per_token
 from fsdp2bench.runner import Job, TrainConfig, probe_process
 from fsdp2bench.series import AtValue, SeriesJob, point_key, series_process
 from fsdp2bench.session import Session
@@ -66,11 +66,12 @@ class Question:
     variant: str
     searched: str  # BATCH or BLOCK
     fixed: int  # the block size while the batch is searched, the batch size while the block is
-    step: Step = Step()  # the loop and the loss the probes train with, under every set
+    # What the set's options are put over: the loop and the loss asked for, and the user's accelerate config.
+    base: FsdpOptions = FsdpOptions()
 
     @property
     def options(self) -> FsdpOptions:
-        return dataclasses.replace(OPTION_SETS[self.option_set], step=self.step)
+        return self.base.over(OPTION_SETS[self.option_set].changed())
 
     @property
     def unit(self) -> int:

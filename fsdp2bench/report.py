@@ -9,7 +9,7 @@ from fsdp2bench import snapshots
 from fsdp2bench.cli import say
 from fsdp2bench.isolation import UNSUPPORTED
 from fsdp2bench.layout import AXES
-from fsdp2bench.memory_model import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_state,
+from fsdp2bench.memory_model import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_setup, expected_state,
                                      projection, unfixed_costs_more_from)
 from fsdp2bench.step import MODEL, UPSTREAM
 from fsdp2bench.names import (INTENDED, MIB, MICROBATCH_PHASE, PEAK_PHASES, PHASES, STATE_KEYS, UNFIXED, phases,
@@ -107,6 +107,7 @@ def memory_summary(name: str, per_rank: list[dict], shapes, world_size: int, ran
     """Memory figures of one variant from the records of ``ranks`` (of a world of ``world_size``), its
     model built on ``built_on``."""
     counted, steps = phases(options.accumulates), len(per_rank[0]["steps"])
+    setup = expected_setup(options)
     accounting = [_by_phase(r["accounting"], counted) for r in per_rank]
     expected = [_by_phase({ph: expected_state(shapes, world_size, rank, name, ph, options, steps) for ph in counted},
                           counted) for rank in ranks]
@@ -140,6 +141,8 @@ def memory_summary(name: str, per_rank: list[dict], shapes, world_size: int, ran
         "expected_kept_output_bytes": expected_kept,
         "accounting_matches_expected": accounting == expected and on_device == expected_on_device
         and kept == expected_kept,
+        "applied": [r["applied"] for r in per_rank],
+        "applied_matches_options": all({k: r["applied"][k] for k in setup} == setup for r in per_rank),
         "steady_allocated_minus_state_mib": _across(residual),
         **({"peak_tensors": [r["peak_tensors"] for r in per_rank]} if "peak_tensors" in per_rank[0] else {}),
         "wall_s": max(r["wall_s"] for r in per_rank),
@@ -222,10 +225,11 @@ def run_checks(variants: dict, device_type: str) -> dict:
                  for n in ran[1:]}
         checks["intended_losses_match"] = {"ok": not non_finite and all(d <= tol for d in diffs.values()),
                                            "reference": ran[0], "relative_tolerance": tol, "max_relative_diff": diffs}
-    counted = {n: v["accounting_matches_expected"] for n, v in ok.items()}
-    if counted:
-        checks["accounting_matches_expected"] = {"ok": all(counted.values()),
-                                                 "mismatched": [n for n, good in counted.items() if not good]}
+    for check, field in (("accounting_matches_expected", "accounting_matches_expected"),
+                         ("options_applied", "applied_matches_options")):
+        counted = {n: v[field] for n, v in ok.items()}
+        if counted:
+            checks[check] = {"ok": all(counted.values()), "mismatched": [n for n, good in counted.items() if not good]}
     checks.update(training_checks(ok, ran, non_finite))
     return checks
 
@@ -502,8 +506,10 @@ def sweep_checks(simulated: dict) -> dict:
     ran = [(n, r, name, e) for n, r, name, e in simulated_entries(simulated) if e["status"] == "ok"]
     checks = {}
     if ran:
-        mismatched = [f"{name} (N={n}, rank {r})" for n, r, name, e in ran if not e["accounting_matches_expected"]]
-        checks["accounting_matches_expected"] = {"ok": not mismatched, "mismatched": mismatched}
+        for check, field in (("accounting_matches_expected", "accounting_matches_expected"),
+                             ("options_applied", "applied_matches_options")):
+            mismatched = [f"{name} (N={n}, rank {r})" for n, r, name, e in ran if not e[field]]
+            checks[check] = {"ok": not mismatched, "mismatched": mismatched}
     checks["intended_losses_match"] = dict(SKIPPED)
     checks["unfixed_did_not_train"] = dict(SKIPPED)
     return checks

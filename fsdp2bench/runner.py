@@ -18,7 +18,7 @@ from fsdp2bench import snapshots
 from fsdp2bench.child import TracedChild, run_traced_child
 from fsdp2bench.isolation import STAND_DOWN, StoreKeys, init_group, name_process, wait_at_gate
 from fsdp2bench.layout import Meshes
-from fsdp2bench.memory_model import account, local_tensor, output_itemsize
+from fsdp2bench.memory_model import account, applied_setup, local_tensor, output_itemsize
 from fsdp2bench.model import build_model
 from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, rank_file
 from fsdp2bench.options import FsdpOptions
@@ -240,6 +240,7 @@ def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.S
     start = time.perf_counter()
     prep = prepare(job, tracker, meshes)
     accounting = {"end_of_setup": account(prep.model, prep.optimizer)}
+    applied = applied_setup(prep.model, job.layer_classes)
     release_setup_cache(job.device)
     if job.gated and (job := wait_for_go(job, tracker, store)) is None:
         return {"wall_s": time.perf_counter() - start, "stood_down": True}
@@ -280,7 +281,7 @@ def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.S
     tracker.mark("training_finished")
     accounting["end_of_training"] = held()
     found = {"wall_s": time.perf_counter() - start, "accounting": accounting,
-             "expected_kept_output_bytes": expected_kept_outputs(job),
+             "expected_kept_output_bytes": expected_kept_outputs(job), "applied": applied,
              "allocator": tracker.allocator_stats(), "counter_peaks": tracker.counter_peaks(),
              "polled_peaks": tracker.polled_peaks()}
     if records_history(job):  # while the model exists to name the blocks

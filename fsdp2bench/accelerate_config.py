@@ -1,0 +1,293 @@
+"""The user's accelerate config, read as accelerate reads it, as the options every variant applies.
+
+Two ways in. ``accelerate launch`` with an FSDP config puts it in each rank's environment (``FSDP_*``,
+``PARALLELISM_CONFIG_*``, ``ACCELERATE_*``); ``--config_file PATH`` (torchrun users, plan.py) sends the
+file through accelerate's own config loader and launcher code to the same variables. Either way
+accelerate's own objects (its FSDP plugin, its ParallelismConfig) read the values from those variables,
+and they become main.py's options; a flag on the command line wins over them (arguments.py). What the
+suite cannot mirror is refused in one line; what does not change training memory is named as such.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from fsdp2bench.cli import UserError, expect_path
+from fsdp2bench.layout import CP_STRATEGIES
+from fsdp2bench.options import AUTOCAST, FP32
+
+LAUNCH_SOURCE = "accelerate launch's environment"
+PREFIXES = ("FSDP_", "PARALLELISM_CONFIG_", "ACCELERATE_")
+# accelerate's mixed_precision values and the suite's --mixed_precision_policy for each it runs.
+PRECISIONS = {"no": FP32, "bf16": AUTOCAST}
+# FSDP fields that do not change what a rank holds in training, each with what the suite does instead.
+NOT_MEASURED = {
+    "FSDP_STATE_DICT_TYPE": "how checkpoints are saved",
+    "FSDP_SYNC_MODULE_STATES": "obsolete under FSDP2",
+    "FSDP_USE_ORIG_PARAMS": "obsolete under FSDP2",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "loading, which loading.py measures",
+    "FSDP_BACKWARD_PREFETCH": "FSDP1 only",
+}
+
+
+@dataclass(frozen=True)
+class ConfigOptions:
+    """main.py's options as a config sets them (flag names), where they came from, and what is not mirrored."""
+    source: str
+    values: dict = field(default_factory=dict)
+    not_measured: tuple[str, ...] = ()
+    layer_classes: tuple[str, ...] | None = None  # fsdp_transformer_layer_cls_to_wrap, if the config names it
+    cpu_ram_efficient_loading: bool = False
+
+
+def read(config_file: str | None) -> ConfigOptions | None:
+    """The config this run measures: ``--config_file``, else the FSDP config ``accelerate launch`` passed in
+    the environment, else None (the flags and the defaults alone)."""
+    if config_file is not None:
+        environment, written = file_environment(config_file)
+        return from_environment(environment, os.path.basename(config_file), written)
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        return from_environment(dict(os.environ), LAUNCH_SOURCE)
+    return None
+
+
+def said(config: ConfigOptions | None, sources: dict, args) -> str | None:
+    """The line that says where the options came from: the config's values, the flags over them, and the
+    fields not mirrored; or that ``accelerate launch`` passed no FSDP config; None with neither."""
+    if config is None:
+        return ("accelerate launch without an FSDP config (distributed_type FSDP, fsdp_version 2): the options are "
+                "the command line's and the defaults") if launched_without_fsdp() else None
+    line = f"Options from {config.source}: " + ", ".join(f"{k} {text(v)}" for k, v in config.values.items())
+    over = [f"--{k} {text(getattr(args, k))} (the config: {text(v)})" for k, v in config.values.items()
+            if sources.get(k) == "flag" and getattr(args, k) != v]
+    if over:
+        line += "; on the command line over it: " + ", ".join(over)
+    if config.not_measured:
+        line += "; not mirrored, no change to training memory: " + ", ".join(config.not_measured)
+    return line
+
+
+def summary_of(config: ConfigOptions | None, sources: dict) -> dict:
+    """What summary.json records of it: the config read (None without one) and each option's source."""
+    return {"config": None if config is None else config.source, "sources": sources,
+            "not_measured": [] if config is None else list(config.not_measured)}
+
+
+def text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def launched_without_fsdp() -> bool:
+    """Launched by ``accelerate launch`` with a config of another distributed type (or none)."""
+    return "ACCELERATE_MIXED_PRECISION" in os.environ and os.environ.get("ACCELERATE_USE_FSDP", "") != "true"
+
+
+def file_environment(path: str) -> tuple[dict[str, str], set[str]]:
+    """The variables ``accelerate launch --config_file PATH`` would give each rank, made by accelerate's
+    own loader and launcher functions (without launching anything), and those the file's FSDP fields set."""
+    expect_path(path, "--config_file", "file")
+    config = load(path)
+    name = os.path.basename(path)
+    kind = str(getattr(config, "distributed_type", "")).rpartition(".")[2]
+    if kind != "FSDP":
+        raise UserError(f"{name}: distributed_type {kind or 'missing'}: the suite measures FSDP2 "
+                        "(distributed_type: FSDP, fsdp_version: 2)")
+    check_sizes(config.parallelism_config or {}, name)
+    if config.mixed_precision is not None:  # else accelerate's launcher takes "no"
+        check_precision(str(config.mixed_precision), name, "mixed_precision")
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    # One machine and a free port: the launcher's checks of them do not concern the options.
+    argv = ["--config_file", path, "--num_machines", "1", "--machine_rank", "0", "--main_process_port", "0",
+            "--num_processes", str(max(2, getattr(config, "num_processes", 2) or 2)), "main.py"]
+    try:
+        with quietly():
+            args = _validate_launch_command(launch_command_parser().parse_args(argv))[0]
+            environment = prepare_multi_gpu_env(args)
+    except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+        raise UserError(f"{name}: accelerate refuses it: {first_line(exc)}") from None
+    written = {"FSDP_" + key.removeprefix("fsdp_").upper() for key in config.fsdp_config or {}}
+    return {k: v for k, v in environment.items() if k.startswith(PREFIXES)}, written
+
+
+def load(path: str):
+    """The file through accelerate's config loader (YAML or JSON, its field names checked)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    try:
+        with quietly():
+            return load_config_from_file(path)
+    except Exception as exc:  # noqa: BLE001 - yaml's, json's and accelerate's own errors: all a file it cannot read
+        raise UserError(f"{os.path.basename(path)}: not an accelerate config accelerate can read: "
+                        f"{first_line(exc)}") from None
+
+
+def check_sizes(parallelism: dict, name: str) -> None:
+    """The parallelism config's sizes are whole positive numbers (accelerate's launcher compares them unchecked)."""
+    for key, value in parallelism.items():
+        if key.endswith("_size") and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise UserError(f"{name}: {key} must be a positive integer, got {value!r}")
+
+
+def check_precision(value: str, source: str, key: str) -> None:
+    if value.lower() not in PRECISIONS:
+        raise UserError(f"{source}: {key} {value}: the suite runs 'no' (fp32) and bf16 only; fp16 and fp8 "
+                        "are not measured")
+
+
+def from_environment(environment: dict[str, str], source: str, written: set[str] | None = None) -> ConfigOptions:
+    """The options accelerate's plugin and ParallelismConfig read from these variables; ``written``: the
+    variables the user's file set (None: all of them, as under ``accelerate launch``)."""
+    version = environment.get("FSDP_VERSION")
+    if version != "2":
+        said = "no fsdp_version (accelerate then takes 1)" if version is None else f"fsdp_version {version}"
+        raise UserError(f"{source}: {said}: the suite measures FSDP2; set fsdp_version: 2")
+    check_precision(environment.get("ACCELERATE_MIXED_PRECISION", "no"), source, "mixed_precision")
+    check_booleans(environment, source)
+    with environment_of(environment):
+        plugin, parallelism = accelerate_objects(environment, source)
+    values = {**plugin_values(plugin, environment, source), **layout_values(parallelism, source)}
+    values["mixed_precision_policy"] = PRECISIONS[environment.get("ACCELERATE_MIXED_PRECISION", "no").lower()]
+    if "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" in environment:
+        values["gradient_accumulation_steps"] = whole_number(environment, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+                                                             source)
+    classes = plugin.transformer_cls_names_to_wrap
+    return ConfigOptions(source, values, not_measured(environment, written),
+                         tuple(classes) if classes else None, bool(plugin.cpu_ram_efficient_loading))
+
+
+def accelerate_objects(environment: dict[str, str], source: str):
+    """accelerate's FSDP plugin and, where the config has one, its ParallelismConfig, built from the
+    environment as ``Accelerator`` builds them; their own refusals said in one line."""
+    from accelerate import FullyShardedDataParallelPlugin
+
+    try:
+        with quietly():
+            plugin = FullyShardedDataParallelPlugin()
+            parallelism = None
+            if environment.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true":
+                from accelerate import ParallelismConfig
+
+                parallelism = ParallelismConfig()
+    except (ValueError, TypeError, KeyError, ImportError) as exc:
+        raise UserError(f"{source}: accelerate refuses it: {first_line(exc)}") from None
+    return plugin, parallelism
+
+
+def plugin_values(plugin, environment: dict[str, str], source: str) -> dict:
+    """The FSDP2 plugin's fields the variants apply, after refusing what they cannot mirror."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    if plugin.auto_wrap_policy is not transformer_auto_wrap_policy:
+        policy = environment.get("FSDP_AUTO_WRAP_POLICY")
+        said = f"fsdp_auto_wrap_policy {policy}" if policy else \
+            "no fsdp_auto_wrap_policy (accelerate then wraps nothing but the whole model)"
+        raise UserError(f"{source}: {said}: the suite measures one FSDP unit per transformer block; set "
+                        "fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP (what accelerate config writes)")
+    if plugin.ignored_modules:
+        raise UserError(f"{source}: fsdp_ignored_modules {plugin.ignored_modules}: the suite shards every module")
+    return {"reshard_after_forward": bool(plugin.reshard_after_forward),
+            "activation_checkpointing": bool(plugin.activation_checkpointing),
+            "activation_checkpointing_offload": bool(getattr(plugin, "activation_checkpointing_offload", False)),
+            "cpu_offload": isinstance(plugin.cpu_offload, CPUOffloadPolicy)}
+
+
+def layout_values(parallelism, source: str) -> dict:
+    """ParallelismConfig's sizes as main.py's layout flags: all of them, so that they must multiply to the
+    world size as accelerate requires."""
+    if parallelism is None:
+        return {}
+    if getattr(parallelism, "sp_size", 1) > 1:
+        raise UserError(f"{source}: parallelism_config_sp_size {parallelism.sp_size}: sequence parallelism "
+                        "(DeepSpeed's) is not measured")
+    values = {"dp_replicate_size": parallelism.dp_replicate_size, "dp_shard_size": parallelism.dp_shard_size,
+              "cp_size": parallelism.cp_size, "tp_size": parallelism.tp_size}
+    strategy = getattr(parallelism.cp_handler, "cp_comm_strategy", None) if parallelism.cp_size > 1 else None
+    if strategy is not None:
+        if strategy not in CP_STRATEGIES:
+            raise UserError(f"{source}: parallelism_config_cp_comm_strategy {strategy}: one of "
+                            f"{', '.join(CP_STRATEGIES)}")
+        values["cp_comm_strategy"] = strategy
+    return values
+
+
+def check_booleans(environment: dict[str, str], source: str) -> None:
+    """Each true/false field as accelerate's ``str_to_bool`` takes it, refused naming the field otherwise."""
+    from accelerate.utils import str_to_bool
+
+    for key in ("FSDP_RESHARD_AFTER_FORWARD", "FSDP_OFFLOAD_PARAMS", "FSDP_ACTIVATION_CHECKPOINTING",
+                "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "FSDP_CPU_RAM_EFFICIENT_LOADING"):
+        if key in environment:
+            try:
+                str_to_bool(environment[key])
+            except ValueError:
+                raise UserError(f"{source}: {field_name(key)} must be true or false, got "
+                                f"{environment[key]!r}") from None
+
+
+def whole_number(environment: dict[str, str], key: str, source: str) -> int:
+    try:
+        value = int(environment[key])
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise UserError(f"{source}: {field_name(key)} must be a positive integer, got {environment[key]!r}")
+    return value
+
+
+def not_measured(environment: dict[str, str], written: set[str] | None) -> tuple[str, ...]:
+    """The config's fields that the suite does not mirror because they do not change training memory."""
+    said = [f"{field_name(key)} ({why})" for key, why in NOT_MEASURED.items()
+            if key in environment and (written is None or key in written)]
+    if environment.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper() != "NO":
+        said.append(f"dynamo_backend {environment['ACCELERATE_DYNAMO_BACKEND']} (compile is not measured)")
+    return tuple(said)
+
+
+def field_name(key: str) -> str:
+    """The config file's name of a launcher variable (FSDP_RESHARD_AFTER_FORWARD: fsdp_reshard_after_forward)."""
+    return key.removeprefix("ACCELERATE_").lower()
+
+
+def first_line(exc: BaseException) -> str:
+    """An error's message on one line (YAML's span several: what it expected, and where)."""
+    said = " ".join(str(exc).split()) or type(exc).__name__
+    return said if len(said) <= 240 else said[:237] + "..."
+
+
+@contextlib.contextmanager
+def environment_of(variables: dict[str, str]) -> Iterator[None]:
+    """These launcher variables in place of this process's own while accelerate reads them."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith(PREFIXES)}
+    for key in saved:
+        del os.environ[key]
+    os.environ.update({k: v for k, v in variables.items() if k.startswith(PREFIXES)})
+    try:
+        yield
+    finally:
+        for key in [k for k in os.environ if k.startswith(PREFIXES)]:
+            del os.environ[key]
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def quietly() -> Iterator[None]:
+    """accelerate's warnings and prints about the launch it is not making."""
+    import logging
+
+    accelerate_log = logging.getLogger("accelerate")
+    level = accelerate_log.level
+    accelerate_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        accelerate_log.setLevel(level)
