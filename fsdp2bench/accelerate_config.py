@@ -146,7 +146,8 @@ def from_environment(environment: dict[str, str], source: str, written: set[str]
     variables the user's file set (None: all of them, as under ``accelerate launch``)."""
     version = environment.get("FSDP_VERSION")
     if version != "2":
-        said = "no fsdp_version (accelerate then takes 1)" if version is None else f"fsdp_version {version}"
+        unnamed = version is None or (written is not None and "FSDP_VERSION" not in written)
+        said = "no fsdp_version (accelerate then takes 1)" if unnamed else f"fsdp_version {version}"
         raise UserError(f"{source}: {said}: the suite measures FSDP2; set fsdp_version: 2")
     check_precision(environment.get("ACCELERATE_MIXED_PRECISION", "no"), source, "mixed_precision")
     check_booleans(environment, source)

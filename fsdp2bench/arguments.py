@@ -130,8 +130,8 @@ def check_step(fsdp_options: options.FsdpOptions, config, device_type: str) -> N
 def add_config_option(p: argparse.ArgumentParser, becomes: str) -> None:
     """``--config_file``, main.py's, plan.py's and loading.py's: the user's accelerate config (accelerate_config.py)."""
     p.add_argument("--config_file", default=None, metavar="PATH",
-                   help=f"an accelerate config file (what accelerate config writes), read by accelerate's own "
-                        f"loader: its FSDP2 plugin fields, parallelism config and mixed precision become {becomes} "
+                   help=f"PATH: an accelerate config file (what accelerate config writes), read by accelerate's "
+                        f"own loader: its FSDP2 plugin fields, parallelism config and mixed precision become {becomes} "
                         f"(default: none)")
 
 

@@ -19,11 +19,18 @@ VARIANTS = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_not_fixed
 TINY = ["--model", "tiny", "--device", "cpu", "--max_steps", "12", "--learning_rate", "1e-3"]
 
 
+# ``launcher``'s first word: accelerate's launcher with the options after it, instead of torchrun.
+ACCELERATE_LAUNCH = "accelerate launch"
+
+
 def command(args: list[str], nproc: int | None = 2, launcher: list[str] | None = None) -> list[str]:
-    """``torchrun --standalone --nproc_per_node nproc <args>``, plain python when nproc is None, or
-    torchrun with the given ``launcher`` options instead of ``--standalone`` and the process count."""
+    """``torchrun --standalone --nproc_per_node nproc <args>``, plain python when nproc is None, torchrun
+    with the given ``launcher`` options instead of ``--standalone`` and the process count, or ``accelerate
+    launch`` with the options that follow ``ACCELERATE_LAUNCH`` in ``launcher``."""
     if nproc is None and launcher is None:
         return [sys.executable, *args]
+    if launcher and launcher[0] == ACCELERATE_LAUNCH:
+        return [sys.executable, "-m", "accelerate.commands.launch", *launcher[1:], *args]
     options = launcher if launcher is not None else ["--standalone", f"--nproc_per_node={nproc}"]
     return [sys.executable, "-m", "torch.distributed.run", *options, *args]
 

@@ -1,0 +1,156 @@
+"""The user's accelerate config is what is measured (fsdp2bench/accelerate_config.py): under ``accelerate
+launch`` and with ``--config_file``, each field reaches every variant (read back from the prepared models), a
+flag wins over the file, and what the suite cannot mirror is refused in one line before anything is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import loading
+import plan
+from conftest import ACCELERATE_LAUNCH, VARIANTS, load, run_script
+from fsdp2bench import arguments
+from fsdp2bench.cli import UserError
+
+FSDP2 = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2,
+                                                     "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}}
+RUN = ["--model", "tiny", "--device", "cpu", "--max_steps", "2", "--quiet"]
+
+
+def config_file(tmp_path: Path, name: str = "fsdp2.yaml", fsdp: dict | None = None, **top) -> str:
+    """An accelerate config as ``accelerate config`` writes one: FSDP2 with transformer-block wrapping, then
+    the FSDP fields and the top-level fields given."""
+    import yaml
+
+    config = {**FSDP2, **top, "fsdp_config": {**FSDP2["fsdp_config"], **(fsdp or {})}}
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def applied(summary: dict, variant: str) -> dict:
+    return summary["variants"][variant]["applied"][0]
+
+
+def test_accelerate_launch_with_a_config_trains_every_variant_as_the_file_says_and_a_flag_wins(tmp_path):
+    """The issue's file, launched by accelerate on 2 CPU processes: each field read back from all four
+    prepared models; --activation_checkpointing false on the command line wins over the file's true."""
+    path = config_file(tmp_path, fsdp={"fsdp_reshard_after_forward": False, "fsdp_activation_checkpointing": True,
+                                       "fsdp_offload_params": True},
+                       mixed_precision="no", use_cpu=True, num_processes=2)
+    out = tmp_path / "out"
+    proc = run_script(["main.py", *RUN, "--output_dir", str(out), "--activation_checkpointing", "false"],
+                      launcher=[ACCELERATE_LAUNCH, "--config_file", path])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = load(out / "summary.json")
+    said = summary["meta"]["options_from"]
+    assert said["config"] == "accelerate launch's environment"
+    assert {k: said["sources"][k] for k in ("reshard_after_forward", "cpu_offload", "mixed_precision_policy",
+                                            "activation_checkpointing", "tp_size")} == \
+        {"reshard_after_forward": "config", "cpu_offload": "config", "mixed_precision_policy": "config",
+         "activation_checkpointing": "flag", "tp_size": "default"}
+    assert "--activation_checkpointing false (the config: true)" in " ".join(proc.stdout.split())
+    for variant in VARIANTS:
+        entry = summary["variants"][variant]
+        assert len(entry["applied"]) == 2 and entry["applied_matches_options"], variant
+        assert {k: applied(summary, variant)[k] for k in ("reshard_after_forward", "param_dtype", "reduce_dtype",
+                                                           "activation_checkpointing", "cpu_offload", "fsdp_mesh")} \
+            == {"reshard_after_forward": False, "param_dtype": "float32", "reduce_dtype": "float32",
+                "activation_checkpointing": False, "cpu_offload": True, "fsdp_mesh": [2]}, variant
+        assert entry["accounting_matches_expected"], variant  # fp32 outputs kept: 4 bytes a logit
+    assert summary["checks"]["options_applied"]["ok"] and summary["checks"]["intended_losses_match"]["ok"]
+
+
+def test_a_config_file_sets_the_layout_and_precision_of_a_simulated_rank(tmp_path):
+    """``--config_file`` without a launcher: HSDP of 2 replicas x 2 shards and bf16 from the file, one rank of
+    N = 4 played; every variant's FSDP units are on the 2 x 2 mesh, under the bf16 policy."""
+    path = config_file(tmp_path, "hsdp.yaml", mixed_precision="bf16",
+                       parallelism_config={"parallelism_config_dp_replicate_size": 2,
+                                           "parallelism_config_dp_shard_size": 2})
+    out = tmp_path / "out"
+    proc = run_script(["main.py", *RUN, "--output_dir", str(out), "--config_file", path,
+                       "--simulate_world_size", "4"], nproc=None)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Options from hsdp.yaml:" in proc.stdout and "dp_replicate_size 2" in proc.stdout
+    summary = load(out / "summary.json")
+    assert summary["meta"]["fsdp_options"]["layout"]["dp_replicate_size"] == 2
+    assert summary["meta"]["options_from"]["sources"]["mixed_precision_policy"] == "config"
+    for variant in VARIANTS:
+        entry = summary["simulated"]["4"]["0"][variant]
+        assert entry["applied"][0]["fsdp_mesh"] == [2, 2] and entry["applied"][0]["param_dtype"] == "bfloat16"
+        assert entry["applied_matches_options"] and entry["accounting_matches_expected"], variant
+
+
+def refusal(tmp_path: Path, path: str) -> str:
+    with pytest.raises(UserError) as caught:
+        arguments.validate(["--config_file", path, *RUN, "--output_dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("fsdp, top, said", [
+    ({"fsdp_version": 1}, {}, "fsdp_version 1: the suite measures FSDP2"),
+    ({"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": 1000}, {},
+     "fsdp_auto_wrap_policy SIZE_BASED_WRAP: the suite measures one FSDP unit per transformer block"),
+    ({"fsdp_auto_wrap_policy": "NO_WRAP"}, {}, "fsdp_auto_wrap_policy NO_WRAP"),
+    ({"fsdp_reshard_after_forward": "maybe"}, {}, "fsdp_reshard_after_forward must be true or false, got 'maybe'"),
+    ({"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}, {},
+     "fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer: the suite shards this model by its blocks, "
+     "Qwen2DecoderLayer"),
+    ({}, {"mixed_precision": "fp16"}, "mixed_precision fp16: the suite runs 'no' (fp32) and bf16 only"),
+    ({}, {"mixed_precision": "fp8"}, "mixed_precision fp8"),
+    ({}, {"distributed_type": "MULTI_GPU"}, "distributed_type MULTI_GPU: the suite measures FSDP2"),
+    ({}, {"parallelism_config": {"parallelism_config_tp_size": "two"}},
+     "parallelism_config_tp_size must be a positive integer, got 'two'"),
+    ({}, {"parallelism_config": {"parallelism_config_dp_shard_size": 1, "parallelism_config_sp_size": 2}},
+     "parallelism_config_sp_size 2: sequence parallelism"),
+])
+def test_what_cannot_be_mirrored_is_refused_naming_the_file_and_field(tmp_path, fsdp, top, said):
+    message = refusal(tmp_path, config_file(tmp_path, fsdp=fsdp, **top))
+    assert message.startswith("fsdp2.yaml: ") and said in message
+
+
+def test_a_file_accelerate_cannot_read_is_one_line(tmp_path):
+    (tmp_path / "broken.yaml").write_text("distributed_type: FSDP\nfsdp_config: [1, 2\n")
+    assert "broken.yaml: not an accelerate config accelerate can read: while parsing" in \
+        refusal(tmp_path, str(tmp_path / "broken.yaml"))
+    (tmp_path / "unknown.yaml").write_text("distributed_type: FSDP\nfsdp_confg: {}\n")
+    assert "had unknown keys (['fsdp_confg'])" in refusal(tmp_path, str(tmp_path / "unknown.yaml"))
+    (tmp_path / "empty.yaml").write_text("")
+    assert refusal(tmp_path, str(tmp_path / "empty.yaml")).startswith("empty.yaml: ")
+    assert refusal(tmp_path, str(tmp_path / "missing.yaml")).endswith("no such file or directory, not a file")
+    assert refusal(tmp_path, str(tmp_path)).endswith("a directory, not a file")
+    (tmp_path / "v.yaml").write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: "
+                                     "TRANSFORMER_BASED_WRAP\n")
+    assert "v.yaml: no fsdp_version (accelerate then takes 1)" in refusal(tmp_path, str(tmp_path / "v.yaml"))
+
+
+def test_a_refused_config_exits_2_in_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "out"
+    proc = run_script(["main.py", *RUN, "--output_dir", str(out), "--config_file",
+                       config_file(tmp_path, fsdp={"fsdp_version": 1})], nproc=None)
+    assert proc.returncode == 2 and not out.exists()
+    assert proc.stderr.strip().count("\n") == 0 and "fsdp_version 1" in proc.stderr, proc.stderr
+
+
+def test_plan_matrix_and_loading_read_the_same_file(tmp_path):
+    """plan.py puts each set over the file's options; matrix.py forwards the file to each launch and still owns
+    the options its sets change; loading.py names the mode the file loads as."""
+    path = config_file(tmp_path, fsdp={"fsdp_activation_checkpointing": True, "fsdp_cpu_ram_efficient_loading": True},
+                       mixed_precision="no")
+    checked = plan.validate(["--config_file", path, "--device", "cpu", "--sets", "default,no_reshard",
+                             "--world_size", "2", "--output_dir", str(tmp_path / "plan")])
+    assert checked.base.activation_checkpointing and checked.base.mixed_precision_policy == "fp32"
+    assert plan.set_options(checked.base, "no_reshard").reshard_after_forward is False
+    assert plan.set_options(checked.base, "no_reshard").activation_checkpointing
+    args, _, _, _ = loading.validate(["--config_file", path, "--device", "cpu", "--output_dir", str(tmp_path / "l")])
+    assert args.options_from["config"] == "fsdp2.yaml" and args.options_from["mode"] == "accelerate"
+    import matrix
+
+    sets, _ = matrix.check(*matrix.parse_args(["--config_file", path, "--option_sets", "default", *RUN,
+                                               "--output_dir", str(tmp_path / "m")]))
+    assert sets == ["default"]
+    with pytest.raises(UserError, match="--activation_checkpointing is set by matrix.py"):
+        matrix.check(*matrix.parse_args(["--config_file", path, "--activation_checkpointing", *RUN]))
