@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A user's accelerate config measured, Qwen2.5-1.5B shape, one GPU: under accelerate launch (N = 1, all four
-# variants; accelerate launch as python3 -m accelerate.commands.launch), with --config_file at simulated N = 8, and the same options given as flags at N = 8 (the same run).
+# variants; accelerate launch as python3 -m accelerate.commands.launch), with --config_file at simulated N = 8,
+# and the same options given as flags at N = 8 (the same run).
 # Run from the repository root: bash results/h200/accelerate_config_1.5b/run.sh OUT [main.py flags...]
 set -u
 out=$1
