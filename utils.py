@@ -20,6 +20,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from fsdp2bench import names
+from fsdp2bench.accelerate_config import options_alone
 from fsdp2bench.isolation import Unsupported
 from fsdp2bench.layout import Degrees, Meshes, planned_style, tensor_parallel_plan
 from fsdp2bench.options import AUTOCAST, FP32, FsdpOptions
@@ -397,8 +398,9 @@ def make_accelerator(device: torch.device, layer_classes: list[str], cpu_ram_eff
     scaling = accelerate_scaling(options)
     # On the CPU its parallelism config would refuse the MULTI_CPU type it starts with: given after the switch.
     parallelism = scaling.pop("parallelism_config", None) if device.type == "cpu" else None
-    accelerator = Accelerator(fsdp_plugin=plugin, mixed_precision="bf16" if autocast else "no",
-                              cpu=device.type == "cpu", **scaling)
+    with options_alone():
+        accelerator = Accelerator(fsdp_plugin=plugin, mixed_precision="bf16" if autocast else "no",
+                                  cpu=device.type == "cpu", **scaling)
     if device.type == "cpu":
         force_accelerate_fsdp_on_cpu(accelerator, plugin, autocast, parallelism)
     return accelerator

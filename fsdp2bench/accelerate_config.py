@@ -278,6 +278,22 @@ def environment_of(variables: dict[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
+# What ``Accelerator()`` would take from a launch's environment over the arguments the accelerate variant gives it
+# (the gradient accumulation steps, and a ParallelismConfig where it is given none): the options already hold the
+# config's values, with the flags over them.
+OVERRIDING = ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "ACCELERATE_USE_PARALLELISM_CONFIG")
+
+
+@contextlib.contextmanager
+def options_alone() -> Iterator[None]:
+    """Without the launcher's variables that ``Accelerator()`` would put over the options it is given."""
+    saved = {key: os.environ.pop(key) for key in OVERRIDING if key in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 @contextlib.contextmanager
 def quietly() -> Iterator[None]:
     """accelerate's warnings and prints about the launch it is not making."""

@@ -35,22 +35,25 @@ def applied(summary: dict, variant: str) -> dict:
 
 
 def test_accelerate_launch_with_a_config_trains_every_variant_as_the_file_says_and_a_flag_wins(tmp_path):
-    """The issue's file, launched by accelerate on 2 CPU processes: each field read back from all four
-    prepared models; --activation_checkpointing false on the command line wins over the file's true."""
+    """The issue's file, launched by accelerate on 2 CPU processes, with the accumulation steps that
+    ``Accelerator`` reads from the environment: each field read back from all four prepared models (the
+    unreduced gradients between microbatches counted to the byte); --activation_checkpointing false on the
+    command line wins over the file's true."""
     path = config_file(tmp_path, fsdp={"fsdp_reshard_after_forward": False, "fsdp_activation_checkpointing": True,
                                        "fsdp_offload_params": True},
                        mixed_precision="no", use_cpu=True, num_processes=2)
     out = tmp_path / "out"
     proc = run_script(["main.py", *RUN, "--output_dir", str(out), "--activation_checkpointing", "false"],
-                      launcher=[ACCELERATE_LAUNCH, "--config_file", path])
+                      launcher=[ACCELERATE_LAUNCH, "--config_file", path], ACCELERATE_GRADIENT_ACCUMULATION_STEPS="2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = load(out / "summary.json")
     said = summary["meta"]["options_from"]
     assert said["config"] == "accelerate launch's environment"
     assert {k: said["sources"][k] for k in ("reshard_after_forward", "cpu_offload", "mixed_precision_policy",
-                                            "activation_checkpointing", "tp_size")} == \
+                                            "activation_checkpointing", "gradient_accumulation_steps", "tp_size")} == \
         {"reshard_after_forward": "config", "cpu_offload": "config", "mixed_precision_policy": "config",
-         "activation_checkpointing": "flag", "tp_size": "default"}
+         "activation_checkpointing": "flag", "gradient_accumulation_steps": "config", "tp_size": "default"}
+    assert summary["meta"]["per_optimizer_step"]["microbatches"] == 2
     assert "--activation_checkpointing false (the config: true)" in " ".join(proc.stdout.split())
     for variant in VARIANTS:
         entry = summary["variants"][variant]
