@@ -77,9 +77,11 @@ def applied_setup(model: nn.Module, layer_classes: list[str]) -> dict:
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     # A block's unit: the checkpoint wrapper or the block inside it, whichever holds the block's parameters.
-    state = next(s for m in model.modules() if isinstance(m, FSDPModule)
-                 and type(getattr(m, "_checkpoint_wrapped_module", m)).__name__.removeprefix("FSDP") in layer_classes
-                 and (s := fully_shard.state(m))._fsdp_param_group is not None)
+    state = next((s for m in model.modules() if isinstance(m, FSDPModule)
+                  and type(getattr(m, "_checkpoint_wrapped_module", m)).__name__.removeprefix("FSDP") in layer_classes
+                  and (s := fully_shard.state(m))._fsdp_param_group is not None), None)
+    if state is None:  # no block of its own: nothing to read back, and the check says so
+        return {key: None for key in (*SETUP_KEYS, "autocast", "fsdp_mesh")}
     group, policy = state._fsdp_param_group, state._mp_policy
     forward = getattr(model.forward, "__func__", model.forward)
     return {"reshard_after_forward": group.post_forward_mesh_info is not None,
@@ -89,6 +91,10 @@ def applied_setup(model: nn.Module, layer_classes: list[str]) -> dict:
             "activation_checkpointing_offload": any(isinstance(m, OffloadWrapper) for m in model.modules()),
             "cpu_offload": any(p.offload_to_cpu for p in group.fsdp_params),
             "fsdp_mesh": list(group.mesh_info.mesh.shape)}
+
+
+SETUP_KEYS = ("reshard_after_forward", "param_dtype", "reduce_dtype", "activation_checkpointing",
+              "activation_checkpointing_offload", "cpu_offload")
 
 
 def expected_setup(options: FsdpOptions) -> dict:
