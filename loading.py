@@ -29,7 +29,7 @@ from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ra
 from fsdp2bench.isolation import (Interrupted, Piece, StoreKeys, gather_records, launcher_keeps_to_one_thread,
                                   leave_together, run_isolated, wait_for_keys)
 from fsdp2bench import accelerate_config, simulation, weights
-from fsdp2bench.arguments import add_config_option
+from fsdp2bench.arguments import add_config_option, check_wrapped_classes
 from fsdp2bench.checkpoints import FORMATS, Checkpoint
 from fsdp2bench.loading import (CHECKPOINT_DTYPES, MODES, NEEDS_PEERS, SIMULABLE, LoadConfig, LoadJob, load_process,
                                 print_simulated, print_table, summarise, trace_file, write_checkpoint_process)
@@ -158,12 +158,14 @@ def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[st
     check_releases()
     check_launcher_env()
     modes = check_args(args)
-    args.options_from = config_mode(accelerate_config.read(args.config_file))
+    config = accelerate_config.read(args.config_file)
+    args.options_from = config_mode(config)
     device_type = pick_device(args.device).type
     check_output_dir(args.output_dir, "loading_summary.json")
     refuse_foreign(files_written(args, modes), "--output_dir")
     checkpoint = Checkpoint(args.checkpoint) if args.checkpoint else None
     facts = model_facts(args.model or args.checkpoint or default_loading_model(device_type), args.seed)
+    check_wrapped_classes(config, facts.layer_classes)
     if checkpoint is not None:
         checkpoint.check_against(facts.named_shapes)
     return args, modes, facts, checkpoint

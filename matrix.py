@@ -19,7 +19,7 @@ if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them i
 import argparse
 import os
 
-from fsdp2bench import arguments, matrix, options
+from fsdp2bench import accelerate_config, arguments, matrix, options
 from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with,
                             pick_device, prepare_output_dir, refuse_foreign)
 from fsdp2bench.simulation import DEFAULT_STEPS, parse_world_sizes
@@ -51,9 +51,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     return p.parse_known_args(argv)
 
 
-def check(args: argparse.Namespace, forwarded: list[str]) -> tuple[list[str], dict[str, str]]:
+def check(args: argparse.Namespace, forwarded: list[str]) -> tuple[list[str], dict[str, str], dict]:
     """Refuse in one line, before any launch, what main.py would refuse or what the matrix owns; return the
-    sets, and why a set's layout cannot run this model here (it is skipped, and said so)."""
+    sets, why a set's layout cannot run this model here (it is skipped, and said so), and where the options
+    each set is put over came from (a user's accelerate config, forwarded as --config_file)."""
     sets = options.parse_sets(args.option_sets)
     check_ranges(args, NUMBER_RANGES)
     if args.nproc_per_node == 0 and not args.simulate_world_size:
@@ -79,7 +80,7 @@ def check(args: argparse.Namespace, forwarded: list[str]) -> tuple[list[str], di
     for _, _, main_args in plan:  # every launch's command line, as main.py will check it
         launch = arguments.parse_args(main_args)
         arguments.check_args(launch, max(1, args.nproc_per_node))
-    return sets, refused
+    return sets, refused, accelerate_config.summary_of(checked.config, given.option_sources)
 
 
 def sweep_sizes(args: argparse.Namespace) -> list[int]:
@@ -89,9 +90,10 @@ def sweep_sizes(args: argparse.Namespace) -> list[int]:
 
 def run(args: argparse.Namespace, forwarded: list[str]) -> int:
     interrupts_raise()  # the launches' loop passes a Ctrl-C on (matrix.Launches)
-    sets, refused = check(args, forwarded)
+    sets, refused, options_from = check(args, forwarded)
     prepare_output_dir(args.output_dir)
     meta = matrix.meta_of(sets, args.simulate_world_size, args.sweep_steps, args.nproc_per_node, forwarded)
+    meta["options_from"] = options_from  # each set's options are put over these
     summaries: dict[str, tuple[str, dict]] = {}
     failed = False
     plan, skipped = matrix.launches(args.output_dir, sets, sweep_sizes(args), args.sweep_steps,

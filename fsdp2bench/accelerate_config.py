@@ -11,6 +11,7 @@ suite cannot mirror is refused in one line; what does not change training memory
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import warnings
@@ -35,6 +36,16 @@ NOT_MEASURED = {
 }
 
 
+# Each option a config sets, and the field that sets it (a refusal that names the option names the field too).
+FIELDS = {"reshard_after_forward": "fsdp_reshard_after_forward",
+          "activation_checkpointing": "fsdp_activation_checkpointing",
+          "activation_checkpointing_offload": "fsdp_activation_checkpointing_offload",
+          "cpu_offload": "fsdp_offload_params", "mixed_precision_policy": "mixed_precision",
+          "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS (the environment)",
+          **{f"{size}_size": f"parallelism_config_{size}_size" for size in ("dp_replicate", "dp_shard", "cp", "tp")},
+          "cp_comm_strategy": "parallelism_config_cp_comm_strategy"}
+
+
 @dataclass(frozen=True)
 class ConfigOptions:
     """main.py's options as a config sets them (flag names), where they came from, and what is not mirrored."""
@@ -50,7 +61,11 @@ def read(config_file: str | None) -> ConfigOptions | None:
     the environment, else None (the flags and the defaults alone)."""
     if config_file is not None:
         environment, written = file_environment(config_file)
-        return from_environment(environment, os.path.basename(config_file), written)
+        config = from_environment(environment, os.path.basename(config_file), written)
+        if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":  # accelerate launch passed one too
+            return dataclasses.replace(config, not_measured=(*config.not_measured, "the FSDP config accelerate "
+                                                             "launch passed (--config_file is read instead)"))
+        return config
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
         return from_environment(dict(os.environ), LAUNCH_SOURCE)
     return None
@@ -70,6 +85,22 @@ def said(config: ConfigOptions | None, sources: dict, args) -> str | None:
     if config.not_measured:
         line += "; not mirrored, no change to training memory: " + ", ".join(config.not_measured)
     return line
+
+
+def fields_said(config: ConfigOptions | None, sources: dict) -> dict[str, str]:
+    """For each option the config set (and no flag overrode), the field that set it and its value."""
+    if config is None:
+        return {}
+    return {name: f"{config.source} {FIELDS[name]} {text(value)}" for name, value in config.values.items()
+            if sources.get(name) == "config"}
+
+
+def with_fields(error: UserError, said: dict[str, str]) -> UserError:
+    """A refusal that names options the config set, with the config's fields that set them."""
+    named = [name for name in said if f"--{name}" in str(error)]
+    if not named:
+        return error
+    return UserError(f"{error} ({'; '.join(f'--{name} is {said[name]}' for name in named)})")
 
 
 def summary_of(config: ConfigOptions | None, sources: dict) -> dict:
@@ -97,18 +128,22 @@ def file_environment(path: str) -> tuple[dict[str, str], set[str]]:
     if kind != "FSDP":
         raise UserError(f"{name}: distributed_type {kind or 'missing'}: the suite measures FSDP2 "
                         "(distributed_type: FSDP, fsdp_version: 2)")
-    check_sizes(config.parallelism_config or {}, name)
-    if config.mixed_precision is not None:  # else accelerate's launcher takes "no"
-        check_precision(str(config.mixed_precision), name, "mixed_precision")
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    # One machine and a free port: the launcher's checks of them do not concern the options.
+    parser = launch_command_parser()
+    check_fields(config, name, {action.dest for action in parser._actions})
+    if isinstance(config.mixed_precision, bool):  # YAML reads an unquoted no as false
+        raise UserError(f"{name}: mixed_precision {config.mixed_precision}: YAML reads an unquoted no as false; "
+                        "write mixed_precision: 'no'")
+    if config.mixed_precision is not None:  # else accelerate's launcher takes "no"
+        check_precision(str(config.mixed_precision), name, "mixed_precision")
+    # One machine, two processes and a free port: the launcher's checks of them do not concern the options.
     argv = ["--config_file", path, "--num_machines", "1", "--machine_rank", "0", "--main_process_port", "0",
-            "--num_processes", str(max(2, getattr(config, "num_processes", 2) or 2)), "main.py"]
+            "--num_processes", "2", "main.py"]
     try:
         with quietly():
-            args = _validate_launch_command(launch_command_parser().parse_args(argv))[0]
+            args = _validate_launch_command(parser.parse_args(argv))[0]
             environment = prepare_multi_gpu_env(args)
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:
         raise UserError(f"{name}: accelerate refuses it: {first_line(exc)}") from None
@@ -123,14 +158,27 @@ def load(path: str):
     try:
         with quietly():
             return load_config_from_file(path)
+    except (AttributeError, TypeError):  # yaml or json gave something other than a mapping
+        raise UserError(f"{os.path.basename(path)}: not an accelerate config: its top level is not a mapping of "
+                        "fields (an empty file, or a list)") from None
     except Exception as exc:  # noqa: BLE001 - yaml's, json's and accelerate's own errors: all a file it cannot read
         raise UserError(f"{os.path.basename(path)}: not an accelerate config accelerate can read: "
                         f"{first_line(exc)}") from None
 
 
-def check_sizes(parallelism: dict, name: str) -> None:
-    """The parallelism config's sizes are whole positive numbers (accelerate's launcher compares them unchecked)."""
-    for key, value in parallelism.items():
+def check_fields(config, name: str, known: set[str]) -> None:
+    """The FSDP and parallelism sections are mappings of fields accelerate's launcher knows (it would ignore a
+    misspelled one, and measure its default), and the sizes are whole positive numbers (it compares them
+    unchecked)."""
+    for section in ("fsdp_config", "parallelism_config"):
+        fields = getattr(config, section) or {}
+        if not isinstance(fields, dict):
+            raise UserError(f"{name}: {section} must be a mapping of fields, got {fields!r}")
+        unknown = sorted(key for key in fields if key not in known)
+        if unknown:
+            raise UserError(f"{name}: {section}: {', '.join(map(str, unknown))}: not a field accelerate knows "
+                            "(accelerate launch would ignore it and take its default)")
+    for key, value in (config.parallelism_config or {}).items():
         if key.endswith("_size") and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             raise UserError(f"{name}: {key} must be a positive integer, got {value!r}")
 
@@ -156,8 +204,7 @@ def from_environment(environment: dict[str, str], source: str, written: set[str]
     values = {**plugin_values(plugin, environment, source), **layout_values(parallelism, source)}
     values["mixed_precision_policy"] = PRECISIONS[environment.get("ACCELERATE_MIXED_PRECISION", "no").lower()]
     if "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" in environment:
-        values["gradient_accumulation_steps"] = whole_number(environment, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
-                                                             source)
+        values["gradient_accumulation_steps"] = whole_number(environment, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
     classes = plugin.transformer_cls_names_to_wrap
     return ConfigOptions(source, values, not_measured(environment, written),
                          tuple(classes) if classes else None, bool(plugin.cpu_ram_efficient_loading))
@@ -233,13 +280,14 @@ def check_booleans(environment: dict[str, str], source: str) -> None:
                                 f"{environment[key]!r}") from None
 
 
-def whole_number(environment: dict[str, str], key: str, source: str) -> int:
+def whole_number(environment: dict[str, str], key: str) -> int:
+    """A launcher variable of a whole positive number (one ``Accelerator`` reads from the environment)."""
     try:
         value = int(environment[key])
     except ValueError:
         value = 0
     if value < 1:
-        raise UserError(f"{source}: {field_name(key)} must be a positive integer, got {environment[key]!r}")
+        raise UserError(f"{key} in the environment must be a positive integer, got {environment[key]!r}")
     return value
 
 

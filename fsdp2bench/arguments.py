@@ -237,6 +237,7 @@ def apply_config(args: argparse.Namespace) -> accelerate_config.ConfigOptions | 
     if args.cp_size == 1 and sources["cp_comm_strategy"] == "config":  # a flag turned the file's CP off
         args.cp_comm_strategy, sources["cp_comm_strategy"] = None, "default"
     args.option_sources = sources
+    args.config_fields = accelerate_config.fields_said(config, sources)
     return config
 
 
@@ -244,6 +245,13 @@ def check_args(args: argparse.Namespace, world_size: int) -> tuple[list[str], op
     """Refuse what cannot work before any process or model exists; return the variants and options.
     ``world_size``: that of the launch checked (a sweep's own N are checked instead)."""
     apply_config(args)
+    try:
+        return check_options(args, world_size)
+    except UserError as error:
+        raise accelerate_config.with_fields(error, args.config_fields) from None
+
+
+def check_options(args: argparse.Namespace, world_size: int) -> tuple[list[str], options.FsdpOptions]:
     for flag in ("batch_size", "block_size"):
         if getattr(args, flag) <= 0:
             raise UserError(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
