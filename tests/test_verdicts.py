@@ -21,7 +21,7 @@ def entries(intended: list[float], unfixed: list[float]) -> dict:
     """Variant entries as report.run_checks reads them, from two loss series."""
     def entry(losses):
         return {"status": "ok", "steps": len(losses), "losses": losses, "loss_drop": report.loss_drop(losses),
-                "accounting_matches_expected": True}
+                "accounting_matches_expected": True, "applied_matches_options": True}
     return {**{name: entry(intended) for name in INTENDED}, UNFIXED: entry(unfixed)}
 
 
