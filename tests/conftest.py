@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -113,6 +115,27 @@ def child_running(pid: int, marker: str, timeout: float = 60.0):
     raise AssertionError(f"no child of {pid} running {marker} within {timeout} s")
 
 
+def refusal(validate, argv: list[str]) -> str | None:
+    """What a script's ``validate`` (its checks of the command line, which it runs before any process or file
+    exists) says of ``argv``, called in this process: None where it accepts it, else the one line a launch
+    prints (a UserError as ``cli.exit_with`` says it, or the parser's own line). For refusals that need no
+    process; the launches that check that a refusal is that line and exit code 2 are kept beside them."""
+    from fsdp2bench.cli import UserError  # here: the session's temp dir is set before torch is imported
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            validate(argv)
+            return None
+        except UserError as exc:
+            return f"error: {exc}"
+        except SystemExit as exc:
+            assert exc.code == 2, (argv, exc.code)
+    lines = err.getvalue().strip().splitlines()
+    assert len(lines) == 1, (argv, lines)
+    return lines[0]
+
+
 def load(path: Path) -> dict:
     with open(path) as f:
         return json.load(f)
@@ -124,4 +147,38 @@ def suite(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     out = tmp_path_factory.mktemp("suite")
     proc = run_script(["main.py", *TINY, "--output_dir", str(out)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out, proc
+
+
+@pytest.fixture(scope="session")
+def diverged(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One single-process run of two intended variants, the second diverging at step 1 (a NaN injected), shared
+    by the tests that read what a run with a failed check writes and says."""
+    out = tmp_path_factory.mktemp("diverged")
+    proc = run_script(["main.py", "--model", "tiny", "--device", "cpu", "--max_steps", "4", "--variants",
+                       "torch_optimizer_after_fsdp,torch_optimizer_before_fsdp_fixed", "--inject_failure",
+                       "torch_optimizer_before_fsdp_fixed:1:0:nan", "--output_dir", str(out)], nproc=None)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    return out, proc
+
+
+@pytest.fixture(scope="session")
+def cpu_sweep(tmp_path_factory) -> Path:
+    """One single-process sweep of the four variants at simulated N = 2 and 8 (2 steps), shared by the tests that
+    draw a sweep's figures."""
+    out = tmp_path_factory.mktemp("sweep")
+    proc = run_script(["main.py", *TINY, "--max_steps", "2", "--simulate_world_size", "2,8", "--output_dir",
+                       str(out)], nproc=None)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="session")
+def loaded(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One 2-rank run of loading.py over every mode with the ~100M-parameter preset (a 100MB-sharded checkpoint),
+    shared by the tests that read or draw what it writes."""
+    out = tmp_path_factory.mktemp("loading")
+    proc = run_script(["loading.py", "--model", "small", "--device", "cpu", "--checkpoint_shard_size", "100MB",
+                       "--output_dir", str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     return out, proc

@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -14,7 +15,9 @@ import time
 
 import psutil
 import pytest
-from conftest import TINY, VARIANTS, load, run_script, start_script
+from conftest import TINY, VARIANTS, load, refusal, run_script, start_script
+
+from fsdp2bench import arguments
 
 FIXED = "torch_optimizer_before_fsdp_fixed"
 SHORT = ["--model", "tiny", "--device", "cpu", "--max_steps", "6"]
@@ -33,7 +36,7 @@ def rank_processes(agent) -> dict[int, psutil.Process]:
     return ranks
 
 
-LONG_STEPS = 150
+LONG_STEPS = 80  # the first variant trains them all; the second is signalled 2 s after it starts
 
 
 def start_long_run(out):
@@ -162,8 +165,14 @@ def write_bad_inputs(tmp) -> None:
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(tmp / "big_tokenizer")
 
 
+# Launched for real: the parser's refusal and one that main.py's checks make after the model is built. Every
+# case is refused by main.py's checks (arguments.validate), which a launch runs first: the others are asked of
+# them in this process.
+LAUNCHED = ("bad flag", "tokenizer larger than the model")
+
+
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_gets_one_line_and_loses_nothing(case, tmp_path, suite):
+def test_bad_input_gets_one_line_and_loses_nothing(case, tmp_path, suite, monkeypatch):
     if case == "no gpu" and __import__("torch").cuda.is_available():
         pytest.skip("this machine has a GPU")
     flags, message = BAD_INPUTS[case]
@@ -174,10 +183,15 @@ def test_bad_input_gets_one_line_and_loses_nothing(case, tmp_path, suite):
     before = digest(out)
     args = ["main.py", "--model", "tiny", "--device", "cpu", "--max_steps", "1", "--output_dir", str(out)]
     args += [f.format(tmp=tmp_path) for f in flags]
-    proc = run_script(args, nproc=None, timeout=120)
-    assert proc.returncode == 2, (case, proc.stdout, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (case, proc.stderr)
+    if case in LAUNCHED:
+        proc = run_script(args, nproc=None, timeout=120)
+        assert proc.returncode == 2, (case, proc.stdout, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+    else:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as launched: a name that is no preset is not asked of the Hub
+        lines = [refusal(arguments.validate, args[1:])]
+    assert len(lines) == 1 and lines[0] is not None and lines[0].startswith("error: ") and message in lines[0], \
+        (case, lines)
     assert digest(out) == before
 
 
@@ -197,29 +211,27 @@ def test_a_failed_background_thread_fails_its_variant_in_one_line(tmp_path):
     ("accelerate:12:0", "step 12 is not among this run's steps 0..11"),
     ("accelerate:0:0:kill", "accelerate is not among --variants"),
 ])
-def test_a_failure_that_would_never_fire_is_refused(tmp_path, spec, message):
+def test_a_failure_that_would_never_fire_is_refused(monkeypatch, tmp_path, spec, message):
+    """Checked as rank 0 of a 2-rank launch checks it (its launcher's variables), in this process; that a refusal
+    under torchrun is said once, by rank 0, is test_bad_input_under_torchrun_stops_every_rank_with_one_line."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
     variants = "accelerate" if "among --variants" not in message else "torch_optimizer_after_fsdp"
-    proc = run_script(["main.py", *TINY, "--variants", variants, "--inject_failure", spec,
-                       "--output_dir", str(tmp_path / "out")])
-    assert proc.returncode != 0
-    assert proc.stderr.count(f"error: --inject_failure {spec.rsplit(':kill', 1)[0]}: {message}") == 1, proc.stderr
-    assert not (tmp_path / "out" / "summary.json").exists()
+    line = refusal(arguments.validate, [*TINY, "--variants", variants, "--inject_failure", spec,
+                                        "--output_dir", str(tmp_path / "out")])
+    assert line == f"error: --inject_failure {spec.rsplit(':kill', 1)[0]}: {message}", line
+    assert not (tmp_path / "out").exists()
 
 
 def test_bad_input_under_torchrun_stops_every_rank_with_one_line(tmp_path):
+    """Every rank refuses the command line; rank 0 alone says it, once, and nothing is written."""
     proc = run_script(["main.py", "--model", "tiny", "--device", "cpu", "--variants", "nope",
-                       "--output_dir", str(tmp_path)])
+                       "--output_dir", str(tmp_path / "out")])
     assert proc.returncode != 0
-    assert proc.stderr.count("error: --variants: unknown name(s) nope") == 1
-    assert not (tmp_path / "summary.json").exists()
-
-
-def test_memory_snapshot_on_cpu_is_a_warning(tmp_path):
-    proc = run_script(["main.py", *SHORT, "--max_steps", "2", "--variants", "torch_optimizer_after_fsdp",
-                       "--save_memory_snapshot", "--output_dir", str(tmp_path)], nproc=None)
-    assert proc.returncode == 0, proc.stderr
-    assert "warning: --save_memory_snapshot needs CUDA" in proc.stdout
-    assert not list(tmp_path.glob("*.pkl"))
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: --variants: unknown name(s) nope"), proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def free_port() -> int:
@@ -280,12 +292,10 @@ def test_a_binary_dataset_is_read_as_its_bytes(tmp_path):
     assert load(tmp_path / "out" / "summary.json")["variants"]["torch_optimizer_after_fsdp"]["steps"] == 3
 
 
-def test_a_diverging_run_fails_its_checks_and_names_the_cause(tmp_path):
-    proc = run_script(["main.py", "--model", "tiny", "--device", "cpu", "--max_steps", "4",
-                       "--variants", "torch_optimizer_after_fsdp,torch_optimizer_before_fsdp_fixed",
-                       "--inject_failure", "torch_optimizer_before_fsdp_fixed:1:0:nan", "--output_dir", str(tmp_path)],
-                      nproc=None)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+def test_a_diverging_run_fails_its_checks_and_names_the_cause(diverged, tmp_path):
+    out, proc = diverged  # exit code 1
+    tmp_path = tmp_path / "out"
+    shutil.copytree(out, tmp_path)  # visualize.py draws beside the copy
     checks = load(tmp_path / "summary.json")["checks"]
     assert checks["losses_finite"]["ok"] is False
     assert checks["losses_finite"]["first_non_finite_step"] == {"torch_optimizer_before_fsdp_fixed": 1}
@@ -372,24 +382,23 @@ def test_a_variant_out_of_memory_beside_others_is_run_again_alone(tmp_path):
     assert summary["meta"]["concurrent_variants"] == 2
 
 
-def test_plain_python_children_from_the_fork_server_reach_the_store(tmp_path):
+def test_plain_python_children_from_the_fork_server_reach_the_store_and_train_every_step(tmp_path):
     """Plain ``python main.py`` is one rank; the fork server starts before that rank's launcher
-    variables are set, and its children must still find the store (the GPU path)."""
-    proc = run_script(["main.py", *TINY, "--max_steps", "2", "--variants", "torch_optimizer_after_fsdp",
-                       "--output_dir", str(tmp_path)], nproc=None, FSDP2_BENCH_START_METHOD="forkserver")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert load(tmp_path / "summary.json")["variants"]["torch_optimizer_after_fsdp"]["status"] == "ok"
+    variables are set, and its children must still find the store (the GPU path).
 
+    The fork server receives each tensor's storage as a file descriptor and takes at most 252: the README's
+    plain run (1280 steps at one rank) failed there with "too many fds" while every run of the tests (12 steps)
+    passed. The batches travel as one tensor: 300 steps train.
 
-def test_a_run_of_more_steps_than_the_fork_server_passes_descriptors_trains_them_all(tmp_path):
-    """The GPU path's children come from the fork server, which receives each tensor's storage as a
-    file descriptor and takes at most 252: the README's plain run (1280 steps at one rank) failed there
-    with "too many fds" while every run of the tests (12 steps) passed. The batches travel as one tensor."""
+    The same run asks for a memory snapshot: on the CPU that is a warning, and no snapshot is written."""
     proc = run_script(["main.py", *TINY, "--max_steps", "300", "--variants", "torch_optimizer_after_fsdp",
-                       "--output_dir", str(tmp_path)], nproc=None, FSDP2_BENCH_START_METHOD="forkserver")
+                       "--save_memory_snapshot", "--output_dir", str(tmp_path)], nproc=None,
+                      FSDP2_BENCH_START_METHOD="forkserver")
     assert proc.returncode == 0, proc.stderr[-3000:]
     variant = load(tmp_path / "summary.json")["variants"]["torch_optimizer_after_fsdp"]
     assert variant["status"] == "ok" and len(variant["losses"]) == 300
+    assert "warning: --save_memory_snapshot needs CUDA" in proc.stdout
+    assert not list(tmp_path.glob("*.pkl"))
 
 
 # torch's message under a cap with other processes on the GPU (one H200, plan.py under 24 GiB)

@@ -3,12 +3,18 @@ left where a script writes is replaced, and two runs started into one directory 
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import time
 
 import pytest
-from conftest import TINY, VARIANTS, child_running, load, run_script, start_script
+from conftest import TINY, VARIANTS, child_running, load, refusal, run_script, start_script
+
+import loading
+import matrix
+import plan
+from fsdp2bench import arguments
 
 UNREACHABLE = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}  # a port nothing listens on
 CPU = ["--device", "cpu"]
@@ -37,6 +43,11 @@ def foreign(path, content: str = '{"timestamps": [0.0], "allocated_memory": [1.0
     return path.read_bytes()
 
 
+# Each entry script's checks of its command line, which it runs before any process or file exists.
+CHECKS = {"main.py": arguments.validate, "loading.py": loading.validate, "plan.py": plan.validate,
+          "matrix.py": lambda argv: matrix.check(*matrix.parse_args(argv))}
+
+
 @pytest.mark.parametrize("script, flags, name", [
     ("main.py", [*CPU, "--model", "tiny"], "summary.json"),
     ("main.py", [*CPU, "--model", "tiny"], "accelerate_memory_usage.json"),
@@ -48,26 +59,43 @@ def foreign(path, content: str = '{"timestamps": [0.0], "allocated_memory": [1.0
     ("plan.py", [*CPU, "--model", "tiny"], "plan.json"),
 ])
 def test_a_file_the_benchmark_did_not_write_is_left_untouched_and_the_run_refused(tmp_path, script, flags, name):
+    """The first case launched for real; the others asked of each script's checks in this process, which its launch
+    runs before anything else."""
     out = tmp_path / "out"
     before = foreign(out / name)
-    proc = run_script([script, *flags, "--output_dir", str(out)], nproc=None)
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines() == [
+    argv = [*flags, "--output_dir", str(out)]
+    if (script, name) == ("main.py", "summary.json"):
+        proc = run_script([script, *argv], nproc=None)
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+        lines = proc.stderr.strip().splitlines()
+    else:
+        lines = [refusal(CHECKS[script], argv)]
+    assert lines == [
         f"error: --output_dir: {out / name} was not written by this benchmark, and this run would replace it; it is "
-        "left untouched: move it away or choose another --output_dir"], proc.stderr
+        "left untouched: move it away or choose another --output_dir"], lines
     assert (out / name).read_bytes() == before
     assert sorted(p.name for p in out.rglob("*") if p.is_file()) == [name.rsplit("/", 1)[-1]]
 
 
-def test_speed_and_visualize_leave_a_foreign_file_untouched(tmp_path):
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    """What a run of ours leaves in its directory (one variant, 2 steps, plain python), copied into each test that
+    starts from one."""
+    out = tmp_path_factory.mktemp("short_run")
+    proc = run_script(["main.py", *TINY, "--max_steps", "2", "--variants", VARIANTS[0], "--output_dir", str(out)],
+                      nproc=None)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_speed_and_visualize_leave_a_foreign_file_untouched(tmp_path, short_run):
     before = foreign(tmp_path / "speed.json", '{"mine": true}')
     proc = run_script(["speed.py", "--json", str(tmp_path / "speed.json"), "--", *CPU, "--model", "tiny"], nproc=None)
     assert proc.returncode == 2 and "--json: " in proc.stderr and "was not written by this benchmark" in proc.stderr
     assert (tmp_path / "speed.json").read_bytes() == before
     # Traces of ours without their summary, beside a figure that is not ours: the figure is not replaced.
     traces = tmp_path / "traces"
-    assert run_script(["main.py", *TINY, "--max_steps", "2", "--variants", VARIANTS[0], "--output_dir", str(traces)],
-                      nproc=None).returncode == 0
+    shutil.copytree(short_run, traces)
     (traces / "summary.json").unlink()
     import matplotlib.pyplot as plt
 
@@ -82,10 +110,10 @@ def test_speed_and_visualize_leave_a_foreign_file_untouched(tmp_path):
     assert (traces / "rss_memory.png").read_bytes() == figure
 
 
-def test_a_run_of_ours_is_replaced_by_the_next_and_its_figures_redrawn(tmp_path):
+def test_a_run_of_ours_is_replaced_by_the_next_and_its_figures_redrawn(tmp_path, short_run):
+    tmp_path = tmp_path / "out"
+    shutil.copytree(short_run, tmp_path)  # the first run's
     args = ["main.py", *TINY, "--max_steps", "2", "--variants", VARIANTS[0], "--output_dir", str(tmp_path)]
-    first = run_script(args, nproc=None)
-    assert first.returncode == 0, first.stderr
     assert run_script(["visualize.py", "--dir", str(tmp_path)], nproc=None).returncode == 0
     run_id = load(tmp_path / "summary.json")["meta"]["run_id"]
     second = run_script(args, nproc=None)
@@ -125,11 +153,14 @@ def signal_when(proc, marker: str, signum: int) -> tuple[str, str]:
     return "".join(seen) + stdout, stderr
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-@pytest.mark.parametrize("marker, kept", [
-    ("Writing a", {}),  # while the checkpoint is written: nothing loaded, no half checkpoint left
-    ("[naive]", {"naive": "interrupted"}),
-    ("[sharded_read]", {"naive": "ok", "rank0_broadcast": "ok", "accelerate": "ok", "sharded_read": "interrupted"}),
+# Each phase under one signal, each signal in two phases: SIGINT and SIGTERM to loading.py's process go to one
+# handler (isolation.catch_interrupts), which names the signal.
+@pytest.mark.parametrize("signum, marker, kept", [
+    (signal.SIGINT, "Writing a", {}),  # while the checkpoint is written: nothing loaded, no half checkpoint left
+    (signal.SIGTERM, "Writing a", {}),
+    (signal.SIGTERM, "[naive]", {"naive": "interrupted"}),
+    (signal.SIGINT, "[sharded_read]", {"naive": "ok", "rank0_broadcast": "ok", "accelerate": "ok",
+                                       "sharded_read": "interrupted"}),
 ])
 def test_a_signal_to_loading_ends_in_one_line_naming_what_exists(tmp_path, signum, marker, kept):
     out = tmp_path / "out"
@@ -222,19 +253,22 @@ def test_only_a_file_with_the_benchmarks_mark_is_replaced(tmp_path, kind):
     else:
         summary.symlink_to(summary if kind == "a symbolic link loop" else tmp_path / "gone")
     before = sorted((p.name, p.is_symlink()) for p in out.iterdir())
-    proc = run_script(["main.py", *TINY, "--output_dir", str(out)], nproc=None)
-    assert proc.returncode == 2, proc.stdout[-2000:]
-    line, = proc.stderr.strip().splitlines()
-    assert line.startswith("error: ") and str(summary) in line and "Traceback" not in proc.stderr
+    if kind.startswith("another program"):  # launched for real; the others asked of main.py's checks here
+        proc = run_script(["main.py", *TINY, "--output_dir", str(out)], nproc=None)
+        assert proc.returncode == 2, proc.stdout[-2000:]
+        line, = proc.stderr.strip().splitlines()
+        assert "Traceback" not in proc.stderr
+    else:
+        line = refusal(arguments.validate, [*TINY, "--output_dir", str(out)])
+    assert line is not None and line.startswith("error: ") and str(summary) in line, line
     assert sorted((p.name, p.is_symlink()) for p in out.iterdir()) == before
     if kind.startswith("another program"):
         assert "wandb-7f3a" in summary.read_text()
 
 
-def test_visualize_leaves_a_users_figure_beside_a_summary_of_ours(tmp_path):
+def test_visualize_leaves_a_users_figure_beside_a_summary_of_ours(tmp_path, short_run):
     out = tmp_path / "out"
-    assert run_script(["main.py", *TINY, "--max_steps", "2", "--variants", VARIANTS[0], "--output_dir", str(out)],
-                      nproc=None).returncode in (0, 1)
+    shutil.copytree(short_run, out)
     figure = png(out / "loss.png")
     proc = run_script(["visualize.py", "--dir", str(out)], nproc=None)
     assert proc.returncode == 2 and f"{out / 'loss.png'} was not written by this benchmark" in proc.stderr
@@ -245,12 +279,10 @@ def test_visualize_leaves_a_users_figure_beside_a_summary_of_ours(tmp_path):
         assert drawn.info.get("written_by") == "fsdp2bench"
 
 
-def test_a_second_run_into_a_directory_moves_the_first_runs_files_aside_in_one_line(tmp_path):
+def test_a_second_run_into_a_directory_moves_the_first_runs_files_aside_in_one_line(tmp_path, short_run):
     """The README's run, then a sweep into the same out/: the sweep owns out/; the first run is kept whole."""
     out = tmp_path / "out"
-    first = run_script(["main.py", *TINY, "--max_steps", "2", "--variants", VARIANTS[0], "--output_dir", str(out)],
-                       nproc=None)
-    assert first.returncode in (0, 1), first.stderr
+    shutil.copytree(short_run, out)  # the first run's
     assert run_script(["visualize.py", "--dir", str(out)], nproc=None).returncode == 0
     first_id = load(out / "summary.json")["meta"]["run_id"]
     firsts = sorted(p.name for p in out.iterdir() if p.is_file())

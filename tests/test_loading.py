@@ -6,20 +6,16 @@ import json
 import shutil
 
 import pytest
-from conftest import load, run_script
+from conftest import load, refusal, run_script
+
+import loading
 
 MODES = ["naive", "rank0_broadcast", "accelerate", "sharded_read", "shared_memory"]
 TINY_CONFIG = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
                "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    out = tmp_path_factory.mktemp("loading")
-    proc = run_script(["loading.py", "--model", "small", "--device", "cpu", "--checkpoint_shard_size", "100MB",
-                       "--output_dir", str(out)])
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    return out, proc
+# ``loaded`` (tests/conftest.py): one 2-rank run of every mode with the ~100M-parameter preset.
 
 
 def test_every_mode_loads_the_checkpoint_exactly_on_every_rank(loaded):
@@ -63,16 +59,18 @@ def test_shared_memory_keeps_one_copy_per_node_filled_by_one_rank(loaded):
     assert len(filled) == 1 and len(other) == 1
 
 
-@pytest.mark.parametrize("shard_size, files", [("100MB", "pytorch_model.bin.index.json"), ("2GB", "pytorch_model.bin")])
+@pytest.mark.parametrize("shard_size, files", [("100KB", "pytorch_model.bin.index.json"), ("2GB", "pytorch_model.bin")])
 def test_a_pytorch_model_bin_checkpoint_loads_exactly_in_every_mode(tmp_path, shard_size, files):
+    """The format, not the size: the tiny model (about 260 KB in bf16), in shards of 100 KB or in one file."""
     modes = MODES if files.endswith("json") else ["sharded_read", "shared_memory", "naive"]
-    proc = run_script(["loading.py", "--model", "small", "--device", "cpu", "--checkpoint_format", "bin",
+    proc = run_script(["loading.py", "--model", "tiny", "--device", "cpu", "--checkpoint_format", "bin",
                        "--checkpoint_shard_size", shard_size, "--modes", ",".join(modes),
                        "--output_dir", str(tmp_path)])
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     summary = load(tmp_path / "loading_summary.json")
-    checkpoint = tmp_path / "checkpoint-small-bfloat16-bin"
+    checkpoint = tmp_path / "checkpoint-tiny-bfloat16-bin"
     assert (checkpoint / files).is_file() and not list(checkpoint.glob("*.safetensors"))
+    assert (len(list(checkpoint.glob("pytorch_model*.bin"))) > 1) == files.endswith("json")  # shards, or one file
     assert summary["checkpoint"]["format"] == "bin" and summary["checkpoint"]["dtype"] == "BF16"
     assert list(summary["modes"]) == modes
     assert all(m["status"] == "ok" and m["weights_match"] for m in summary["modes"].values())
@@ -103,6 +101,8 @@ def test_a_simulated_world_size_loads_rank0_alone_and_skips_the_modes_that_need_
 
 
 def test_a_legacy_or_corrupt_bin_checkpoint_is_refused_in_one_line_before_any_file(tmp_path):
+    """Asked of loading.py's checks in this process: a launch refused in one line by them is
+    test_a_corrupt_or_truncated_checkpoint_is_refused_in_one_line."""
     import torch
 
     for name, write in (("legacy", lambda p: torch.save({"w": torch.zeros(2)}, p, _use_new_zipfile_serialization=False)),
@@ -112,12 +112,10 @@ def test_a_legacy_or_corrupt_bin_checkpoint_is_refused_in_one_line_before_any_fi
         (checkpoint / "config.json").write_text(json.dumps(TINY_CONFIG))
         write(checkpoint / "pytorch_model.bin")
         out = tmp_path / f"out-{name}"
-        proc = run_script(["loading.py", "--checkpoint", str(checkpoint), "--device", "cpu", "--output_dir", str(out)],
-                          nproc=None)
-        assert proc.returncode == 2, proc.stderr
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"error: --checkpoint: {checkpoint / 'pytorch_model.bin'} is ")
-        assert ("legacy format" in lines[0]) == (name == "legacy") and not out.exists()
+        line = refusal(loading.validate, ["--checkpoint", str(checkpoint), "--device", "cpu", "--output_dir", str(out)])
+        assert line is not None, name
+        assert line.startswith(f"error: --checkpoint: {checkpoint / 'pytorch_model.bin'} is "), line
+        assert ("legacy format" in line) == (name == "legacy") and not out.exists()
 
 
 def test_a_written_checkpoint_is_timed_and_reused(loaded, tmp_path):
@@ -127,7 +125,7 @@ def test_a_written_checkpoint_is_timed_and_reused(loaded, tmp_path):
     assert summary["checkpoint"]["path"] == str(ckpt) and summary["checkpoint"]["write_s"] > 0
     assert (ckpt / "model.safetensors.index.json").is_file()  # 100MB files: a sharded checkpoint
     proc = run_script(["loading.py", "--device", "cpu", "--checkpoint", str(ckpt),  # config from the checkpoint
-                       "--modes", "sharded_read", "--output_dir", str(tmp_path)])
+                       "--modes", "sharded_read", "--output_dir", str(tmp_path)], nproc=None)  # not about ranks
     assert proc.returncode == 0, proc.stderr[-2000:]
     again = load(tmp_path / "loading_summary.json")
     assert again["checkpoint"]["write_s"] is None and list(again["modes"]) == ["sharded_read"]
@@ -156,10 +154,11 @@ def test_unknown_mode_is_one_line(tmp_path):
 
 
 def test_a_repeated_mode_is_refused_in_one_line(tmp_path):
-    proc = run_script(["loading.py", "--model", "small", "--device", "cpu", "--modes", "naive,naive",
-                       "--output_dir", str(tmp_path)], nproc=None)
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == "error: --modes: a mode is given twice"
+    """Asked of loading.py's checks in this process (the launch of test_unknown_mode_is_one_line is refused by them
+    in the same way)."""
+    assert refusal(loading.validate, ["--model", "small", "--device", "cpu", "--modes", "naive,naive",
+                                      "--output_dir", str(tmp_path / "out")]) == "error: --modes: a mode is given twice"
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_corrupt_or_truncated_checkpoint_is_refused_in_one_line(tmp_path):
@@ -208,7 +207,10 @@ def write_state(state: dict, path, kind: str) -> None:
 ])
 @pytest.mark.parametrize("kind", list(FORMATS))
 def test_both_formats_are_checked_alike_before_any_mode_runs(tmp_path, kind, fault, message):
-    """Index, shards, names, shapes against the model, dtypes: one line, exit 2, no mode run."""
+    """Index, shards, names, shapes against the model, dtypes: one line, exit 2, no mode run. Asked of loading.py's
+    checks in this process, which a launch runs before anything else (the launches of
+    test_a_corrupt_or_truncated_checkpoint_is_refused_in_one_line and test_unknown_mode_is_one_line end on them in
+    one line and exit code 2)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -235,18 +237,15 @@ def test_both_formats_are_checked_alike_before_any_mode_runs(tmp_path, kind, fau
                                                                                  dtype=torch.int32)}}[fault]
         write_state(broken, ckpt / single, kind)
     out = tmp_path / "out"
-    proc = run_script(["loading.py", "--checkpoint", str(ckpt), "--device", "cpu", "--output_dir", str(out)],
-                      nproc=None)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: --checkpoint"), proc.stderr
-    assert message.format(dir=ckpt, ext=ext, first=first) in lines[0], lines[0]
+    line = refusal(loading.validate, ["--checkpoint", str(ckpt), "--device", "cpu", "--output_dir", str(out)])
+    assert line is not None and line.startswith("error: --checkpoint"), line
+    assert message.format(dir=ckpt, ext=ext, first=first) in line, line
     assert not out.exists()
 
 
 def test_a_run_without_a_model_on_the_cpu_says_its_own_model_and_time(tmp_path):
     """The first line of loading.py's default CPU run is about loading.py's run, not main.py's training run."""
-    proc = run_script(["loading.py", "--device", "cpu", "--output_dir", str(tmp_path / "out")])
+    proc = run_script(["loading.py", "--device", "cpu", "--output_dir", str(tmp_path / "out")], nproc=None)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.startswith("No --model given"), proc.stdout[:500]
     assert " ".join(proc.stdout.split()).startswith(  # one paragraph, folded at the console's width

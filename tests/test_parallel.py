@@ -13,7 +13,7 @@ import accelerate
 import pytest
 import torch
 import transformers
-from conftest import TINY, load, run_script
+from conftest import TINY, load, refusal, run_script
 
 from fsdp2bench import arguments, options
 from fsdp2bench.cli import UserError
@@ -273,15 +273,21 @@ def test_a_torch_or_accelerate_without_the_api_is_refused(monkeypatch):
 def test_a_tp_plan_that_cannot_split_the_model_is_refused_naming_the_file_and_the_entry(tmp_path, plan, words):
     """A plan of the wrong kind, an entry that splits nothing or a module it cannot split, or entries whose
     split shapes do not line up with what they feed: one line naming config.json and the entry, before anything
-    runs (they gave a traceback, ran splitting nothing, or failed inside a matmul)."""
+    runs (they gave a traceback, ran splitting nothing, or failed inside a matmul). The first plan launched for
+    real; the others asked of main.py's checks in this process, which its launch runs before anything else."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({**load_config("tiny").to_dict(), "base_model_tp_plan": plan}))
-    proc = run_script(["main.py", *TINY, "--model", str(model), "--simulate_world_size", "2", "--tp_size", "2",
-                       "--output_dir", str(tmp_path / "out")], nproc=None)
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: --tp_size 2: {model / 'config.json'}: {words}"), lines
+    argv = [*TINY, "--model", str(model), "--simulate_world_size", "2", "--tp_size", "2",
+            "--output_dir", str(tmp_path / "out")]
+    if plan == "colwise":
+        proc = run_script(["main.py", *argv], nproc=None)
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+        lines = proc.stderr.strip().splitlines()
+    else:
+        lines = [refusal(arguments.validate, argv)]
+    assert len(lines) == 1 and lines[0] is not None, lines
+    assert lines[0].startswith(f"error: --tp_size 2: {model / 'config.json'}: {words}"), lines
     assert not (tmp_path / "out").exists()
 
 

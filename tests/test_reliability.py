@@ -12,7 +12,9 @@ import time
 
 import psutil
 import pytest
-from conftest import ROOT, TINY, VARIANTS, environment, load, run_script, start_script
+from conftest import ROOT, TINY, VARIANTS, environment, load, refusal, run_script, start_script
+
+from fsdp2bench import arguments
 
 SHORT = [*TINY, "--max_steps", "3"]
 
@@ -90,11 +92,23 @@ LAUNCHER = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE
     ({**LAUNCHER, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, "error: rank 0: the 2 rank(s) of WORLD_SIZE=2 did not "
                                                                "all meet at 127.0.0.1:"),
 ])
-def test_launcher_variables_set_by_hand_give_one_line_or_a_clean_run(tmp_path, env, line):
-    """Each within 30 s (a hang fails the test): the wait for ranks that never come is 15 s."""
+def test_launcher_variables_set_by_hand_give_one_line_or_a_clean_run(tmp_path, monkeypatch, env, line):
+    """Each within 30 s (a hang fails the test): the wait for ranks that never come is 15 s. The variables that
+    main.py's checks of its launch refuse (starting.check_launcher_env, run before anything starts) are asked of
+    them in this process; launched are the clean run, the ranks that never meet, and a refusal on a rank other
+    than 0 (said at once: no other rank would say it)."""
     env = {"MASTER_PORT": str(free_port()), **env}
-    proc = run_script(["main.py", *SHORT, "--variants", VARIANTS[0], "--output_dir", str(tmp_path / "out")],
-                      nproc=None, timeout=30, **env)
+    argv = [*SHORT, "--variants", VARIANTS[0], "--output_dir", str(tmp_path / "out")]
+    if line is not None and "did not all meet" not in line and env.get("RANK") != "3":
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        said = refusal(arguments.validate, argv)
+        assert said is not None and said.startswith(line), said
+        assert not (tmp_path / "out").exists()
+        return
+    proc = run_script(["main.py", *argv], nproc=None, timeout=30, **env)
     if line is None:
         assert proc.returncode == 0, proc.stderr
         return
@@ -164,7 +178,8 @@ def test_the_process_that_forks_the_variants_runs_no_other_thread(tmp_path, npro
     libuv server thread, `pt_tcpstore_uv`, hosted in plain python's own process before) stays locked
     in the child forever, which can hang a variant before its first step. Plain python now holds
     the store in a process of its own, as torchrun's agent does."""
-    proc = start_script(["main.py", *TINY, "--output_dir", str(tmp_path)], nproc=nproc)
+    proc = start_script(["main.py", *TINY, "--variants", "torch_optimizer_after_fsdp,accelerate",  # one after the other
+                         "--output_dir", str(tmp_path)], nproc=nproc)
     for line in proc.stdout:
         if line.startswith("[torch_optimizer_after_fsdp]"):
             break
@@ -241,7 +256,7 @@ def test_a_lock_naming_a_live_process_says_only_what_is_known_of_it(tmp_path):
                                           f"{socket.gethostname()}, which is running (")
     assert "whether that process took it cannot be told" in proc.stderr and lock.exists()
     lock.write_text(f"{socket.gethostname()} 1 {psutil.Process(1).create_time() - 60:.2f}")
-    proc = run_script(["main.py", *SHORT, "--output_dir", str(tmp_path)], nproc=None)
+    proc = run_script(["main.py", *SHORT, "--variants", VARIANTS[0], "--output_dir", str(tmp_path)], nproc=None)
     assert proc.returncode in (0, 1) and (tmp_path / "summary.json").exists() and not lock.exists(), proc.stderr
 
 

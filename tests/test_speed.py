@@ -10,7 +10,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT, TINY, VARIANTS, child_running, load, run_script, start_script
+from conftest import ROOT, TINY, VARIANTS, child_running, load, refusal, run_script, start_script
+
+import speed
 
 
 def test_speed_json_splits_the_launch_and_every_variant(tmp_path):
@@ -121,12 +123,10 @@ def test_main_options_are_checked_at_the_launchs_own_world_size(tmp_path):
     # without --json, the record is the run's, in its output directory: none is left in the checkout
     assert load(out / "speed.json")["world_size"] == 2 and load(out / "summary.json")["meta"]["world_size"] == 2
     assert not (ROOT / "speed.json").exists()
-    for nproc in ("1", "3"):
-        proc = run_script(["speed.py", "--nproc_per_node", nproc, "--json", str(record), "--output_dir",
-                           str(tmp_path / f"run{nproc}"), *tp], nproc=None)
-        assert proc.returncode == 2, proc.stderr[-3000:]
-        assert proc.stderr.strip().splitlines() == [
-            f"error: --cp_size 1 x --tp_size 2 = 2 does not divide the world size {nproc}"]
+    for nproc in ("1", "3"):  # asked of speed.py's checks in this process, which its launch runs first
+        line = refusal(speed.validate, ["--nproc_per_node", nproc, "--json", str(record), "--output_dir",
+                                        str(tmp_path / f"run{nproc}"), *tp])
+        assert line == f"error: --cp_size 1 x --tp_size 2 = 2 does not divide the world size {nproc}", line
         assert not (tmp_path / f"run{nproc}").exists()
 
 
@@ -139,11 +139,16 @@ def test_a_baseline_interpreter_that_cannot_run_the_benchmark_is_refused_before_
         (tmp_path / "bare_python").write_text(f'#!/bin/sh\nexec {sys.executable} -S -I "$@"\n')
         (tmp_path / "bare_python").chmod(0o755)
     out, record = tmp_path / "run", tmp_path / "speed.json"
-    proc = run_script(["speed.py", "--nproc_per_node", "1", "--json", str(record), "--output_dir", str(out),
-                       "--baseline_python", interpreter, "--", *TINY, "--max_steps", "2"], nproc=None)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: --baseline_python {interpreter}: "), proc.stderr
+    argv = ["--nproc_per_node", "1", "--json", str(record), "--output_dir", str(out), "--baseline_python",
+            interpreter, "--", *TINY, "--max_steps", "2"]
+    if interpreter == "/bin/true":  # asked of speed.py's checks in this process, which its launch runs first
+        lines = [refusal(speed.validate, argv)]
+    else:
+        proc = run_script(["speed.py", *argv], nproc=None)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0] is not None, lines
+    assert lines[0].startswith(f"error: --baseline_python {interpreter}: "), lines
     assert "cannot run the benchmark" in lines[0]
     assert not out.exists() and not (tmp_path / "run_baseline").exists() and not record.exists()
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import utils
-from conftest import TINY, load, run_script
+from conftest import TINY, load, refusal, run_script
 from fsdp2bench import arguments, step
 from fsdp2bench.cli import UserError
 from fsdp2bench.model import build_model, load_config
@@ -72,8 +72,9 @@ def run(tmp_path, name: str, *flags: str, steps: str = "12") -> dict:
 def test_the_trainers_loop_trains_bit_for_bit_as_the_upstreams_and_keeps_no_outputs(tmp_path, suite):
     """Against the shared 2-rank run of the four variants (the upstream loop, the default)."""
     out, proc = suite
-    upstream, trainer = {**load(out / "summary.json"), "console": proc.stdout}, run(tmp_path, "trainer", "--loop",
-                                                                                      "trainer")
+    upstream = {**load(out / "summary.json"), "console": proc.stdout}
+    trainer = run(tmp_path, "trainer", "--loop", "trainer", "--variants",  # the three compared
+                  "torch_optimizer_after_fsdp,torch_optimizer_before_fsdp_not_fixed,accelerate")
     logits = 2 * 128 * 509 * 2  # batch x block x vocab, bf16 (the dtype the model returns)
     for name in ("torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_not_fixed", "accelerate"):
         assert trainer["variants"][name]["losses"] == upstream["variants"][name]["losses"], name
@@ -154,9 +155,11 @@ def test_the_chunked_loss_refuses_a_model_that_changes_its_logits_after_the_head
 @pytest.mark.parametrize("flag,value", [("--loop", "Trainer"), ("--loop", ""), ("--loss", "fused"),
                                         ("--loss", "model,chunked")])
 def test_an_unknown_loop_or_loss_is_one_line(tmp_path, flag, value):
-    proc = run_script(["main.py", *TINY, flag, value, "--output_dir", str(tmp_path / "out")], nproc=None)
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
-    assert f"{flag}: invalid choice: '{value}'" in proc.stderr
+    """Asked of main.py's checks in this process (the parser's one line and exit code 2; a launch refused by its
+    parser: test_faults.py's "bad flag")."""
+    line = refusal(arguments.validate, [*TINY, flag, value, "--output_dir", str(tmp_path / "out")])
+    assert line is not None and f"{flag}: invalid choice: '{value}'" in line, line
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_planner_passes_the_step_to_its_probes(tmp_path):

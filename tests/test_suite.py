@@ -121,13 +121,21 @@ def test_summary_records_every_variant_and_passes_its_checks(suite):
     assert "check intended_losses_match: PASS" in proc.stdout
 
 
-def test_single_process_run_without_launcher(tmp_path):
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """One run of plain python (no launcher), two variants in the order given, 3 steps, with --quiet."""
+    out = tmp_path_factory.mktemp("single_process")
     # Without torchrun nothing sets OMP_NUM_THREADS=1: the children forked on CPU must not inherit
     # an OpenMP pool of the launcher process (they used to hang in their first matrix multiply).
     proc = run_script(["main.py", *TINY, "--max_steps", "3", "--variants",
-                       "torch_optimizer_before_fsdp_fixed,torch_optimizer_after_fsdp",
-                       "--output_dir", str(tmp_path)], nproc=None, timeout=240, OMP_NUM_THREADS="2")
+                       "torch_optimizer_before_fsdp_fixed,torch_optimizer_after_fsdp", "--quiet",
+                       "--output_dir", str(out)], nproc=None, timeout=240, OMP_NUM_THREADS="2")
     assert proc.returncode == 0, proc.stderr
+    return out, proc
+
+
+def test_single_process_run_without_launcher(single_process):
+    tmp_path, _ = single_process
     summary = load(tmp_path / "summary.json")
     assert summary["meta"]["world_size"] == 1
     # Run in the order given on the command line.
@@ -139,28 +147,27 @@ def test_local_text_file_is_tokenized_offline(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("To be, or not to be, that is the question.\n" * 400)
     proc = run_script(["main.py", *TINY, "--max_steps", "4", "--variants", "torch_optimizer_after_fsdp",
-                       "--dataset", str(text), "--block_size", "64", "--output_dir", str(tmp_path / "o")])
+                       "--dataset", str(text), "--block_size", "64", "--output_dir", str(tmp_path / "o")],
+                      nproc=None)  # about the data, not the ranks
     assert proc.returncode == 0, proc.stderr
     assert load(tmp_path / "o" / "summary.json")["variants"]["torch_optimizer_after_fsdp"]["steps"] == 4
 
 
 def test_dataset_fraction_limits_one_pass(tmp_path):
-    # 2 ranks x batch 2 x block 128: the built-in data gives 640 steps; 1% of it gives 6.
+    # 1 rank x batch 2 x block 128: the built-in data (2560 blocks) gives 1280 steps; 1% of it, 25 blocks, 12.
     proc = run_script(["main.py", "--model", "tiny", "--device", "cpu", "--dataset_fraction", "0.01",
-                       "--variants", "torch_optimizer_after_fsdp", "--output_dir", str(tmp_path)])
+                       "--variants", "torch_optimizer_after_fsdp", "--output_dir", str(tmp_path)], nproc=None)
     assert proc.returncode == 0, proc.stderr
-    assert load(tmp_path / "summary.json")["variants"]["torch_optimizer_after_fsdp"]["steps"] == 6
+    assert load(tmp_path / "summary.json")["variants"]["torch_optimizer_after_fsdp"]["steps"] == 12
 
 
-def test_progress_lines_on_a_log_and_none_with_quiet(suite, tmp_path):
+def test_progress_lines_on_a_log_and_none_with_quiet(suite, single_process):
     _, proc = suite  # its stdout is a pipe, as in CI or a cluster log: plain lines, no carriage returns
     for name in VARIANTS:
         assert f"[{name}] step 1/12: loss " in proc.stdout and f"[{name}] step 12/12: loss " in proc.stdout
     assert "\r" not in proc.stdout and "s left" in proc.stdout
     assert "draw the plots with:\n    python3 visualize.py --dir " in proc.stdout
-    quiet = run_script(["main.py", *TINY, "--max_steps", "3", "--variants", VARIANTS[0], "--quiet",
-                        "--output_dir", str(tmp_path)], nproc=None)
-    assert quiet.returncode == 0, quiet.stderr
+    _, quiet = single_process  # --quiet
     assert " step 1/3" not in quiet.stdout and "Results over 1 rank(s)" in quiet.stdout
 
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
-import pytest
 from conftest import TINY, VARIANTS, run_script
 
 
@@ -109,15 +107,6 @@ def test_a_directory_holding_two_runs_is_drawn_as_the_run_its_summary_describes(
     proc = run_script(["visualize.py", "--dir", str(work)], nproc=None)  # a summary beside no trace of its run
     assert "plotting only the run summary.json describes (a later run), which has none here" in proc.stdout
     assert "wrote" not in proc.stdout.replace("memory_vs_world_size.png", "")
-
-
-@pytest.fixture(scope="module")
-def cpu_sweep(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("sweep")
-    proc = run_script(["main.py", *TINY, "--max_steps", "2", "--simulate_world_size", "2,8", "--output_dir",
-                       str(out)], nproc=None)
-    assert proc.returncode == 0, proc.stderr
-    return out
 
 
 def test_json_errors_and_sizes_no_axis_can_draw_are_one_line_each(cpu_sweep, tmp_path):
