@@ -33,6 +33,8 @@ NOT_MEASURED = {
     "FSDP_USE_ORIG_PARAMS": "obsolete under FSDP2",
     "FSDP_CPU_RAM_EFFICIENT_LOADING": "loading, which loading.py measures",
     "FSDP_BACKWARD_PREFETCH": "FSDP1 only",
+    "FSDP_FORWARD_PREFETCH": "FSDP1 only",
+    "FSDP_MIN_NUM_PARAMS": "used by accelerate only under SIZE_BASED_WRAP",
 }
 
 
