@@ -11,8 +11,6 @@ script (``validate``) is called in-process for the many draws; a few draws are l
 from __future__ import annotations
 
 import atexit
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -22,7 +20,7 @@ import tempfile
 
 import psutil
 import pytest
-from conftest import ROOT, run_script
+from conftest import ROOT, refusal, run_script
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -235,25 +233,9 @@ def main_command_line(draw) -> tuple[list[str], bool]:
 
 # --------------------------------------------------------------------------- the property
 
-def outcome(validate, argv: list[str]) -> str | None:
-    """None if accepted, else the one error line; anything else (a traceback) fails the test."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            validate(argv)
-            return None
-        except UserError as exc:
-            return f"error: {exc}"
-        except SystemExit as exc:
-            assert exc.code == 2, (argv, exc.code)
-    lines = err.getvalue().strip().splitlines()
-    assert len(lines) == 1, (argv, lines)
-    return lines[0]
-
-
 def check(validate, argv: list[str], sane: bool) -> None:
     before = snapshot()
-    line = outcome(validate, argv)
+    line = refusal(validate, argv)
     assert snapshot() == before, argv  # nothing written, refused or not
     if sane:
         assert line is None, (argv, line)
