@@ -94,9 +94,9 @@ LAUNCHER = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE
 ])
 def test_launcher_variables_set_by_hand_give_one_line_or_a_clean_run(tmp_path, monkeypatch, env, line):
     """Each within 30 s (a hang fails the test): the wait for ranks that never come is 15 s, 3 s here. The
-    variables that main.py's checks of its launch refuse (starting.check_launcher_env, run before anything starts) are asked of
-    them in this process; launched are the clean run, the ranks that never meet, and a refusal on a rank other
-    than 0 (said at once: no other rank would say it)."""
+    variables that main.py's checks of its launch refuse (starting.check_launcher_env, run before anything
+    starts) are asked of them in this process; launched are the clean run, the ranks that never meet, and a
+    refusal on a rank other than 0 (said at once: no other rank would say it)."""
     env = {"MASTER_PORT": str(free_port()), **env}
     argv = [*SHORT, "--variants", VARIANTS[0], "--output_dir", str(tmp_path / "out")]
     if line is not None and "did not all meet" not in line and env.get("RANK") != "3":
