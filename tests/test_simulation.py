@@ -73,7 +73,9 @@ def test_convergence_checks_are_skipped_not_passed(sweep):
     for key in ("intended_losses_match", "unfixed_did_not_train"):
         assert checks[key]["ok"] is None and "losses mean nothing" in checks[key]["skipped"]
         assert f"check {key}: SKIPPED" in proc.stdout
-    assert "PASS" not in proc.stdout.replace("check accounting_matches_expected: PASS", "")
+    assert checks["options_applied"] == {"ok": True, "mismatched": []}
+    assert "PASS" not in proc.stdout.replace("check accounting_matches_expected: PASS", "").replace(
+        "check options_applied: PASS", "")
 
 
 def test_the_unfixed_state_exceeds_the_intended_one_from_the_smallest_n_where_the_rule_says_so(sweep):
