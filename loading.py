@@ -189,9 +189,9 @@ def run(argv: list[str] | None = None) -> int:
     s = open_session(facts, args.device, args.output_dir, "loading_summary.json")
     said = args.options_from
     if s.rank == 0 and said["config"]:
+        efficient = "true" if said["mode"] == "accelerate" else "false"
         print(f"Options from {said['config']}: it loads as the {said['mode']} mode (fsdp_cpu_ram_efficient_loading "
-              f"{'true' if said['mode'] == 'accelerate' else 'false'}); not mirrored: {'; '.join(said['not_measured'])}",
-              flush=True)
+              f"{efficient}); not mirrored: {'; '.join(said['not_measured'])}", flush=True)
     options = LoadConfig(args.output_dir, args.seed, args.log_interval, args.checkpoint_dtype,
                          args.checkpoint_shard_size, args.checkpoint_format, s.run_id)
     summary_path = os.path.join(args.output_dir, "loading_summary.json")
