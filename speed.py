@@ -24,8 +24,8 @@ import statistics
 import subprocess
 import time
 
-from fsdp2bench.cli import (OneLineParser, UserError, check_ranges, check_writable_file, exit_with, expect_path,
-                            refuse_foreign, write_json)
+from fsdp2bench.cli import (OneLineParser, UserError, check_ranges, check_writable_file, environment_changed,
+                            exit_with, expect_path, refuse_foreign, write_json)
 from fsdp2bench.matrix import INTERRUPTED_CODES, read_summary, wait_passing_interrupt
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -171,18 +171,9 @@ def check_interpreter(python: str, tree: str) -> None:
 def launched_as_rank_zero(nproc: int):
     """The launcher's variables as the timed launch's rank 0 will have them (torchrun on this host), for as long
     as main.py's checks read them: what depends on the world size is checked at the launch's own."""
-    launch = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
-    before = {name: os.environ.get(name) for name in launch}
-    os.environ.update(launch)
-    try:
+    with environment_changed({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(nproc),
+                              "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}):
         yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def finished_runs(summary: dict, output_dir: str) -> dict[str, tuple[dict, str | None]]:

@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from fsdp2bench.cli import UserError, expect_path
+from fsdp2bench.cli import UserError, environment_changed, expect_path
 from fsdp2bench.layout import CP_STRATEGIES
 from fsdp2bench.options import AUTOCAST, FP32
 
@@ -64,11 +64,11 @@ def read(config_file: str | None) -> ConfigOptions | None:
     if config_file is not None:
         environment, written = file_environment(config_file)
         config = from_environment(environment, os.path.basename(config_file), written)
-        if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":  # accelerate launch passed one too
+        if launched_with_fsdp():  # accelerate launch passed one too
             return dataclasses.replace(config, not_measured=(*config.not_measured, "the FSDP config accelerate "
                                                              "launch passed (--config_file is read instead)"))
         return config
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+    if launched_with_fsdp():
         return from_environment(dict(os.environ), LAUNCH_SOURCE)
     return None
 
@@ -115,9 +115,14 @@ def text(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def launched_with_fsdp() -> bool:
+    """Launched by ``accelerate launch`` with an FSDP config (it sets ACCELERATE_USE_FSDP then)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+
+
 def launched_without_fsdp() -> bool:
     """Launched by ``accelerate launch`` with a config of another distributed type (or none)."""
-    return "ACCELERATE_MIXED_PRECISION" in os.environ and os.environ.get("ACCELERATE_USE_FSDP", "") != "true"
+    return "ACCELERATE_MIXED_PRECISION" in os.environ and not launched_with_fsdp()
 
 
 def file_environment(path: str) -> tuple[dict[str, str], set[str]]:
@@ -313,19 +318,10 @@ def first_line(exc: BaseException) -> str:
     return said if len(said) <= 240 else said[:237] + "..."
 
 
-@contextlib.contextmanager
-def environment_of(variables: dict[str, str]) -> Iterator[None]:
+def environment_of(variables: dict[str, str]) -> contextlib.AbstractContextManager:
     """These launcher variables in place of this process's own while accelerate reads them."""
-    saved = {k: v for k, v in os.environ.items() if k.startswith(PREFIXES)}
-    for key in saved:
-        del os.environ[key]
-    os.environ.update({k: v for k, v in variables.items() if k.startswith(PREFIXES)})
-    try:
-        yield
-    finally:
-        for key in [k for k in os.environ if k.startswith(PREFIXES)]:
-            del os.environ[key]
-        os.environ.update(saved)
+    return environment_changed({**{key: None for key in os.environ if key.startswith(PREFIXES)},
+                                **{key: value for key, value in variables.items() if key.startswith(PREFIXES)}})
 
 
 # What ``Accelerator()`` would take from a launch's environment over the arguments the accelerate variant gives it
@@ -334,14 +330,9 @@ def environment_of(variables: dict[str, str]) -> Iterator[None]:
 OVERRIDING = ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "ACCELERATE_USE_PARALLELISM_CONFIG")
 
 
-@contextlib.contextmanager
-def options_alone() -> Iterator[None]:
+def options_alone() -> contextlib.AbstractContextManager:
     """Without the launcher's variables that ``Accelerator()`` would put over the options it is given."""
-    saved = {key: os.environ.pop(key) for key in OVERRIDING if key in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
+    return environment_changed(dict.fromkeys(OVERRIDING))
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from typing import Callable, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 
 class UserError(Exception):
@@ -172,6 +172,26 @@ def refuse(exc: UserError) -> None:
 
 
 CONSOLE_WIDTH = 120
+
+
+@contextlib.contextmanager
+def environment_changed(changes: dict[str, str | None]) -> Iterator[None]:
+    """This process's environment with ``changes`` (a value of None removes the variable) for as long as the
+    block runs, then as it was."""
+    before = {name: os.environ.get(name) for name in changes}
+    for name, value in changes.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def say(text: str, indent: str = "") -> None:

@@ -18,9 +18,9 @@ import psutil
 import torch.distributed as dist
 
 from fsdp2bench.isolation import StoreKeys, wait_for_keys
-from fsdp2bench.memory_model import expected_device_bytes, expected_state, model_bytes
+from fsdp2bench.memory_model import expected_device_bytes, expected_state, model_bytes, output_itemsize
 from fsdp2bench.names import GIB, MIB, PEAK_PHASES, UNFIXED, phases
-from fsdp2bench.options import AUTOCAST, FP32, FsdpOptions
+from fsdp2bench.options import AUTOCAST, FsdpOptions
 from fsdp2bench.starting import started_ahead
 from fsdp2bench.step import logits_copies, logits_tokens
 
@@ -90,7 +90,7 @@ def rank_logits_bytes(batch_size: int, block_size: int, config, options: FsdpOpt
 def activation_bytes_per_token(config, options: FsdpOptions) -> int:
     """What one more token per microbatch adds to a step's peak on the GPU (``HIDDEN_WIDTHS``), its
     activations in bf16 or, under fp32, twice that."""
-    itemsize = 4 if options.mixed_precision_policy == FP32 else 2
+    itemsize = output_itemsize(options)  # the activations are in the dtype the model computes and returns
     if options.activation_checkpointing_offload:
         per_block = 0
     elif options.activation_checkpointing:

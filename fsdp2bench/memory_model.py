@@ -81,7 +81,7 @@ def applied_setup(model: nn.Module, layer_classes: list[str]) -> dict:
                   and type(getattr(m, "_checkpoint_wrapped_module", m)).__name__.removeprefix("FSDP") in layer_classes
                   and (s := fully_shard.state(m))._fsdp_param_group is not None), None)
     if state is None:  # no block of its own: nothing to read back, and the check says so
-        return {key: None for key in (*SETUP_KEYS, "autocast", "fsdp_mesh")}
+        return dict.fromkeys((*expected_setup(FsdpOptions()), "autocast", "fsdp_mesh"))
     group, policy = state._fsdp_param_group, state._mp_policy
     forward = getattr(model.forward, "__func__", model.forward)
     return {"reshard_after_forward": group.post_forward_mesh_info is not None,
@@ -91,10 +91,6 @@ def applied_setup(model: nn.Module, layer_classes: list[str]) -> dict:
             "activation_checkpointing_offload": any(isinstance(m, OffloadWrapper) for m in model.modules()),
             "cpu_offload": any(p.offload_to_cpu for p in group.fsdp_params),
             "fsdp_mesh": list(group.mesh_info.mesh.shape)}
-
-
-SETUP_KEYS = ("reshard_after_forward", "param_dtype", "reduce_dtype", "activation_checkpointing",
-              "activation_checkpointing_offload", "cpu_offload")
 
 
 def expected_setup(options: FsdpOptions) -> dict:
