@@ -19,11 +19,11 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from fsdp2bench import names
+from fsdp2bench import levers, names
 from fsdp2bench.accelerate_config import options_alone
 from fsdp2bench.isolation import Unsupported
 from fsdp2bench.layout import Degrees, Meshes, planned_style, tensor_parallel_plan
-from fsdp2bench.options import AUTOCAST, FP32, FsdpOptions
+from fsdp2bench.options import AUTOCAST, FP32, FULL_AC, FsdpOptions
 from fsdp2bench.step import CHUNK_TOKENS, CHUNKED, LIGER
 
 
@@ -46,9 +46,9 @@ def release_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[i
 
 
 def canonical_name(name: str) -> str:
-    """A parameter's name without the activation-checkpointing wrappers' segments, which wrapping
-    inserts between the optimizer's creation and the fix."""
-    return name.replace("._checkpoint_wrapped_module", "")
+    """A parameter's name without the segments that activation checkpointing's wrappers and compiled modules
+    insert between the optimizer's creation and the fix."""
+    return name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
 
 
 def point_optimizer_at_sharded_params(optimizer: torch.optim.Optimizer, old_names: dict[int, str],
@@ -221,27 +221,15 @@ def make_optimizer(model: nn.Module, ctx: Context) -> torch.optim.Optimizer:
     return optimizer
 
 
-def checkpoint_blocks(model: nn.Module, layer_classes: list[str], options: FsdpOptions) -> None:
-    """Activation checkpointing as accelerate applies it before sharding: each transformer block in a
-    ``checkpoint_wrapper`` without RNG state, inside an ``offload_wrapper`` when its saved inputs go to
-    the host."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper, offload_wrapper
-
-    blocks = [(name, m) for name, m in model.named_modules() if type(m).__name__ in layer_classes]
-    for name, block in blocks:
-        wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
-        model.set_submodule(name, offload_wrapper(wrapped) if options.activation_checkpointing_offload else wrapped)
-
-
 def fully_shard_blocks(model: nn.Module, mesh, layer_classes: list[str], options: FsdpOptions = FsdpOptions(),
                        device: torch.device | None = None) -> None:
-    """``fully_shard`` each transformer block with accelerate's arguments for ``options``, then the
-    root, which keeps FSDP2's own choice of resharding (as accelerate leaves it)."""
+    """``fully_shard`` each transformer block with accelerate's arguments for ``options`` (the block inside its
+    checkpoint wrapper, or its compiled module: ``levers.shard_unit``), then the root, which keeps FSDP2's own
+    choice of resharding (as accelerate leaves it)."""
     kwargs = dict(mesh=mesh, mp_policy=mixed_precision_policy(options),
                   offload_policy=offload_policy(options, device or torch.device("cpu")))
-    for module in model.modules():
-        if type(module).__name__ in layer_classes:
-            fully_shard(module, reshard_after_forward=options.reshard_after_forward, **kwargs)
+    for _, unit in levers.blocks(model, layer_classes):
+        fully_shard(levers.shard_unit(unit), reshard_after_forward=options.reshard_after_forward, **kwargs)
     fully_shard(model, **kwargs)
 
 
@@ -318,16 +306,20 @@ def torch_context_parallel(mesh, strategy: str) -> Callable[[torch.Tensor], Cont
 
 
 def shard(model: nn.Module, ctx: Context) -> None:
-    """The loss's changes to the model, then TP on the tp mesh, then activation checkpointing, then FSDP2
-    over dp_shard x cp (the order torchtitan and accelerate keep)."""
+    """The loss's changes to the model, then TP on the tp mesh, then float8, activation checkpointing and
+    compilation of each block, then FSDP2 over dp_shard x cp (the order torchtitan and accelerate keep)."""
     adopt_loss(model, ctx.options.step.loss)
     layout = ctx.options.layout
     if layout.tensor_parallel:
         tensor_parallel(model, ctx.meshes.tp, ctx.config)
     if layout.context_parallel:
         causal_attention_only(model)
-    if ctx.options.activation_checkpointing:
-        checkpoint_blocks(model, ctx.layer_classes, ctx.options)
+    if ctx.options.float8:
+        levers.convert_to_float8(model, ctx.layer_classes)
+    if ctx.options.checkpoints:
+        levers.checkpoint_blocks(model, ctx.layer_classes, ctx.options)
+    if ctx.options.compile:
+        levers.compile_blocks(model, ctx.layer_classes)
     fully_shard_blocks(model, ctx.meshes.fsdp, ctx.layer_classes, ctx.options, ctx.device)
     if ctx.options.mixed_precision_policy == AUTOCAST:
         compute_in_bf16(model, ctx.device)
@@ -344,6 +336,8 @@ def torch_prepared(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: Cont
     before the last microbatch), plus torch's own choice, ``requires_all_reduce``; under CP each
     microbatch inside ``context_parallel``."""
     options = ctx.options
+    if options.float8:
+        optimizer.register_step_post_hook(levers.precompute_float8_scales(model))
     inputs = torch_context_parallel(ctx.meshes.cp, options.layout.cp_comm_strategy) \
         if options.layout.context_parallel else whole_sequences
     k, forward = options.gradient_accumulation_steps, loss_forward(options.step.loss)
@@ -379,10 +373,12 @@ def optimizer_before_fsdp_fixed(model: nn.Module, ctx: Context) -> Prepared:
 
 
 def make_accelerator(device: torch.device, layer_classes: list[str], cpu_ram_efficient_loading: bool = False,
-                     options: FsdpOptions = FsdpOptions()):
+                     options: FsdpOptions = FsdpOptions(), model: nn.Module | None = None):
     """accelerate's FSDP2 set-up as the upstream uses it (transformer-block auto-wrap), with ``options``
     given to its plugin (bf16 through ``mixed_precision="bf16"``, or the policy through the plugin),
-    its accumulation plugin and, for HSDP, its parallelism config (which builds its own mesh)."""
+    its accumulation plugin, for HSDP its parallelism config (which builds its own mesh), and the levers it
+    has: regional compilation, and float8 through ``mixed_precision="fp8"`` with torchao (``model``: whose
+    blocks' Linear layers it converts)."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
 
     autocast = options.mixed_precision_policy == AUTOCAST
@@ -391,7 +387,7 @@ def make_accelerator(device: torch.device, layer_classes: list[str], cpu_ram_eff
         cpu_ram_efficient_loading=cpu_ram_efficient_loading, reshard_after_forward=options.reshard_after_forward,
         mixed_precision_policy=None if options.mixed_precision_policy in (AUTOCAST, FP32) else
         mixed_precision_policy(options),
-        activation_checkpointing=options.activation_checkpointing,
+        activation_checkpointing=checkpoints_whole_blocks(options),
         # Named only when on: the field came in accelerate 1.15 (options.check_libraries refuses it before).
         **({"activation_checkpointing_offload": True} if options.activation_checkpointing_offload else {}),
         cpu_offload=offload_policy(options, device))
@@ -399,11 +395,33 @@ def make_accelerator(device: torch.device, layer_classes: list[str], cpu_ram_eff
     # On the CPU its parallelism config would refuse the MULTI_CPU type it starts with: given after the switch.
     parallelism = scaling.pop("parallelism_config", None) if device.type == "cpu" else None
     with options_alone():
-        accelerator = Accelerator(fsdp_plugin=plugin, mixed_precision="bf16" if autocast else "no",
-                                  cpu=device.type == "cpu", **scaling)
+        accelerator = Accelerator(fsdp_plugin=plugin, mixed_precision="fp8" if options.float8 else
+                                  "bf16" if autocast else "no", cpu=device.type == "cpu",
+                                  **accelerate_levers(options, model, layer_classes), **scaling)
     if device.type == "cpu":
         force_accelerate_fsdp_on_cpu(accelerator, plugin, autocast, parallelism)
     return accelerator
+
+
+def checkpoints_whole_blocks(options: FsdpOptions) -> bool:
+    """Whether accelerate's plugin checkpoints the blocks itself: every block whole. Every K-th block, or op by op
+    inside each block, is wrapped before ``prepare`` by the suite (``levers.checkpoint_blocks``), as a user would
+    do it: the plugin knows neither."""
+    return options.activation_checkpointing == FULL_AC and options.ac_every == 1
+
+
+def accelerate_levers(options: FsdpOptions, model: nn.Module | None, layer_classes: list[str]) -> dict:
+    """``Accelerator`` arguments for compile (its regional compilation with inductor) and float8 (torchao's recipe
+    with the suite's config and filter, so that all four variants convert the same layers); made without the
+    launcher's dynamo variables, which would otherwise choose for it."""
+    from accelerate.utils import AORecipeKwargs, TorchDynamoPlugin
+
+    with options_alone():
+        dynamo = TorchDynamoPlugin(backend="inductor", use_regional_compilation=True, mode="default",
+                                   fullgraph=False) if options.compile else TorchDynamoPlugin(backend="no")
+    handlers = [AORecipeKwargs(config=levers.float8_config(), module_filter_func=levers.float8_filter(
+        model, layer_classes))] if options.float8 else []
+    return {"dynamo_plugin": dynamo, **({"kwargs_handlers": handlers} if handlers else {})}
 
 
 def accelerate_scaling(options: FsdpOptions) -> dict:
@@ -475,7 +493,7 @@ def raised_by_libraries(exc: BaseException) -> bool:
 
 
 def _accelerate_prepared(model: nn.Module | None, ctx: Context) -> Prepared:
-    accelerator = make_accelerator(ctx.device, ctx.layer_classes, options=ctx.options)
+    accelerator = make_accelerator(ctx.device, ctx.layer_classes, options=ctx.options, model=model)
     split_wrong = None
     if ctx.options.layout.tensor_parallel:
         missing = name_prepare_cannot_import()
@@ -489,6 +507,8 @@ def _accelerate_prepared(model: nn.Module | None, ctx: Context) -> Prepared:
             split_wrong = (f"from_pretrained(tp_plan='auto', device_mesh=<tp mesh of {ctx.options.layout.tp_size}>) "
                            + ("left the model whole" if split == 1 else f"split the model over {split} ranks"))
     adopt_loss(model, ctx.options.step.loss)
+    if ctx.options.checkpoints and not checkpoints_whole_blocks(ctx.options):
+        levers.checkpoint_blocks(model, ctx.layer_classes, ctx.options)
     optimizer = make_optimizer(model, ctx)
     try:
         model, optimizer = accelerator.prepare(model, optimizer)

@@ -324,10 +324,12 @@ def environment_of(variables: dict[str, str]) -> contextlib.AbstractContextManag
                                 **{key: value for key, value in variables.items() if key.startswith(PREFIXES)}})
 
 
-# What ``Accelerator()`` would take from a launch's environment over the arguments the accelerate variant gives it
-# (the gradient accumulation steps, and a ParallelismConfig where it is given none): the options already hold the
-# config's values, with the flags over them.
-OVERRIDING = ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "ACCELERATE_USE_PARALLELISM_CONFIG")
+# What ``Accelerator()`` and its dynamo plugin would take from a launch's environment over the arguments the
+# accelerate variant gives them (the gradient accumulation steps, a ParallelismConfig where it is given none, how
+# to compile): the options already hold the config's values, with the flags over them.
+OVERRIDING = ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "ACCELERATE_USE_PARALLELISM_CONFIG",
+              *(f"ACCELERATE_DYNAMO_{name}" for name in ("BACKEND", "MODE", "USE_FULLGRAPH", "USE_DYNAMIC",
+                                                         "USE_REGIONAL_COMPILATION")))
 
 
 def options_alone() -> contextlib.AbstractContextManager:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp2bench import accelerate_config, concurrency, options, simulation, step
+from fsdp2bench import accelerate_config, concurrency, levers, options, simulation, step
 from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, expect_path, looks_like_a_path,
                             parse_names, pick_device, refuse_foreign)
 from fsdp2bench.data import load_tokens, rank_batches
@@ -123,8 +123,9 @@ def add_step_options(p: argparse.ArgumentParser) -> None:
 
 
 def check_step(fsdp_options: options.FsdpOptions, config, device_type: str) -> None:
-    """The loss against the model, the layout and the device (main.py's and plan.py's checks)."""
+    """The loss and the levers against the model, the layout and the device (main.py's and plan.py's checks)."""
     step.check(fsdp_options.step, config, fsdp_options.layout, device_type)
+    levers.check(fsdp_options, device_type, config.num_hidden_layers)
 
 
 def add_config_option(p: argparse.ArgumentParser, becomes: str) -> None:
@@ -148,15 +149,36 @@ def add_fsdp_options(p: argparse.ArgumentParser) -> None:
                         f"reduces in bf16), the upstream's; {options.POLICY}: an FSDP2 MixedPrecisionPolicy, bf16 "
                         f"parameters and fp32 gradient reduction, no autocast; {options.FP32}: accelerate's "
                         f"mixed_precision='no', fp32 throughout (default: {options.AUTOCAST})")
-    for name, says in (("activation_checkpointing", "recompute each block's activations in backward instead of "
-                                                    "keeping them"),
-                       ("activation_checkpointing_offload", "with --activation_checkpointing: keep the checkpoints' "
-                                                            "saved inputs in host memory"),
+    g.add_argument("--activation_checkpointing", type=options.parse_checkpointing, nargs="?", const=options.FULL_AC,
+                   default=None, metavar="{full,selective,none}",
+                   help="recompute activations in backward instead of keeping them: full, each block whole "
+                        "(accelerate's; true and alone mean this); selective, op by op inside each block, keeping "
+                        "the attention's and every other matmul's outputs (docs/levers.md); none (false) "
+                        "(default: none)")
+    g.add_argument("--ac_every", type=int, default=None, metavar="K",
+                   help="with --activation_checkpointing full: checkpoint only every K-th block (the K-th, 2K-th, "
+                        "...), the others keep their activations (default: 1, every block)")
+    for name, says in (("activation_checkpointing_offload", "with --activation_checkpointing full: keep the "
+                                                            "checkpoints' saved inputs in host memory"),
                        ("cpu_offload", "CPUOffloadPolicy: parameters, gradients and AdamW state on the host; the "
                                        "optimizer step runs on the CPU")):
         g.add_argument(f"--{name}", type=options.parse_bool, nargs="?", const=True, default=None,
                        metavar="{true,false}", help=f"{says}; alone it means true (default: false)")
+    add_lever_options(p)
     add_scaling_options(p)
+
+
+def add_lever_options(p: argparse.ArgumentParser) -> None:
+    """The levers beyond accelerate's plugin, applied by the suite to every variant (fsdp2bench/levers.py)."""
+    g = p.add_argument_group("Levers for speed and memory (every variant; docs/levers.md)")
+    g.add_argument("--compile", type=options.parse_bool, nargs="?", const=True, default=None, metavar="{true,false}",
+                   help="compile each transformer block with torch.compile (inductor), as torchtitan and accelerate's "
+                        "regional compilation do; the first steps compile and are timed apart; alone it means true "
+                        "(default: false)")
+    g.add_argument("--float8", type=options.parse_bool, nargs="?", const=True, default=None, metavar="{true,false}",
+                   help="torchao's float8 training of the blocks' Linear layers with FSDP2's float8 all-gather, "
+                        f"as accelerate's mixed_precision fp8 (AO) does; a GPU of compute capability 8.9 or more; "
+                        f"pip install -r {levers.FLOAT8_REQUIREMENTS}; alone it means true (default: false)")
 
 
 def add_scaling_options(p: argparse.ArgumentParser) -> None:
@@ -204,6 +226,7 @@ def add_layout_options(p: argparse.ArgumentParser) -> None:
 # predict (its loss is NaN), larger batches or blocks than any GPU holds for one step, a learning rate that diverges on the first step, a seed beyond the generators' 32 bits, a
 # memory sample rarer than once a minute (a trace of one sample) or more often than once a millisecond.
 NUMBER_RANGES = {"batch_size": (1, 1 << 16), "block_size": (2, 1 << 20), "max_steps": (1, 10_000_000),
+                 "ac_every": (1, 1 << 16),
                  "gradient_accumulation_steps": (1, 1 << 16), "dp_replicate_size": (1, 1 << 16),
                  "dp_shard_size": (1, 1 << 16), "cp_size": (1, 1 << 16), "tp_size": (1, 1 << 16),
                  "learning_rate": (1e-12, 10.0), "seed": (0, 2**32 - 1), "log_interval": (0.001, 60.0),

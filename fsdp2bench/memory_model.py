@@ -49,9 +49,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp2bench import levers
 from fsdp2bench.layout import Degrees, tensor_parallel_dim, tensor_parallel_plan
 from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, UNFIXED
-from fsdp2bench.options import AUTOCAST, FP32, FsdpOptions
+from fsdp2bench.options import AUTOCAST, FP32, FULL_AC, NO_AC, SELECTIVE_AC, FsdpOptions
 
 ADAMW_MOMENTS = 2
 STEP_BYTES = 4  # AdamW's per-parameter fp32 step counter
@@ -61,7 +62,9 @@ PROJECTION_WORLD_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 # --------------------------------------------------------------------------- measured
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    """A rank's own tensor: a DTensor's local part, inside torchao's float8 weight wrapper where there is one."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return getattr(local, "_tensor", local)
 
 
 def _unique_params(model: nn.Module) -> list[torch.Tensor]:
@@ -73,27 +76,66 @@ def applied_setup(model: nn.Module, layer_classes: list[str]) -> dict:
     (torch's ``fully_shard.state``: its resharding, precision, offload and mesh), the checkpoint wrappers, and
     whether the forward runs inside accelerate's autocast wrapper (``convert_outputs_to_fp32``). Each
     variant's own evidence that the options reached it (``expected_setup`` says what they should give)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, OffloadWrapper
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import OffloadWrapper
 
-    # A block's unit: the checkpoint wrapper or the block inside it, whichever holds the block's parameters.
-    state = next((s for m in model.modules() if isinstance(m, FSDPModule)
-                  and type(getattr(m, "_checkpoint_wrapped_module", m)).__name__.removeprefix("FSDP") in layer_classes
-                  and (s := fully_shard.state(m))._fsdp_param_group is not None), None)
+    state = first_block_state(model, layer_classes)
     if state is None:  # no block of its own: nothing to read back, and the check says so
-        return dict.fromkeys((*expected_setup(FsdpOptions()), "autocast", "fsdp_mesh"))
+        return dict.fromkeys((*expected_setup(FsdpOptions()), "autocast", "fsdp_mesh", "compiled_outside_blocks"))
     group, policy = state._fsdp_param_group, state._mp_policy
     forward = getattr(model.forward, "__func__", model.forward)
+    units = [unit for _, unit in levers.blocks(model, layer_classes)]
     return {"reshard_after_forward": group.post_forward_mesh_info is not None,
             "param_dtype": dtype_name(policy.param_dtype), "reduce_dtype": dtype_name(policy.reduce_dtype),
             "autocast": type(getattr(forward, "__wrapped__", None)).__name__ == "ConvertOutputsToFp32",
-            "activation_checkpointing": any(isinstance(m, CheckpointWrapper) for m in model.modules()),
+            **checkpointing_read_back([levers.checkpoint_mode(unit) for unit in units]),
             "activation_checkpointing_offload": any(isinstance(m, OffloadWrapper) for m in model.modules()),
             "cpu_offload": any(p.offload_to_cpu for p in group.fsdp_params),
+            "compiled": compiled_read_back(model, units),
+            "compiled_outside_blocks": [name for name, m in model.named_modules() if levers.compiled(m)
+                                        and all(m is not u and m is not levers.block_of(u) for u in units)],
+            "float8_linears": levers.float8_linears(model),
             "fsdp_mesh": list(group.mesh_info.mesh.shape)}
 
 
-def expected_setup(options: FsdpOptions) -> dict:
+def first_block_state(model: nn.Module, layer_classes: list[str]):
+    """FSDP2's state of the first block's unit (the block, its checkpoint wrapper or its compiled module, whichever
+    ``fully_shard`` was given), or None where no block is a unit of its own."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    return next((s for m in model.modules() if isinstance(m, FSDPModule) and levers.is_block(m, layer_classes)
+                 and (s := fully_shard.state(m))._fsdp_param_group is not None), None)
+
+
+def checkpointing_read_back(modes: list[str | None]) -> dict:
+    """The checkpointing mode and K of every K-th block, from each block's wrapper (None: not wrapped); K is None
+    where the wrapped blocks follow no such pattern."""
+    wrapped = [mode is not None for mode in modes]
+    mode = SELECTIVE_AC if SELECTIVE_AC in modes else FULL_AC if any(wrapped) else NO_AC
+    every = next((k for k in range(1, len(modes) + 1)
+                  if wrapped == [levers.checkpointed(i, k) for i in range(len(modes))]), None)
+    return {"activation_checkpointing": mode, "ac_every": 1 if mode == NO_AC else every}
+
+
+def compiled_read_back(model: nn.Module, units: list[nn.Module]) -> str:
+    """What was compiled: every block (on its own), the whole model at once, none, or only some blocks."""
+    count = sum(levers.compiled(u) or levers.compiled(levers.block_of(u)) for u in units)
+    if units and count == len(units):
+        return "blocks"
+    if levers.compiled(model):
+        return "model"
+    return "none" if count == 0 else f"{count} of {len(units)} blocks"
+
+
+def gathered_block_bytes(model: nn.Module, layer_classes: list[str]) -> int | None:
+    """Bytes FSDP2 all-gathered for the first block's unit (its all-gather outputs, kept allocated or not), once
+    the block has run; None where torch keeps no such record."""
+    state = first_block_state(model, layer_classes)
+    params = state._fsdp_param_group.fsdp_params if state is not None else []
+    outputs = [t for p in params for t in getattr(p, "all_gather_outputs", None) or []]
+    return sum(t.numel() * t.element_size() for t in outputs) if outputs else None
+
+
+def expected_setup(options: FsdpOptions, shapes=()) -> dict:
     """What ``applied_setup`` reads back from a variant prepared with ``options``, its mesh and autocast
     aside (the torch variants wrap the forward in bf16 autocast as the upstream does; accelerate's FSDP2 path
     leaves it to the policy's bf16 parameters)."""
@@ -102,8 +144,16 @@ def expected_setup(options: FsdpOptions) -> dict:
             "param_dtype": "bfloat16" if bf16 else "float32",
             "reduce_dtype": "bfloat16" if options.mixed_precision_policy == AUTOCAST else "float32",
             "activation_checkpointing": options.activation_checkpointing,
+            "ac_every": options.ac_every,
             "activation_checkpointing_offload": options.activation_checkpointing_offload,
-            "cpu_offload": options.cpu_offload}
+            "cpu_offload": options.cpu_offload,
+            "compiled": "blocks" if options.compile else "none",
+            "float8_linears": sum(map(float8_weight, shapes)) if options.float8 else 0}
+
+
+def float8_weight(param: ParamShape) -> bool:
+    """A weight that float8 training converts: a Linear layer's inside a block, of a shape float8 matmuls take."""
+    return param.block is not None and param.linear_weight and levers.float8_eligible(param.shape)
 
 
 def dtype_name(dtype: torch.dtype | None) -> str:
@@ -175,20 +225,41 @@ def unreduced_grads(model: nn.Module) -> list[torch.Tensor]:
 # --------------------------------------------------------------------------- expected
 
 class ParamShape(NamedTuple):
-    """One unique parameter of the unsharded model: its shape, bytes per element, and the dim the model's
-    tensor-parallel plan splits (None: kept whole on every tp rank)."""
+    """One unique parameter of the unsharded model: its shape, bytes per element, the dim the model's
+    tensor-parallel plan splits (None: kept whole on every tp rank), the transformer block that holds it (None:
+    outside the blocks) and whether it is a Linear layer's weight (what float8 converts)."""
     shape: tuple[int, ...]
     itemsize: int
     tp_dim: int | None = None
+    block: int | None = None
+    linear_weight: bool = False
 
 
-def param_shapes(model: nn.Module, config=None) -> list[ParamShape]:
+def param_shapes(model: nn.Module, config=None, layer_classes: list[str] = ()) -> list[ParamShape]:
     """Each unique parameter of the unsharded model (a meta model will do), with its tensor-parallel dim
-    under ``config``'s plan."""
+    under ``config``'s plan and its block among ``layer_classes``."""
     plan = tensor_parallel_plan(config) if config is not None else {}
     prefix = getattr(model, "base_model_prefix", "")
-    return [ParamShape(tuple(p.shape), p.element_size(), tensor_parallel_dim(name, plan, prefix))
+    blocks = [f"{name}." for name, _ in levers.blocks(model, list(layer_classes))]
+    linear = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    return [ParamShape(tuple(p.shape), p.element_size(), tensor_parallel_dim(name, plan, prefix),
+                       next((i for i, block in enumerate(blocks) if name.startswith(block)), None), name in linear)
             for name, p in model.named_parameters()]
+
+
+def expected_gathered_block_bytes(shapes, world_size: int, rank: int, options: FsdpOptions) -> int:
+    """What FSDP2 all-gathers for the first block on ``rank``: each parameter's chunk from every rank of its
+    shard group, padded to ceil(d0 / S) rows as FSDP2 pads it (TP's part first), in the dtype it gathers: the
+    policy's parameter dtype (bf16, or fp32 under fp32), or one byte for a weight float8 converts."""
+    degrees = options.layout.at(world_size)
+    fsdp, tp_rank = degrees.fsdp_degree, degrees.coordinates(rank)["tp"]
+    param_bytes = 4 if options.mixed_precision_policy == FP32 else 2
+    total = 0
+    for param in (p for p in shapes if p.block == 0):
+        shape = tp_local_shape(param, degrees.tp, tp_rank)
+        item = 1 if options.float8 and float8_weight(param) else param_bytes
+        total += math.ceil((shape[0] if shape else 1) / fsdp) * fsdp * math.prod(shape[1:]) * item
+    return total
 
 
 def model_bytes(shapes) -> int:

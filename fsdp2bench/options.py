@@ -27,13 +27,18 @@ AUTOCAST = "bf16_autocast"
 POLICY = "bf16_params_fp32_reduce"
 FP32 = "fp32"
 MIXED_PRECISION = (AUTOCAST, POLICY, FP32)
+# --activation_checkpointing: none, each block whole (accelerate's, or every K-th block with --ac_every K), or
+# op-level selective checkpointing inside each block (fsdp2bench/levers.py says which ops it keeps).
+NO_AC, FULL_AC, SELECTIVE_AC = "none", "full", "selective"
+AC_MODES = (NO_AC, FULL_AC, SELECTIVE_AC)
 
 
 @dataclass(frozen=True, kw_only=True)
 class FsdpOptions:
     reshard_after_forward: bool = True
     mixed_precision_policy: str = AUTOCAST
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = NO_AC  # AC_MODES
+    ac_every: int = 1  # under full checkpointing: only every K-th block (the K-th, 2K-th...) is checkpointed
     activation_checkpointing_offload: bool = False  # needs activation_checkpointing, as accelerate enforces
     cpu_offload: bool = False  # CPUOffloadPolicy: parameters, gradients and AdamW live on the host
     # GradientAccumulationPlugin: microbatches per optimizer step, and whether each is reduce-scattered
@@ -43,6 +48,10 @@ class FsdpOptions:
     # torch's FSDPModule.set_requires_all_reduce: False reduce-scatters every microbatch under HSDP but
     # all-reduces across the replicas only on the last one. Not offered by accelerate.
     requires_all_reduce: bool = True
+    # The levers beyond accelerate's plugin (fsdp2bench/levers.py): each block compiled by inductor, and torchao's
+    # float8 training of the blocks' Linear layers with FSDP2's float8 all-gather.
+    compile: bool = False
+    float8: bool = False
     # ParallelismConfig: how the ranks split into replicas, shards, context and tensor groups.
     layout: Layout = Layout()
     # The training step (fsdp2bench/step.py): not an FSDP2 option, but applied by every variant alike.
@@ -76,6 +85,10 @@ class FsdpOptions:
                                    step=part(self.step, STEP_OPTIONS))
 
     @property
+    def checkpoints(self) -> bool:
+        return self.activation_checkpointing != NO_AC
+
+    @property
     def hsdp(self) -> bool:
         return self.layout.hsdp
 
@@ -93,6 +106,7 @@ STEP_OPTIONS = tuple(f.name for f in dataclasses.fields(Step))
 OWN_FIELDS = tuple(f.name for f in dataclasses.fields(FsdpOptions) if f.name not in NESTED)
 PLUGIN_OPTIONS = ("reshard_after_forward", "mixed_precision_policy", "activation_checkpointing",
                   "activation_checkpointing_offload", "cpu_offload")
+LEVER_OPTIONS = ("ac_every", "compile", "float8")  # applied by the suite to every variant alike
 
 
 ACCUMULATION_STEPS, NODE_RANKS = 4, 8  # a matrix's K, and HSDP's shards: the ranks of one node
@@ -102,10 +116,10 @@ OPTION_SETS: dict[str, FsdpOptions] = {
     "default": FsdpOptions(),
     "no_reshard": FsdpOptions(reshard_after_forward=False),
     "mp_policy": FsdpOptions(mixed_precision_policy=POLICY),
-    "ac": FsdpOptions(activation_checkpointing=True),
-    "ac_offload": FsdpOptions(activation_checkpointing=True, activation_checkpointing_offload=True),
+    "ac": FsdpOptions(activation_checkpointing=FULL_AC),
+    "ac_offload": FsdpOptions(activation_checkpointing=FULL_AC, activation_checkpointing_offload=True),
     "cpu_offload": FsdpOptions(cpu_offload=True),
-    "all": FsdpOptions(reshard_after_forward=False, mixed_precision_policy=POLICY, activation_checkpointing=True,
+    "all": FsdpOptions(reshard_after_forward=False, mixed_precision_policy=POLICY, activation_checkpointing=FULL_AC,
                        activation_checkpointing_offload=True, cpu_offload=True),
     "accumulate": FsdpOptions(gradient_accumulation_steps=ACCUMULATION_STEPS),
     "accumulate_sync": FsdpOptions(gradient_accumulation_steps=ACCUMULATION_STEPS, sync_each_batch=True),
@@ -123,9 +137,18 @@ OPTION_SETS: dict[str, FsdpOptions] = {
     "cp4": FsdpOptions(layout=Layout(cp_size=4)),
     "tp2_cp2": FsdpOptions(layout=Layout(tp_size=2, cp_size=2)),
     "cp2_accumulate": FsdpOptions(layout=Layout(cp_size=2), gradient_accumulation_steps=ACCUMULATION_STEPS),
+    # The levers people pull for memory and speed, in the order well-kept projects stack them.
+    "ac_every2": FsdpOptions(activation_checkpointing=FULL_AC, ac_every=2),
+    "selective": FsdpOptions(activation_checkpointing=SELECTIVE_AC),
+    "compile": FsdpOptions(compile=True),
+    "selective_compile": FsdpOptions(activation_checkpointing=SELECTIVE_AC, compile=True),
+    "selective_compile_float8": FsdpOptions(activation_checkpointing=SELECTIVE_AC, compile=True, float8=True),
 }
 EACH = "every_set"  # --option_sets every_set: every set above (the set named all turns every plugin option on)
-PLUGIN_SETS = [name for name, o in OPTION_SETS.items() if not o.accumulates and o.layout == Layout()]  # the plugin's
+LEVER_SETS = [name for name, o in OPTION_SETS.items() if o.ac_every > 1 or o.activation_checkpointing == SELECTIVE_AC
+              or o.compile or o.float8]
+PLUGIN_SETS = [name for name, o in OPTION_SETS.items()  # the plugin's
+               if not o.accumulates and o.layout == Layout() and name not in LEVER_SETS]
 PARALLEL_SETS = [name for name, o in OPTION_SETS.items() if o.layout.tensor_parallel or o.layout.context_parallel]
 
 
@@ -135,6 +158,16 @@ def parse_bool(text: str) -> bool:
     if value not in ("true", "false"):
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
     return value == "true"
+
+
+def parse_checkpointing(text: str) -> str:
+    """``--activation_checkpointing``: a mode, or ``true``/``false`` as an accelerate config writes it (whole
+    blocks, as accelerate's plugin checkpoints them, or none)."""
+    value = text.strip().lower()
+    modes = {"true": FULL_AC, "false": NO_AC, **{mode: mode for mode in AC_MODES}}
+    if value not in modes:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(AC_MODES)} (or true, false), got {text!r}")
+    return modes[value]
 
 
 def from_args(args) -> FsdpOptions:
@@ -150,9 +183,9 @@ def from_args(args) -> FsdpOptions:
                     tp_size=args.tp_size, cp_comm_strategy=args.cp_comm_strategy or CP_STRATEGIES[0])
     options = FsdpOptions(reshard_after_forward=args.reshard_after_forward,
                           mixed_precision_policy=args.mixed_precision_policy,
-                          activation_checkpointing=args.activation_checkpointing,
+                          activation_checkpointing=args.activation_checkpointing, ac_every=args.ac_every,
                           activation_checkpointing_offload=args.activation_checkpointing_offload,
-                          cpu_offload=args.cpu_offload, gradient_accumulation_steps=args.gradient_accumulation_steps,
+                          compile=args.compile, float8=args.float8, cpu_offload=args.cpu_offload, gradient_accumulation_steps=args.gradient_accumulation_steps,
                           sync_each_batch=bool(args.sync_each_batch), requires_all_reduce=args.requires_all_reduce,
                           layout=layout, step=Step(loop=args.loop, loss=args.loss))
     check(options)
@@ -160,9 +193,18 @@ def from_args(args) -> FsdpOptions:
 
 
 def check(options: FsdpOptions) -> None:
-    if options.activation_checkpointing_offload and not options.activation_checkpointing:
-        raise UserError("--activation_checkpointing_offload needs --activation_checkpointing (accelerate refuses "
-                        "it alone)")
+    if options.activation_checkpointing_offload and options.activation_checkpointing != FULL_AC:
+        raise UserError("--activation_checkpointing_offload needs --activation_checkpointing full (accelerate refuses "
+                        "it alone, and offloads the inputs of whole blocks only)")
+    if options.ac_every > 1 and options.activation_checkpointing != FULL_AC:
+        raise UserError(f"--ac_every {options.ac_every} needs --activation_checkpointing full: it checkpoints every "
+                        f"{options.ac_every}th block whole")
+    if options.float8 and options.mixed_precision_policy == FP32:
+        raise UserError("--float8 with --mixed_precision_policy fp32: float8 training computes the blocks' matmuls in "
+                        "float8 and the rest in bf16 (accelerate's mixed_precision fp8 is bf16 besides float8)")
+    if options.float8 and options.layout.tensor_parallel:
+        raise UserError(f"--float8 with --tp_size {options.layout.tp_size}: torchao's float8 under tensor "
+                        "parallelism needs its own float8 TP styles, which the suite does not mirror")
     if not options.requires_all_reduce and not (options.hsdp and options.accumulates and options.sync_each_batch):
         raise UserError("--requires_all_reduce false needs HSDP (--dp_replicate_size or --dp_shard_size), "
                         "--gradient_accumulation_steps above 1 and --sync_each_batch true: it holds back the "
@@ -184,7 +226,7 @@ def check_libraries(options: FsdpOptions) -> None:
     check_scaling_libraries(options)
     if options.cpu_offload and not hasattr(fsdp, "CPUOffloadPolicy"):
         raise UserError("--cpu_offload: this torch has no torch.distributed.fsdp.CPUOffloadPolicy")
-    if options.activation_checkpointing:
+    if options.checkpoints:
         try:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: F401
                 checkpoint_wrapper, offload_wrapper)

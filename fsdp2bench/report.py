@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 import statistics
 
-from fsdp2bench import snapshots
+from fsdp2bench import snapshots, throughput
 from fsdp2bench.cli import say
 from fsdp2bench.isolation import UNSUPPORTED
 from fsdp2bench.layout import AXES
-from fsdp2bench.memory_model import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_setup, expected_state,
-                                     projection, unfixed_costs_more_from)
+from fsdp2bench.memory_model import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_gathered_block_bytes,
+                                     expected_setup, expected_state, projection, unfixed_costs_more_from)
 from fsdp2bench.step import MODEL, UPSTREAM
 from fsdp2bench.names import (INTENDED, MIB, MICROBATCH_PHASE, PEAK_PHASES, PHASES, STATE_KEYS, UNFIXED, phases,
                               size_said, state_bytes, step_peak_state)
@@ -107,7 +107,9 @@ def memory_summary(name: str, per_rank: list[dict], shapes, world_size: int, ran
     """Memory figures of one variant from the records of ``ranks`` (of a world of ``world_size``), its
     model built on ``built_on``."""
     counted, steps = phases(options.accumulates), len(per_rank[0]["steps"])
-    setup = expected_setup(options)
+    setup = expected_setup(options, shapes)
+    gathered = [r.get("gathered_block_bytes") for r in per_rank]
+    expected_gathered = [expected_gathered_block_bytes(shapes, world_size, rank, options) for rank in ranks]
     accounting = [_by_phase(r["accounting"], counted) for r in per_rank]
     expected = [_by_phase({ph: expected_state(shapes, world_size, rank, name, ph, options, steps) for ph in counted},
                           counted) for rank in ranks]
@@ -139,15 +141,25 @@ def memory_summary(name: str, per_rank: list[dict], shapes, world_size: int, ran
         "expected_device_bytes": expected_on_device,
         "kept_output_bytes": kept,
         "expected_kept_output_bytes": expected_kept,
+        "gathered_block_bytes": gathered,
+        "expected_gathered_block_bytes": expected_gathered,
         "accounting_matches_expected": accounting == expected and on_device == expected_on_device
-        and kept == expected_kept,
+        and kept == expected_kept and all(g in (None, e) for g, e in zip(gathered, expected_gathered)),
         "applied": [r["applied"] for r in per_rank],
         "applied_matches_options": all({k: r["applied"][k] for k in setup} == setup for r in per_rank),
         "steady_allocated_minus_state_mib": _across(residual),
         **({"peak_tensors": [r["peak_tensors"] for r in per_rank]} if "peak_tensors" in per_rank[0] else {}),
         "wall_s": max(r["wall_s"] for r in per_rank),
         "median_step_time_s": statistics.median(s["step_time_s"] for s in per_rank[0]["steps"]),
+        **speed_summary([r["speed"] for r in per_rank]),
     }
+
+
+def speed_summary(per_rank: list[dict]) -> dict:
+    """Every rank's speed figures, and the run's: its slowest rank's (the ranks wait for one another)."""
+    unmeasured = [f for f in per_rank if f["tokens_per_s_per_gpu"] is None]
+    slowest = unmeasured[0] if unmeasured else min(per_rank, key=lambda f: f["tokens_per_s_per_gpu"])
+    return {"speed": slowest, "speed_per_rank": per_rank}
 
 
 def variant_summary(name: str, per_rank: list[dict], shapes, options: FsdpOptions, device_type: str,
@@ -298,12 +310,6 @@ def _mib(n_bytes: float) -> str:
     return f"{n_bytes / MIB:.1f}"
 
 
-def _gap_bytes(v: dict) -> int:
-    """Largest difference, in bytes, between what a rank held and what the sharding rule predicts."""
-    return max(abs(held[phase].get(k, 0) - exp[phase].get(k, 0)) for held, exp in zip(v["accounting"], v["expected"])
-               for phase in held if phase not in STATE_KEYS for k in STATE_KEYS)
-
-
 # The console table, at most 120 columns: (title, width, cell, needs an allocator). The rest of each
 # figure (steps, first loss, polled peaks, what is allocated beyond the state) is in summary.json.
 TABLE_COLUMNS = [
@@ -316,8 +322,8 @@ TABLE_COLUMNS = [
     ("grads", 7, lambda v: _mib(_worst_rank(v, "end_of_training")["grad_bytes"]), False),
     ("optim", 7, lambda v: _mib(_worst_rank(v, "end_of_training")["optimizer_state_bytes"]), False),
     ("stale", 7, lambda v: _mib(_worst_rank(v, "end_of_training")["stale_param_bytes"]), False),
-    ("gap B", 5, lambda v: str(_gap_bytes(v)), False),
-    ("wall s", 6, lambda v: f"{v['wall_s']:.1f}", False),
+    ("tok/s", 7, lambda v: throughput.rate_said(v.get("speed")), False),
+    ("MFU", 5, lambda v: throughput.mfu_said(v.get("speed")), False),
 ]
 NAME_WIDTH = 37  # the longest run name
 
@@ -337,13 +343,36 @@ def print_table(summary: dict) -> None:
     print(("MiB. alloc: the CUDA allocator's own peak; resv: its peak reserved; " if gpu else "MiB. ") +
           "RSS: the process's host memory (polled).\n"
           "     Held by one rank after the last step: params (local shards), grads, optim (AdamW state), stale (tensors\n"
-          "     the optimizer holds that the model no longer uses); gap B: largest difference in bytes from the FSDP2\n"
-          "     sharding rule (memory_model.py), any rank and moment. drop: fall of the loss from the first to the last\n"
+          "     the optimizer holds that the model no longer uses). drop: fall of the loss from the first to the last\n"
           "     quarter of steps. summary.json has every figure per rank, the polled peaks and the phases.")
+    say(speed_said(summary, [v for v in summary["variants"].values() if v["status"] == "ok"]), indent="     ")
     say(step_said(summary))
     for sentence in explanations(summary):
         say(sentence)
     print_checks(summary["checks"])
+
+
+def speed_said(summary: dict, entries: list[dict]) -> str:
+    """What tok/s and MFU are, against which peak, and why a figure is missing; the compile time where one ran."""
+    figures = [v["speed"] for v in entries]
+    if not figures:
+        return ""
+    first = figures[0]
+    warm = "steps 0 and 1, which compile" if first["warmup_steps"] == 2 else "step 0"
+    gpu = summary["meta"].get("gpu_name")
+    peak = (f"{gpu}'s dense bf16 peak, {first['peak_bf16_tflops']:.0f} TFLOP/s (float8 included)"
+            if first["peak_bf16_tflops"] else f"no peak FLOP/s known for {gpu}" if gpu else "none on the CPU")
+    line = (f"tok/s: tokens per second per GPU over the median step after warm-up ({warm}); MFU: "
+            f"{first['model_flops_per_token'] / 1e9:.3g} GFLOP of model FLOPs per token (docs/levers.md) against {peak}.")
+    if any(f["compute_only"] for f in figures):
+        line += " *: compute only (a simulated rank: no communication happens)."
+    missing = next((f["not_measured"] for f in figures if f["not_measured"]), None)
+    if missing:
+        line += f" n/a: {missing}."
+    compiled = [f["compile_s"] for f in figures if f["compile_s"] is not None]
+    if compiled:
+        line += f" Compiling took {min(compiled):.1f}-{max(compiled):.1f} s a run (warm-up beyond its median steps)."
+    return line
 
 
 def unfixed_loss_said(drop: float) -> str:
@@ -557,8 +586,8 @@ def print_sweep_table(summary: dict) -> None:
     say(f"\nSimulated world sizes ({summary['meta']['model']}): one process played each rank shown, on a fake "
         f"process group (real allocations, no communication); {sim['steps']} steps per run. "
         f"{step_said(summary)}")
-    header = (f"{'N':>4} {'rank':>4} {'variant':{NAME_WIDTH}} {'train':>8} {'alloc':>8} {'resv':>6} "
-              f"{'params':>7} {'grads':>7} {'optim':>7} {'stale':>7} {'gap B':>5} {'beyond':>7}")
+    header = (f"{'N':>4} {'rank':>4} {'variant':{NAME_WIDTH}} {'train':>8} {'resv':>6} {'tok/s':>8} {'MFU':>6} "
+              f"{'params':>7} {'grads':>7} {'optim':>7} {'stale':>7} {'beyond':>7}")
     print(header)
     print("-" * len(header))
     for n, rank, name, v in simulated_entries(summary["simulated"]):
@@ -567,16 +596,18 @@ def print_sweep_table(summary: dict) -> None:
             continue
         state = v["accounting"][0]["before_zero_grad"]
         print(f"{n:>4} {rank:>4} {name:{NAME_WIDTH}} {_fmt(v['training_peak_allocated_mib']['max']):>8} "
-              f"{_fmt(v['peak_allocated_mib']['max']):>8} {_fmt(v['peak_reserved_mib']['max'], '.0f'):>6} "
-              f"{_mib(state['param_bytes']):>7} {_mib(state['grad_bytes']):>7} "
-              f"{_mib(state['optimizer_state_bytes']):>7} {_mib(state['stale_param_bytes']):>7} {_gap_bytes(v):>5} "
+              f"{_fmt(v['peak_reserved_mib']['max'], '.0f'):>6} {throughput.rate_said(v['speed']):>8} "
+              f"{throughput.mfu_said(v['speed']):>6} {_mib(state['param_bytes']):>7} {_mib(state['grad_bytes']):>7} "
+              f"{_mib(state['optimizer_state_bytes']):>7} {_mib(state['stale_param_bytes']):>7} "
               f"{_fmt(v['training_peak_beyond_state_mib']['max']):>7}")
-    say("MiB: train = the allocator's peak over the optimizer steps; alloc = the same over the whole run, building "
-        "the model included; resv = reserved by the caching allocator, the set-up's cache given back before the "
+    say("MiB: train = the allocator's peak over the optimizer steps (summary.json has the whole run's, building the "
+        "model included); resv = reserved by the caching allocator, the set-up's cache given back before the "
         "first step. Then the state held at the step peak (after the last optimizer step): params, grads, optim "
-        "(AdamW state), stale (the optimizer's old full parameters); gap B = largest difference in bytes from the "
-        "FSDP2 sharding rule, any moment; beyond = train minus that state (activations, gathered parameters, "
-        "buffers, the outputs the loop keeps).", indent="     ")
+        "(AdamW state), stale (the optimizer's old full parameters); beyond = train minus that state (activations, "
+        "gathered parameters, buffers, the outputs the loop keeps). The check accounting_matches_expected compares "
+        "every byte of the state, at every moment, with the FSDP2 sharding rule.", indent="     ")
+    say(speed_said(summary, [v for *_, v in simulated_entries(summary["simulated"]) if v["status"] == "ok"]),
+        indent="     ")
     crossover = summary["simulation_findings"]["unfixed_exceeds_intended_from_world_size"]
     sizes = ", ".join(str(n) for n in summary["meta"]["simulated"]["world_sizes"])
     exact = (summary.get("projection") or {}).get("unfixed_costs_more_from_world_size")

@@ -14,17 +14,18 @@ import torch
 import torch.distributed as dist
 
 import utils
-from fsdp2bench import snapshots
+from fsdp2bench import snapshots, throughput
 from fsdp2bench.child import TracedChild, run_traced_child
 from fsdp2bench.isolation import STAND_DOWN, StoreKeys, init_group, name_process, wait_at_gate
 from fsdp2bench.layout import Meshes
-from fsdp2bench.memory_model import account, applied_setup, local_tensor, output_itemsize
+from fsdp2bench.memory_model import account, applied_setup, gathered_block_bytes, local_tensor, output_itemsize
 from fsdp2bench.model import build_model
 from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, rank_file
 from fsdp2bench.options import FsdpOptions
 from fsdp2bench.progress import Progress
 from fsdp2bench.simulation import init_simulated_group
 from fsdp2bench.step import kept_output_bytes
+from fsdp2bench.throughput import DeviceShare
 from fsdp2bench.weights import SharedWeights
 from measure import MemoryTracker
 
@@ -236,13 +237,24 @@ def prepare(job: Job, tracker: MemoryTracker, meshes: Meshes | None) -> utils.Pr
 
 
 def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.Store) -> dict:
+    """One variant on one rank, counted busy on its device all along (``throughput.DeviceShare``)."""
+    share = DeviceShare(job.device, f"{job.meta['run_id']}/{job.keys.prefix}")
+    share.enter()
+    try:
+        return train_busy(job, tracker, meshes, store, share)
+    finally:
+        share.leave()
+
+
+def train_busy(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.Store,
+               share: DeviceShare) -> dict:
     """Build, prepare and train one variant; return this rank's record beyond the trace."""
     start = time.perf_counter()
     prep = prepare(job, tracker, meshes)
     accounting = {"end_of_setup": account(prep.model, prep.optimizer)}
     applied = applied_setup(prep.model, job.layer_classes)
     release_setup_cache(job.device)
-    if job.gated and (job := wait_for_go(job, tracker, store)) is None:
+    if job.gated and (job := wait_for_go(job, tracker, store, share)) is None:
         return {"wall_s": time.perf_counter() - start, "stood_down": True}
     batches = host_batches(job)  # before the clock of the first step starts
     tracker.mark("training_started")
@@ -261,7 +273,9 @@ def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.S
         loss, seconds = readback.result(step)
         # Under a fake group no collective moves data, so the loss of a simulated rank means nothing.
         record = tracker.steps[step]
-        record.update(loss=None if job.simulated else loss, step_time_s=seconds)
+        # Other runs busy on the device when the step was queued, or when the device had finished it.
+        record.update(loss=None if job.simulated else loss, step_time_s=seconds,
+                      runs_beside=max(record["runs_beside"], share.others()))
         progress.update(step, record["loss"], record["peak_allocated_mib"], seconds)
 
     with collector_paused():
@@ -271,7 +285,7 @@ def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.S
             hooks = [(lambda phase=phase: accounting.update({phase: held()}))
                      if step == last else None for phase in ("before_zero_grad", MICROBATCH_PHASE)]
             readback.queued(step, train_step(batch.to(job.device, non_blocking=True), *hooks))
-            tracker.record_step(step)
+            tracker.record_step(step)["runs_beside"] = share.others()
             if step > 0:
                 read_back(step - 1)  # the previous step, while the device runs this one
             if step % GC_EVERY_STEPS == GC_EVERY_STEPS - 1:
@@ -282,6 +296,8 @@ def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.S
     accounting["end_of_training"] = held()
     found = {"wall_s": time.perf_counter() - start, "accounting": accounting,
              "expected_kept_output_bytes": expected_kept_outputs(job), "applied": applied,
+             "gathered_block_bytes": gathered_block_bytes(prep.model, job.layer_classes),
+             "speed": run_speed(job, prep.model, tracker.steps),
              "allocator": tracker.allocator_stats(), "counter_peaks": tracker.counter_peaks(),
              "polled_peaks": tracker.polled_peaks()}
     if records_history(job):  # while the model exists to name the blocks
@@ -289,6 +305,19 @@ def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.S
                                                        snapshots.parameter_sizes(prep.model),
                                                        job.device.index or 0, HISTORY_ENTRIES)
     return found
+
+
+def run_speed(job: Job, model: torch.nn.Module, steps: list[dict]) -> dict:
+    """Tokens per second per GPU and MFU of this run's clean steps (throughput.py)."""
+    options = job.train.options
+    _, sequences, block = job.batches.shape
+    tokens = sequences * block / (options.layout.cp_size * options.layout.tp_size)
+    flops = throughput.model_flops_per_token(sum(p.numel() for p in model.parameters()), job.config, block)
+    return throughput.speed(steps, tokens, flops, gpu_name(job.device), options.compile, job.simulated)
+
+
+def gpu_name(device: torch.device) -> str | None:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
 def release_setup_cache(device: torch.device) -> None:
@@ -308,13 +337,15 @@ def expected_kept_outputs(job: Job) -> int:
     return kept_output_bytes(options.step, tokens, job.config.vocab_size, output_itemsize(options))
 
 
-def wait_for_go(job: Job, tracker: MemoryTracker, store: dist.Store) -> Job | None:
+def wait_for_go(job: Job, tracker: MemoryTracker, store: dist.Store, share: DeviceShare) -> Job | None:
     """plan.py's probes: set up, holding only the state, a probe waits until its parent has the room of its
     steps for it (so that the set-ups of some overlap the steps of others) and names the value it trains at
     (so that a search's next probe is set up before its value is known). Returns the job at that value, None
-    where the probe is stood down instead."""
+    where the probe is stood down instead. Waiting, it is not busy on the device."""
     start = time.perf_counter()
+    share.leave()
     go = wait_at_gate(store, job.keys, torch.cuda.memory_reserved(job.device) if job.device.type == "cuda" else 0)
+    share.enter()
     if go == STAND_DOWN:
         tracker.mark("stood_down", waited_s=time.perf_counter() - start)
         return None
@@ -388,7 +419,7 @@ def run_variant_child(job: Job, body: Body) -> None:
         if records_history(job):
             torch.cuda.memory._dump_snapshot(os.path.join(job.output_dir,
                                                           rank_file(job.name, "memory_snapshot.pkl", job.rank)))
-        extra["gpu_name"] = torch.cuda.get_device_name(job.device) if job.device.type == "cuda" else None
+        extra["gpu_name"] = gpu_name(job.device)
         return extra
 
     run_traced_child(child, work)

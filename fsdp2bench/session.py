@@ -60,7 +60,7 @@ def model_facts(model: str, seed: int, check_config: Callable[[object], None] = 
     meta_model = build_meta_model(model, config, seed)
     layer_classes = layer_class_names(meta_model)
     check_units_own_their_parameters(model, meta_model, layer_classes)
-    return ModelFacts(model, config, param_shapes(meta_model, config), layer_classes,
+    return ModelFacts(model, config, param_shapes(meta_model, config, layer_classes), layer_classes,
                       [(name, tuple(p.shape)) for name, p in meta_model.named_parameters()])
 
 

@@ -1,0 +1,162 @@
+"""Tokens per second per GPU and MFU from a run's step times, as torchtitan reports them beside memory.
+
+* Tokens per GPU per step: the tokens of a data-parallel rank's step (its microbatches' sequences x the block)
+  over the ranks that share them, C x T (a cp rank holds 1/C of each sequence; tp ranks split the same tokens'
+  work), so that the figure is comparable whatever the layout.
+* Tokens per second: those over the median time of the steps after warm-up (step 0; under ``--compile`` steps 0
+  and 1, which compile the blocks' forward and backward). The warm-up's time beyond that many median steps is the
+  compile time, reported on its own.
+* MFU: model FLOPs per token x tokens per second over the GPU's peak dense bf16 FLOP/s. Model FLOPs per token are
+  6 x the parameters that take part in matmuls (all but the input embedding; the output head counted once, tied or
+  not) plus 12 x layers x heads x head dim x sequence length for attention's two matmuls forward and backward
+  (PaLM's and torchtitan's formula: causal masking is not subtracted, recomputation is not counted). float8 rows
+  stay against the bf16 peak.
+
+A step during which another run was busy on the same device (``runs_beside``) is not a speed figure: it is left
+out, and where too few steps are left the figures are None with the reason. On a simulated rank (a fake process
+group) no collective moves data: the figures are compute only, and say so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import statistics
+
+WARMUP_STEPS, COMPILE_WARMUP_STEPS = 1, 2
+MIN_TIMED_STEPS = 2  # clean steps after warm-up that a median is taken of
+# Peak dense bf16 tensor FLOP/s by device name (the vendors' datasheets; without sparsity). First match wins.
+PEAK_BF16_TFLOPS = [
+    (r"GH200|H200", 989.4), (r"H100.*PCIe", 756.0), (r"H100.*NVL", 835.0), (r"H100|H800", 989.4),
+    (r"B200", 2250.0), (r"A100|A800", 312.0), (r"L40S", 362.1), (r"A10G", 70.0), (r"L4\b", 121.0),
+]
+
+
+def peak_flops(gpu_name: str | None) -> float | None:
+    """The device's peak dense bf16 FLOP/s, None for a CPU or a device not in the table (never a guess)."""
+    if not gpu_name:
+        return None
+    return next((tflops * 1e12 for pattern, tflops in PEAK_BF16_TFLOPS if re.search(pattern, gpu_name)), None)
+
+
+def model_flops_per_token(num_parameters: int, config, sequence: int) -> int:
+    """6 x the matmul parameters + the attention term (the module docstring says what is counted)."""
+    embedding = config.vocab_size * config.hidden_size
+    matmul_parameters = num_parameters - (0 if getattr(config, "tie_word_embeddings", False) else embedding)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * sequence
+    return 6 * matmul_parameters + attention
+
+
+def warmup_steps(compiled: bool) -> int:
+    return COMPILE_WARMUP_STEPS if compiled else WARMUP_STEPS
+
+
+def speed(steps: list[dict], tokens_per_step: float, flops_per_token: int, gpu_name: str | None, compiled: bool,
+          simulated: bool) -> dict:
+    """One run's speed figures from its step records (``step_time_s``, ``runs_beside``)."""
+    warm = warmup_steps(compiled)
+    timed = [s for s in steps[warm:] if s.get("step_time_s") is not None]
+    clean = [s["step_time_s"] for s in timed if not s.get("runs_beside")]
+    peak = peak_flops(gpu_name)
+    figures = {"tokens_per_step_per_gpu": tokens_per_step, "model_flops_per_token": flops_per_token,
+               "warmup_steps": warm, "timed_steps": len(clean), "shared_steps": len(timed) - len(clean),
+               "compute_only": simulated, "peak_bf16_tflops": None if peak is None else peak / 1e12,
+               "median_step_time_s": None, "tokens_per_s_per_gpu": None, "mfu": None, "compile_s": None,
+               "not_measured": None}
+    if len(clean) < MIN_TIMED_STEPS:
+        figures["not_measured"] = unmeasured_reason(len(steps), warm, len(timed) - len(clean))
+        return figures
+    median = statistics.median(clean)
+    rate = tokens_per_step / median
+    figures.update(median_step_time_s=median, tokens_per_s_per_gpu=rate,
+                   mfu=None if peak is None else rate * flops_per_token / peak)
+    if compiled and len(steps) >= warm:
+        figures["compile_s"] = max(0.0, sum(s["step_time_s"] or 0 for s in steps[:warm]) - warm * median)
+    return figures
+
+
+def unmeasured_reason(steps: int, warm: int, shared: int) -> str:
+    if shared:
+        return (f"{shared} of the {max(0, steps - warm)} steps after warm-up ran while another run was busy on the "
+                f"same device, leaving fewer than {MIN_TIMED_STEPS} clean ones; --concurrent_variants 1 runs one at "
+                "a time")
+    return f"{steps} step(s): a speed needs {warm} of warm-up and {MIN_TIMED_STEPS} more (--max_steps)"
+
+
+def rate_said(figures: dict | None) -> str:
+    """Tokens per second per GPU for a table cell: n/a where not measured, * where compute only."""
+    if not figures or figures.get("tokens_per_s_per_gpu") is None:
+        return "n/a"
+    return f"{figures['tokens_per_s_per_gpu']:.0f}{'*' if figures['compute_only'] else ''}"
+
+
+def mfu_said(figures: dict | None) -> str:
+    if not figures or figures.get("mfu") is None:
+        return "n/a"
+    return f"{figures['mfu']:.1%}"
+
+
+class DeviceShare:
+    """Which other runs are busy on this run's device, so that a step timed beside one is known as such.
+
+    Each busy process (setting up or training; not waiting at a plan's gate) keeps a file named by its pid in a
+    folder of this host's shared memory named by its device (the GPU's UUID; on the CPU, the host's cores), holding
+    its run's identity. Another run is one whose process is alive and whose identity differs: a real run's own
+    ranks on the CPU are one run, and a process killed on the spot stops counting without a word.
+    """
+
+    def __init__(self, device, identity: str):
+        import tempfile
+
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        self.folder = os.path.join(root, f"fsdp2bench-busy-{os.getuid()}", device_key(device))
+        self.path = os.path.join(self.folder, str(os.getpid()))
+        self.identity = identity
+        self.known: dict[str, str] = {}  # pid -> identity, read once
+
+    def enter(self) -> None:
+        os.makedirs(self.folder, exist_ok=True)
+        with open(self.path, "w") as f:
+            f.write(self.identity)
+
+    def leave(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path)
+
+    def others(self) -> int:
+        """Runs other than this one busy on the device now."""
+        found = set()
+        for pid in os.listdir(self.folder) if os.path.isdir(self.folder) else []:
+            identity = self.known.get(pid) or self.known.setdefault(pid, read_identity(os.path.join(self.folder, pid)))
+            if identity and identity != self.identity and alive(int(pid)):
+                found.add(identity)
+        return len(found)
+
+
+def device_key(device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    import torch
+
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return f"gpu-{uuid}" if uuid is not None else f"cuda{device.index or 0}"
+
+
+def read_identity(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:  # gone meanwhile
+        return ""
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
