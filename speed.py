@@ -109,6 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="PYTHON, another environment's interpreter, runs the baseline (this tree where --baseline "
                         "is not given): speed.json then compares the two environments' libraries on the same work, "
                         "their versions, peaks and losses (default: this interpreter)")
+    p.add_argument("--bare_loop", action="store_true",
+                   help="first time a bare loop of the same work (main.py's first variant at its first N: the same "
+                        "model, wrapping, levers and loss, no tracker, no polling, no accounting), then the launch; "
+                        "speed.json gets both medians and the suite's own cost per step (default: off)")
     p.add_argument("main_args", nargs=argparse.REMAINDER, help="arguments for main.py, after -- (default: none)")
     return p.parse_args(argv)
 
@@ -250,10 +254,37 @@ def run_baseline(args: argparse.Namespace, extra: list[str]) -> tuple[dict, dict
     raise UserError(f"{args.baseline_said}: {why}; the timed run was not started and no ratio is recorded")
 
 
+def run_bare_loop(args: argparse.Namespace, extra: list[str]) -> dict:
+    """The bare loop's figures (fsdp2bench/bare.py), in a process of its own before the launch."""
+    path = os.path.join(f"{args.output_dir}_bare", "bare.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    here = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    code = wait_passing_interrupt(subprocess.Popen([sys.executable, "-m", "fsdp2bench.bare", path, "--", *extra],
+                                                   env=here))
+    if code != 0 or not os.path.isfile(path):
+        raise UserError(f"--bare_loop: the bare loop failed (exit code {code}); the timed run was not started")
+    with open(path) as f:
+        return json.load(f)
+
+
+def suite_cost(bare: dict, runs: dict) -> dict:
+    """The suite's median clean step of the bare loop's variant at its N (rank 0) against the bare loop's."""
+    name = bare["variant"] if not any(k.startswith("N=") for k in runs) else \
+        f"N={bare['world_size']} rank 0 {bare['variant']}"
+    ours = (runs.get(name, ({},))[0].get("speed") or {}).get("median_step_time_s")
+    theirs = bare["speed"]["median_step_time_s"]
+    return {"run": name, "suite_median_step_s": ours, "bare_median_step_s": theirs,
+            "suite_cost_per_step": None if ours is None or not theirs else ours / theirs - 1}
+
+
 def timed(args: argparse.Namespace, extra: list[str]) -> int:
-    """The baseline's launch, then this version's, timed; speed.json from this version's summary."""
+    """The baseline's launch (or the bare loop), then this version's, timed; speed.json from this version's
+    summary."""
     baseline, theirs = run_baseline(args, extra) if args.baseline else (None, None)
-    command = launcher(args.nproc_per_node, ROOT, [*extra, "--tracker_overhead", "--output_dir", args.output_dir])
+    bare = run_bare_loop(args, extra) if args.bare_loop else None
+    # Against a bare loop the suite runs as users run it; otherwise polling pauses every other step, to measure it.
+    polling = [] if args.bare_loop else ["--tracker_overhead"]
+    command = launcher(args.nproc_per_node, ROOT, [*extra, *polling, "--output_dir", args.output_dir])
     launched, start = time.time(), time.perf_counter()
     here = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     code = wait_passing_interrupt(subprocess.Popen(command, env=here))  # fsdp2bench.torchrun from any directory
@@ -285,6 +316,8 @@ def timed(args: argparse.Namespace, extra: list[str]) -> int:
             print(f"error: {args.baseline_said}: {same}; no ratio is recorded", file=sys.stderr)
             return 2
         result.update(baseline={**baseline, "same_work": same}, wall_ratio_to_baseline=wall / baseline["suite_wall_s"])
+    if bare:
+        result["bare_loop"] = {**bare, **suite_cost(bare, runs)}
     add_run_figures(result, runs)
     write_json(args.json, result)
     say_result(result, args.json)
@@ -313,6 +346,11 @@ def say_result(result: dict, json_path: str) -> None:
     print(json.dumps({k: result.get(k) for k in ("suite_wall_s", "wall_ratio_to_baseline", "speedup_vs_upstream",
                                                  "tracker_overhead_ratio", "median_step_time_s", "launch_phases")},
                      indent=1))
+    bare = result.get("bare_loop")
+    if bare and bare["suite_cost_per_step"] is not None:
+        print(f"bare loop against the suite ({bare['run']}): median clean step {bare['bare_median_step_s']:.4f} s "
+              f"bare, {bare['suite_median_step_s']:.4f} s in the suite: the suite costs "
+              f"{bare['suite_cost_per_step']:+.1%} a step")
     same = (result.get("baseline") or {}).get("same_work")
     if same:
         peaks = {True: "equal to the byte", False: "they differ"}.get(same["peaks_equal"],

@@ -20,12 +20,19 @@ from dataclasses import dataclass, field
 
 from fsdp2bench.cli import UserError, environment_changed, expect_path
 from fsdp2bench.layout import CP_STRATEGIES
-from fsdp2bench.options import AUTOCAST, FP32
+from fsdp2bench import levers
+from fsdp2bench.options import AUTOCAST, FP32, FULL_AC, NO_AC
 
 LAUNCH_SOURCE = "accelerate launch's environment"
 PREFIXES = ("FSDP_", "PARALLELISM_CONFIG_", "ACCELERATE_")
-# accelerate's mixed_precision values and the suite's --mixed_precision_policy for each it runs.
-PRECISIONS = {"no": FP32, "bf16": AUTOCAST}
+# accelerate's mixed_precision values and the suite's --mixed_precision_policy for each it runs (fp8 is bf16 besides
+# the float8 matmuls: --float8).
+PRECISIONS = {"no": FP32, "bf16": AUTOCAST, "fp8": AUTOCAST}
+# The dynamo_config accelerate's regional compilation takes as the suite's --compile: each field's launcher variable
+# and the one value that mirrors it (None: the field may be left out).
+DYNAMO_AS_COMPILE = {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR", "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "TRUE",
+                     "ACCELERATE_DYNAMO_MODE": "DEFAULT", "ACCELERATE_DYNAMO_USE_FULLGRAPH": "FALSE",
+                     "ACCELERATE_DYNAMO_USE_DYNAMIC": "FALSE"}
 # FSDP fields that do not change what a rank holds in training, each with what the suite does instead.
 NOT_MEASURED = {
     "FSDP_STATE_DICT_TYPE": "how checkpoints are saved",
@@ -45,7 +52,8 @@ FIELDS = {"reshard_after_forward": "fsdp_reshard_after_forward",
           "cpu_offload": "fsdp_offload_params", "mixed_precision_policy": "mixed_precision",
           "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS (the environment)",
           **{f"{size}_size": f"parallelism_config_{size}_size" for size in ("dp_replicate", "dp_shard", "cp", "tp")},
-          "cp_comm_strategy": "parallelism_config_cp_comm_strategy"}
+          "cp_comm_strategy": "parallelism_config_cp_comm_strategy",
+          "compile": "dynamo_config dynamo_backend", "float8": "mixed_precision"}
 
 
 @dataclass(frozen=True)
@@ -192,8 +200,40 @@ def check_fields(config, name: str, known: set[str]) -> None:
 
 def check_precision(value: str, source: str, key: str) -> None:
     if value.lower() not in PRECISIONS:
-        raise UserError(f"{source}: {key} {value}: the suite runs 'no' (fp32) and bf16 only; fp16 and fp8 "
-                        "are not measured")
+        raise UserError(f"{source}: {key} {value}: the suite runs 'no' (fp32), bf16 and fp8 (torchao's float8 "
+                        "training); fp16 is not measured")
+    if value.lower() == "fp8":
+        try:
+            import torchao.float8  # noqa: F401
+        except ImportError:
+            raise UserError(f"{source}: {key} fp8 needs torchao, which cannot be imported here; install it with "
+                            f"pip install -r {levers.FLOAT8_REQUIREMENTS}") from None
+
+
+def lever_values(environment: dict[str, str], source: str) -> dict:
+    """``--compile`` from a dynamo_config of accelerate's regional compilation with inductor, ``--float8`` from
+    mixed_precision fp8 with torchao (accelerate's AO backend); what the suite cannot mirror refused naming the
+    field."""
+    values = {}
+    if environment.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper() != "NO":
+        for key, mirrored in DYNAMO_AS_COMPILE.items():
+            given = environment.get(key, mirrored).upper()
+            if given != mirrored:
+                raise UserError(f"{source}: dynamo_config {field_name(key)} {environment[key]}: the suite compiles "
+                                f"each block with inductor as accelerate's regional compilation does (dynamo_backend "
+                                f"INDUCTOR, dynamo_use_regional_compilation true, dynamo_mode default, no fullgraph, "
+                                "no dynamic shapes)")
+        values["compile"] = True
+    if environment.get("ACCELERATE_MIXED_PRECISION", "no").lower() == "fp8":
+        backend = environment.get("ACCELERATE_FP8_BACKEND", "AO")
+        if backend.upper() != "AO":
+            raise UserError(f"{source}: fp8_config backend {backend}: the suite measures float8 through torchao "
+                            "(backend AO), as torchtitan trains it")
+        if environment.get("ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", "true").lower() != "true":
+            raise UserError(f"{source}: fp8_config enable_fsdp_float8_all_gather false: the suite's float8 gathers "
+                            "the weights in float8 (accelerate's default)")
+        values["float8"] = True
+    return values
 
 
 def from_environment(environment: dict[str, str], source: str, written: set[str] | None = None) -> ConfigOptions:
@@ -210,6 +250,7 @@ def from_environment(environment: dict[str, str], source: str, written: set[str]
         plugin, parallelism = accelerate_objects(environment, source)
     values = {**plugin_values(plugin, environment, source), **layout_values(parallelism, source)}
     values["mixed_precision_policy"] = PRECISIONS[environment.get("ACCELERATE_MIXED_PRECISION", "no").lower()]
+    values.update(lever_values(environment, source))
     if "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" in environment:
         values["gradient_accumulation_steps"] = whole_number(environment, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
     classes = plugin.transformer_cls_names_to_wrap
@@ -249,7 +290,7 @@ def plugin_values(plugin, environment: dict[str, str], source: str) -> dict:
     if plugin.ignored_modules:
         raise UserError(f"{source}: fsdp_ignored_modules {plugin.ignored_modules}: the suite shards every module")
     return {"reshard_after_forward": bool(plugin.reshard_after_forward),
-            "activation_checkpointing": bool(plugin.activation_checkpointing),
+            "activation_checkpointing": FULL_AC if plugin.activation_checkpointing else NO_AC,
             "activation_checkpointing_offload": bool(getattr(plugin, "activation_checkpointing_offload", False)),
             "cpu_offload": isinstance(plugin.cpu_offload, CPUOffloadPolicy)}
 
@@ -300,11 +341,8 @@ def whole_number(environment: dict[str, str], key: str) -> int:
 
 def not_measured(environment: dict[str, str], written: set[str] | None) -> tuple[str, ...]:
     """The config's fields that the suite does not mirror because they do not change training memory."""
-    said = [f"{field_name(key)} ({why})" for key, why in NOT_MEASURED.items()
-            if key in environment and (written is None or key in written)]
-    if environment.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper() != "NO":
-        said.append(f"dynamo_backend {environment['ACCELERATE_DYNAMO_BACKEND']} (compile is not measured)")
-    return tuple(said)
+    return tuple(f"{field_name(key)} ({why})" for key, why in NOT_MEASURED.items()
+                 if key in environment and (written is None or key in written))
 
 
 def field_name(key: str) -> str:

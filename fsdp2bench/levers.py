@@ -20,11 +20,13 @@ from __future__ import annotations
 import shutil
 import subprocess
 from collections.abc import Callable
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from fsdp2bench.cli import UserError
 from fsdp2bench.options import FULL_AC, SELECTIVE_AC, FsdpOptions
+
+if TYPE_CHECKING:
+    from torch import nn
 
 FLOAT8_REQUIREMENTS = "requirements-float8.txt"
 FLOAT8_MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada and Hopper on
@@ -152,6 +154,8 @@ def float8_eligible(shape: tuple[int, ...]) -> bool:
 
 def float8_filter(model: nn.Module, layer_classes: list[str]) -> Callable[[nn.Module, str], bool]:
     """torchao's module filter: the Linear layers inside the blocks (never the output head), of eligible shape."""
+    from torch import nn
+
     prefixes = tuple(f"{name}." for name, _ in blocks(model, layer_classes))
 
     def convert(module: nn.Module, name: str) -> bool:

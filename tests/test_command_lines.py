@@ -163,6 +163,10 @@ MAIN = {
     # Sane at every world size drawn (1, or the simulated 2, 1,8 and 3,64): one replica.
     "--dp_replicate_size": (st.just("1"), integers(1, 1 << 16)[1]),
     "--requires_all_reduce": (st.just("true"), st.sampled_from(["maybe", "", "false"])),
+    # The levers: every K-th block needs full checkpointing (not drawn here); float8 needs a GPU.
+    "--ac_every": (st.just("1"), st.sampled_from(["0", "nan", "65537", "x"])),
+    "--compile": choice(["true", "false"], ["maybe", ""]),
+    "--float8": (st.just("false"), st.sampled_from(["true", "maybe", ""])),
 }
 # Integer options: the sane strategy above, the hostile one from the same helper.
 for flag, (low, high) in {"--batch_size": (1, 1 << 16), "--block_size": (2, 1 << 20), "--max_steps": (1, 10_000_000),
@@ -183,7 +187,7 @@ def command_line(draw, options: dict, fixed: list[str] | None = None) -> tuple[l
 
 
 SCALING_FLAGS = ("--gradient_accumulation_steps", "--dp_replicate_size", "--requires_all_reduce")
-FLAT_SETS = sorted(n for n, o in OPTION_SETS.items() if o.layout == Layout())
+FLAT_SETS = sorted(n for n, o in OPTION_SETS.items() if o.layout == Layout() and not o.float8)  # float8: a GPU
 HSDP_SETS = sorted(n for n, o in OPTION_SETS.items() if o.hsdp)
 # Both models drawn have 4 heads, 2 key/value heads and an even MLP width. TP is sane where T divides
 # every N; CP never is on the CPU.

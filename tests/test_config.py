@@ -54,14 +54,14 @@ def test_accelerate_launch_with_a_config_trains_every_variant_as_the_file_says_a
         {"reshard_after_forward": "config", "cpu_offload": "config", "mixed_precision_policy": "config",
          "activation_checkpointing": "flag", "gradient_accumulation_steps": "config", "tp_size": "default"}
     assert summary["meta"]["per_optimizer_step"]["microbatches"] == 2
-    assert "--activation_checkpointing false (the config: true)" in " ".join(proc.stdout.split())
+    assert "--activation_checkpointing none (the config: full)" in " ".join(proc.stdout.split())
     for variant in VARIANTS:
         entry = summary["variants"][variant]
         assert len(entry["applied"]) == 2 and entry["applied_matches_options"], variant
         assert {k: applied(summary, variant)[k] for k in ("reshard_after_forward", "param_dtype", "reduce_dtype",
                                                            "activation_checkpointing", "cpu_offload", "fsdp_mesh")} \
             == {"reshard_after_forward": False, "param_dtype": "float32", "reduce_dtype": "float32",
-                "activation_checkpointing": False, "cpu_offload": True, "fsdp_mesh": [2]}, variant
+                "activation_checkpointing": "none", "cpu_offload": True, "fsdp_mesh": [2]}, variant
         assert entry["accounting_matches_expected"], variant  # fp32 outputs kept: 4 bytes a logit
     assert summary["checks"]["options_applied"]["ok"] and summary["checks"]["intended_losses_match"]["ok"]
 
@@ -102,8 +102,7 @@ def refused(tmp_path: Path, path: str) -> str:
     ({"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}, {},
      "fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer: the suite shards this model by its blocks, "
      "Qwen2DecoderLayer"),
-    ({}, {"mixed_precision": "fp16"}, "mixed_precision fp16: the suite runs 'no' (fp32) and bf16 only"),
-    ({}, {"mixed_precision": "fp8"}, "mixed_precision fp8"),
+    ({}, {"mixed_precision": "fp16"}, "mixed_precision fp16: the suite runs 'no' (fp32), bf16 and fp8"),
     ({}, {"distributed_type": "MULTI_GPU"}, "distributed_type MULTI_GPU: the suite measures FSDP2"),
     ({}, {"parallelism_config": {"parallelism_config_tp_size": "two"}},
      "parallelism_config_tp_size must be a positive integer, got 'two'"),
@@ -151,9 +150,9 @@ def test_plan_matrix_and_loading_read_the_same_file(tmp_path):
                        mixed_precision="no")
     checked = plan.validate(["--config_file", path, "--device", "cpu", "--sets", "default,no_reshard",
                              "--world_size", "2", "--output_dir", str(tmp_path / "plan")])
-    assert checked.base.activation_checkpointing and checked.base.mixed_precision_policy == "fp32"
+    assert checked.base.activation_checkpointing == "full" and checked.base.mixed_precision_policy == "fp32"
     assert plan.set_options(checked.base, "no_reshard").reshard_after_forward is False
-    assert plan.set_options(checked.base, "no_reshard").activation_checkpointing
+    assert plan.set_options(checked.base, "no_reshard").activation_checkpointing == "full"
     args, _, _, _ = loading.validate(["--config_file", path, "--device", "cpu", "--output_dir", str(tmp_path / "l")])
     assert args.options_from["config"] == "fsdp2.yaml" and args.options_from["mode"] == "accelerate"
     import matrix
