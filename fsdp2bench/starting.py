@@ -20,8 +20,18 @@ from fsdp2bench.cli import RankError, UserError, process_running, set_up_standar
 
 # The children's targets live in this package; transformers and accelerate are imported lazily by
 # the children, so importing them once in the server is what saves the time.
-SERVER_PRELOAD = ["fsdp2bench.runner", "fsdp2bench.loading", "transformers.models.qwen2.modeling_qwen2",
-                  "transformers.models.auto.modeling_auto", "accelerate"]
+SERVER_PRELOAD = ["fsdp2bench.runner", "fsdp2bench.loading", "accelerate"]
+TRANSFORMERS_PRELOAD = ["transformers.models.qwen2.modeling_qwen2", "transformers.models.auto.modeling_auto"]
+
+
+def server_preload() -> list[str]:
+    """What the fork server imports: transformers too, unless torchao is installed. transformers imports torchao
+    with its models where it finds it, and torchao's import initialises CUDA on a GPU machine (it asks the
+    device's capability), after which no child forked from the server can use the GPU; each child then imports
+    transformers itself."""
+    import importlib.util
+
+    return SERVER_PRELOAD + ([] if importlib.util.find_spec("torchao") else TRANSFORMERS_PRELOAD)
 
 
 def start_method(device_type: str) -> str:
@@ -41,7 +51,7 @@ def child_context(device_type: str) -> multiprocessing.context.BaseContext:
         # The server must not initialise CUDA itself: it inherits this variable, so any "is CUDA
         # available?" asked while importing is answered by NVML (cli.pick_device sets it too).
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-        context.set_forkserver_preload(SERVER_PRELOAD)
+        context.set_forkserver_preload(server_preload())
     return context
 
 
