@@ -229,7 +229,9 @@ def lever_values(environment: dict[str, str], source: str) -> dict:
         if backend.upper() != "AO":
             raise UserError(f"{source}: fp8_config backend {backend}: the suite measures float8 through torchao "
                             "(backend AO), as torchtitan trains it")
-        if environment.get("ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", "true").lower() != "true":
+        from accelerate.utils import str_to_bool
+
+        if not str_to_bool(environment.get("ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", "true")):
             raise UserError(f"{source}: fp8_config enable_fsdp_float8_all_gather false: the suite's float8 gathers "
                             "the weights in float8 (accelerate's default)")
         values["float8"] = True

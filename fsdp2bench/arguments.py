@@ -445,7 +445,10 @@ def validate(argv: list[str] | None = None) -> Checked:
     refuse_foreign(files_written(args, names, launch_world), "--output_dir")
     facts = model_facts(args.model, args.seed, lambda model: check_model(model, args.block_size, fsdp_options))
     check_wrapped_classes(config, facts.layer_classes)
-    check_step(fsdp_options, facts.config, device_type)
+    try:
+        check_step(fsdp_options, facts.config, device_type)
+    except UserError as error:
+        raise accelerate_config.with_fields(error, args.config_fields) from None
     tokens = load_tokens(args.dataset, args.tokenizer, facts.config.vocab_size)
     batches = rank_batches(tokens, args.block_size, args.batch_size, args.dataset_fraction,
                            *data_share(args, fsdp_options, launch_rank, launch_world), args.max_steps,
