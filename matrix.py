@@ -125,6 +125,7 @@ def run(args: argparse.Namespace, forwarded: list[str]) -> int:
         launches.close()
     result = matrix.write_matrix(args.output_dir, meta, summaries)
     matrix.print_findings(result)
+    matrix.print_speeds(result)
     print(f"Wrote {args.output_dir}/matrix.json; draw it with:\n    python3 visualize.py --dir {args.output_dir}")
     return 1 if failed else 0
 

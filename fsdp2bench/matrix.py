@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 
+from fsdp2bench import throughput
 from fsdp2bench.cli import write_json
 from fsdp2bench.names import INTENDED, MIB, UNFIXED, step_peak_state
 from fsdp2bench.options import OPTION_SETS
@@ -152,7 +153,9 @@ def row(option_set: str, variant: str, world_size: int, simulated: bool, rank: i
             "state_at_step_peak_bytes": step_peak_state(entry),
             "device_bytes_at_step_peak": max(r["before_zero_grad"] for r in entry["device_bytes"]),
             "accounting_matches_expected": entry["accounting_matches_expected"],
-            "final_loss": entry.get("final_loss"), "loss_drop": entry.get("loss_drop")}
+            "final_loss": entry.get("final_loss"), "loss_drop": entry.get("loss_drop"),
+            # tokens/s per GPU and MFU, compute only on a simulated rank, None where a step shared the device
+            "speed": entry.get("speed")}
 
 
 def rows_of(option_set: str, summary: dict) -> list[dict]:
@@ -264,6 +267,20 @@ def print_findings(matrix: dict) -> None:
     print(f"checks: {'every launch passed its checks' if not failed else 'FAILED ' + '; '.join(failed)}; "
           f"{len(matrix['rows']) - len(not_ok)} of {len(matrix['rows'])} rows ok"
           + "".join(f"\n  {r['option_set']} N={r['world_size']} {r['variant']}: {r['status']}" for r in not_ok))
+
+
+def print_speeds(matrix: dict) -> None:
+    """The reference variant's peak reserved and speed per option set and N: what each lever costs and saves."""
+    rows = [r for r in matrix["rows"] if r["variant"] == REFERENCE and r["status"] == "ok"]
+    if not rows:
+        return
+    print(f"\n{'option set':24} {'N':>5} {'rank':>4} {'resv MiB':>9} {'tok/s':>8} {'MFU':>6}   ({REFERENCE})")
+    for r in rows:
+        resv = "n/a" if r["peak_reserved_mib"] is None else f"{r['peak_reserved_mib']:.0f}"
+        print(f"{r['option_set']:24} {r['world_size']:>5} {r['rank'] if r['rank'] is not None else 'max':>4} "
+              f"{resv:>9} {throughput.rate_said(r['speed']):>8} {throughput.mfu_said(r['speed']):>6}")
+    print("tok/s: tokens per second per GPU over the median step after warm-up, * compute only (a simulated rank); "
+          "n/a: the\nlaunch's summary.json says why (speed.not_measured; no MFU on a CPU). docs/levers.md")
 
 
 def _fmt(value) -> str:

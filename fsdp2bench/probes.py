@@ -440,6 +440,7 @@ class ProbeRunner:
                 "training_peak_reserved_mib": summary["training_peak_reserved_mib"]["max"],
                 "training_peak_allocated_mib": summary["training_peak_allocated_mib"]["max"],
                 "peak_rss_mib": summary["peak_rss_mib"]["max"], "median_step_time_s": summary["median_step_time_s"],
+                "speed": summary["speed"],  # a probe beside another on the GPU has none: speed.not_measured says so
                 "accounting_matches_expected": summary["accounting_matches_expected"],
                 "kept_output_bytes": summary["kept_output_bytes"][0]["before_zero_grad"],
                 "train_wall_s": record["wall_s"], "build_s": _event(record, "model_built").get("build_s")})

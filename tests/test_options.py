@@ -51,6 +51,8 @@ def test_every_option_set_trains_the_intended_variants_alike_and_counts_every_by
         holds = summary["accelerate_vs_torch"]["holds_at_step_peak"]
         assert holds["accelerate"]["state_bytes"] == holds[INTENDED[0]]["state_bytes"] > 0, name
     assert "every launch passed its checks; 28 of 28 rows ok" in proc.stdout
+    for row in result["rows"]:  # each row's speed: 2 steps of 12 leave 10 timed; real ranks, so not compute only
+        assert row["speed"]["tokens_per_s_per_gpu"] > 0 and row["speed"]["compute_only"] is False, row
 
 
 def test_the_default_set_is_todays_run_and_the_options_reach_the_model(matrix, suite):

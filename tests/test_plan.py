@@ -304,6 +304,8 @@ def test_a_cpu_plan_of_tiny_finds_the_injected_edge_and_draws_it(tmp_path):
         assert a["above"]["value"] == 4 and a["above"]["error"].startswith("rank 0: out of memory")
         assert a["above"]["phase"] == "training_started" and a["above"]["failed_allocation_mib"] == 1024
         assert [(o["value"], o["fits"]) for o in a["outcomes"]] == [(3, True), (4, False)]  # fresh, both sides
+        speed = a["outcomes"][0]["speed"]  # a probe's speed: compute only, or why it has none (too few steps here)
+        assert speed["compute_only"] and speed["tokens_per_step_per_gpu"] == 3 * 128, speed
         assert [(o["value"], o["fits"]) for o in a["shared"]] == [(1, True), (2, True), (4, False)]
         assert a["shared_process"]["values"] == [1, 2] and "out of memory" in a["shared_process"]["error"]
     assert result["meta"]["probes"] == sum(a["probes"] for a in result["answers"]) == 8
