@@ -26,9 +26,9 @@ TRANSFORMERS_PRELOAD = ["transformers.models.qwen2.modeling_qwen2", "transformer
 
 def server_preload() -> list[str]:
     """What the fork server imports: transformers too, unless torchao is installed. transformers imports torchao
-    with its models where it finds it, and torchao's import initialises CUDA on a GPU machine (it asks the
-    device's capability), after which no child forked from the server can use the GPU; each child then imports
-    transformers itself."""
+    with its models where it finds it, and with torchao installed that preload left CUDA initialised in the server
+    (one H200: torch 2.11, transformers 5.17, torchao 0.18; torchao imported alone did not), after which no child
+    forked from it could use the GPU; each child then imports transformers itself."""
     import importlib.util
 
     return SERVER_PRELOAD + ([] if importlib.util.find_spec("torchao") else TRANSFORMERS_PRELOAD)
