@@ -83,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output_dir", default="out_plan",
                    help="plan.json here, each probe's trace in <output_dir>/probes/ (default: out_plan)")
     arguments.add_step_options(p)
+    arguments.add_checkpointing_options(arguments.add_lever_options(
+        p, "Levers under every set (docs/levers.md): over the config's options; a set's own options win"))
     arguments.add_config_option(p, "the options each set is put over (a set's own options win)")
     p.add_argument("--inject_oom_above", type=int, default=None, metavar="V",
                    help="test option: every probe above V runs out of memory at its first step (default: off)")
@@ -90,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 NUMBER_RANGES = {"batch_size": (1, 1 << 16), "upper_bound": (1, 1 << 20), "gpu_memory": (0.001, 1 << 20),
-                 "inject_oom_above": (0, 1 << 20)}
+                 "inject_oom_above": (0, 1 << 20), "ac_every": arguments.NUMBER_RANGES["ac_every"]}
 
 
 @dataclass
@@ -141,7 +143,9 @@ def validate(argv: list[str] | None = None) -> Checked:
             f"needs a GPU: python3 plan.py --world_size 8,64 --gpu_memory 24")
     args.model = args.model or (GPU_DEFAULT_MODEL if device.type == "cuda" else CPU_DEFAULT_MODEL)
     config = accelerate_config.read(args.config_file)
-    base = options.FsdpOptions(step=chosen_step(args)).over(config.values if config else {})
+    levers_given = {name: getattr(args, name) for name in ("activation_checkpointing", "ac_every", "compile", "float8")
+                    if getattr(args, name) is not None}
+    base = options.FsdpOptions(step=chosen_step(args)).over(config.values if config else {}).over(levers_given)
     options.check(base)
     facts = model_facts(args.model, SEED, lambda model: check_blocks(blocks, model))
     arguments.check_wrapped_classes(config, facts.layer_classes)

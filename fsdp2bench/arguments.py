@@ -149,15 +149,7 @@ def add_fsdp_options(p: argparse.ArgumentParser) -> None:
                         f"reduces in bf16), the upstream's; {options.POLICY}: an FSDP2 MixedPrecisionPolicy, bf16 "
                         f"parameters and fp32 gradient reduction, no autocast; {options.FP32}: accelerate's "
                         f"mixed_precision='no', fp32 throughout (default: {options.AUTOCAST})")
-    g.add_argument("--activation_checkpointing", type=options.parse_checkpointing, nargs="?", const=options.FULL_AC,
-                   default=None, metavar="{full,selective,none}",
-                   help="recompute activations in backward instead of keeping them: full, each block whole "
-                        "(accelerate's; true and alone mean this); selective, op by op inside each block, keeping "
-                        "the attention's and every other matmul's outputs (docs/levers.md); none (false) "
-                        "(default: none)")
-    g.add_argument("--ac_every", type=int, default=None, metavar="K",
-                   help="with --activation_checkpointing full: checkpoint only every K-th block (the K-th, 2K-th, "
-                        "...), the others keep their activations (default: 1, every block)")
+    add_checkpointing_options(g)
     for name, says in (("activation_checkpointing_offload", "with --activation_checkpointing full: keep the "
                                                             "checkpoints' saved inputs in host memory"),
                        ("cpu_offload", "CPUOffloadPolicy: parameters, gradients and AdamW state on the host; the "
@@ -168,9 +160,23 @@ def add_fsdp_options(p: argparse.ArgumentParser) -> None:
     add_scaling_options(p)
 
 
-def add_lever_options(p: argparse.ArgumentParser) -> None:
+def add_checkpointing_options(g) -> None:
+    """Which blocks and ops are recomputed in backward (main.py's and plan.py's)."""
+    g.add_argument("--activation_checkpointing", type=options.parse_checkpointing, nargs="?", const=options.FULL_AC,
+                   default=None, metavar="{full,selective,none}",
+                   help="recompute activations in backward instead of keeping them: full, each block whole "
+                        "(accelerate's; true and alone mean this); selective, op by op inside each block, keeping "
+                        "the attention's and every other matmul's outputs (docs/levers.md); none (false) "
+                        "(default: none)")
+    g.add_argument("--ac_every", type=int, default=None, metavar="K",
+                   help="with --activation_checkpointing full: checkpoint only every K-th block (the K-th, 2K-th, "
+                        "...), the others keep their activations (default: 1, every block)")
+
+
+def add_lever_options(p: argparse.ArgumentParser, title: str = "Levers for speed and memory (every variant; "
+                                                                  "docs/levers.md)") -> argparse._ArgumentGroup:
     """The levers beyond accelerate's plugin, applied by the suite to every variant (fsdp2bench/levers.py)."""
-    g = p.add_argument_group("Levers for speed and memory (every variant; docs/levers.md)")
+    g = p.add_argument_group(title)
     g.add_argument("--compile", type=options.parse_bool, nargs="?", const=True, default=None, metavar="{true,false}",
                    help="compile each transformer block with torch.compile (inductor), as torchtitan and accelerate's "
                         "regional compilation do; the first steps compile and are timed apart; alone it means true "
@@ -179,6 +185,7 @@ def add_lever_options(p: argparse.ArgumentParser) -> None:
                    help="torchao's float8 training of the blocks' Linear layers with FSDP2's float8 all-gather, "
                         f"as accelerate's mixed_precision fp8 (AO) does; a GPU of compute capability 8.9 or more; "
                         f"pip install -r {levers.FLOAT8_REQUIREMENTS}; alone it means true (default: false)")
+    return g
 
 
 def add_scaling_options(p: argparse.ArgumentParser) -> None:
@@ -353,6 +360,7 @@ def layout_refusal(fsdp_options: options.FsdpOptions, config, block_size: int, d
     """Why an option set's layout cannot run this model on this device, or its loss under it (matrix.py and
     plan.py skip the set), or None."""
     try:
+        options.check(fsdp_options)
         check_context_parallel_device(fsdp_options, device_type)
         fsdp_options.layout.check_model(config, block_size)
         check_step(fsdp_options, config, device_type)

@@ -197,8 +197,8 @@ def check(options: FsdpOptions) -> None:
         raise UserError("--activation_checkpointing_offload needs --activation_checkpointing full (accelerate refuses "
                         "it alone, and offloads the inputs of whole blocks only)")
     if options.ac_every > 1 and options.activation_checkpointing != FULL_AC:
-        raise UserError(f"--ac_every {options.ac_every} needs --activation_checkpointing full: it checkpoints every "
-                        f"{options.ac_every}th block whole")
+        raise UserError(f"--ac_every {options.ac_every} needs --activation_checkpointing full: it checkpoints whole "
+                        f"blocks, one in every {options.ac_every}")
     if options.float8 and options.mixed_precision_policy == FP32:
         raise UserError("--float8 with --mixed_precision_policy fp32: float8 training computes the blocks' matmuls in "
                         "float8 and the rest in bf16 (accelerate's mixed_precision fp8 is bf16 besides float8)")

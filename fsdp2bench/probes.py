@@ -127,7 +127,7 @@ def slow_first(options: FsdpOptions) -> tuple[bool, bool]:
     """Sets with CPU offload (AdamW on the host), then activation checkpointing (each block run twice) before the
     others: their steps take longest and their batches are larger, so their searches are a plan's longest
     chains (on one H200 under 24 GiB, `all` at N = 8 was the last answer, 30 s after any other set's)."""
-    return not options.cpu_offload, not options.activation_checkpointing
+    return not options.cpu_offload, not options.checkpoints
 
 
 def leaders_of(questions: dict, searches: dict[object, Search], shapes) -> dict[object, tuple[object, int]]:
