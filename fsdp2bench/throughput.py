@@ -103,8 +103,9 @@ class DeviceShare:
 
     Each busy process (setting up or training; not waiting at a plan's gate) keeps a file named by its pid in a
     folder of this host's shared memory named by its device (the GPU's UUID; on the CPU, the host's cores), holding
-    its run's identity. Another run is one whose process is alive and whose identity differs: a real run's own
-    ranks on the CPU are one run, and a process killed on the spot stops counting without a word.
+    its run's identity and its start time. Another run is one whose process is alive (the same pid started at the
+    same time: a pid is reused) and whose identity differs: a real run's own ranks on the CPU are one run; a process
+    killed on the spot stops counting, and its file is removed by the next process that finds it.
     """
 
     def __init__(self, device, identity: str):
@@ -114,12 +115,11 @@ class DeviceShare:
         self.folder = os.path.join(root, f"fsdp2bench-busy-{os.getuid()}", device_key(device))
         self.path = os.path.join(self.folder, str(os.getpid()))
         self.identity = identity
-        self.known: dict[str, str] = {}  # pid -> identity, read once
 
     def enter(self) -> None:
         os.makedirs(self.folder, exist_ok=True)
         with open(self.path, "w") as f:
-            f.write(self.identity)
+            f.write(f"{started(os.getpid())}\n{self.identity}")
 
     def leave(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -128,9 +128,13 @@ class DeviceShare:
     def others(self) -> int:
         """Runs other than this one busy on the device now."""
         found = set()
-        for pid in os.listdir(self.folder) if os.path.isdir(self.folder) else []:
-            identity = self.known.get(pid) or self.known.setdefault(pid, read_identity(os.path.join(self.folder, pid)))
-            if identity and identity != self.identity and alive(int(pid)):
+        for name in os.listdir(self.folder) if os.path.isdir(self.folder) else []:
+            path = os.path.join(self.folder, name)
+            start, _, identity = read_text(path).partition("\n")
+            if not name.isdigit() or started(int(name)) != start:  # gone, or its pid reused since
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+            elif identity != self.identity:
                 found.add(identity)
         return len(found)
 
@@ -144,7 +148,7 @@ def device_key(device) -> str:
     return f"gpu-{uuid}" if uuid is not None else f"cuda{device.index or 0}"
 
 
-def read_identity(path: str) -> str:
+def read_text(path: str) -> str:
     try:
         with open(path) as f:
             return f.read()
@@ -152,11 +156,11 @@ def read_identity(path: str) -> str:
         return ""
 
 
-def alive(pid: int) -> bool:
+def started(pid: int) -> str:
+    """A process's start time, which tells it from a later process given the same pid ("" where none runs)."""
+    import psutil
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
+        return repr(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return ""
