@@ -410,6 +410,15 @@ def checkpoints_whole_blocks(options: FsdpOptions) -> bool:
     return options.activation_checkpointing == FULL_AC and options.ac_every == 1
 
 
+def checkpointing_by(variant: str, options: FsdpOptions) -> str | None:
+    """Who wrapped the blocks for checkpointing: accelerate's plugin (whole blocks), or the suite (the torch
+    variants, and accelerate's for every K-th block or op-level checkpointing, before ``prepare``)."""
+    if not options.checkpoints:
+        return None
+    return "accelerate's plugin" if variant == names.ACCELERATE and checkpoints_whole_blocks(options) else \
+        "the suite, before prepare" if variant == names.ACCELERATE else "the suite"
+
+
 def accelerate_levers(options: FsdpOptions, model: nn.Module | None, layer_classes: list[str]) -> dict:
     """``Accelerator`` arguments for compile (its regional compilation with inductor) and float8 (torchao's recipe
     with the suite's config and filter, so that all four variants convert the same layers); made without the

@@ -252,7 +252,8 @@ def train_busy(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: d
     start = time.perf_counter()
     prep = prepare(job, tracker, meshes)
     accounting = {"end_of_setup": account(prep.model, prep.optimizer)}
-    applied = applied_setup(prep.model, job.layer_classes)
+    applied = {**applied_setup(prep.model, job.layer_classes),
+               "checkpointing_by": utils.checkpointing_by(job.name, job.train.options)}
     release_setup_cache(job.device)
     if job.gated and (job := wait_for_go(job, tracker, store, share)) is None:
         return {"wall_s": time.perf_counter() - start, "stood_down": True}
