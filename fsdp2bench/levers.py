@@ -159,7 +159,8 @@ def float8_filter(model: nn.Module, layer_classes: list[str]) -> Callable[[nn.Mo
     prefixes = tuple(f"{name}." for name, _ in blocks(model, layer_classes))
 
     def convert(module: nn.Module, name: str) -> bool:
-        return isinstance(module, nn.Linear) and name.startswith(prefixes) and float8_eligible(tuple(module.weight.shape))
+        return (isinstance(module, nn.Linear) and name.startswith(prefixes)
+                and float8_eligible(tuple(module.weight.shape)))
 
     return convert
 

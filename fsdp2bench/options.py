@@ -185,7 +185,8 @@ def from_args(args) -> FsdpOptions:
                           mixed_precision_policy=args.mixed_precision_policy,
                           activation_checkpointing=args.activation_checkpointing, ac_every=args.ac_every,
                           activation_checkpointing_offload=args.activation_checkpointing_offload,
-                          compile=args.compile, float8=args.float8, cpu_offload=args.cpu_offload, gradient_accumulation_steps=args.gradient_accumulation_steps,
+                          compile=args.compile, float8=args.float8, cpu_offload=args.cpu_offload,
+                          gradient_accumulation_steps=args.gradient_accumulation_steps,
                           sync_each_batch=bool(args.sync_each_batch), requires_all_reduce=args.requires_all_reduce,
                           layout=layout, step=Step(loop=args.loop, loss=args.loss))
     check(options)
