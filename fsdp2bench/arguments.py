@@ -74,9 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrent_variants", default="auto", metavar="K",
                    help="run K variants at a time, each in its own processes and process group; their memory "
                         "figures do not change (each process has its own allocator), step times do. auto: as "
-                        "many as GPU memory and host RAM allow by the memory model (1 on a CPU run; a sweep's "
-                        "runs by its smallest N); a variant that runs out of memory while sharing is run again "
-                        "alone (default: auto)")
+                        "many as GPU memory and host RAM allow by the memory model, a step's activations counted "
+                        "by the planner's rule (1 on a CPU run; a sweep's runs each by the need at its own N); a "
+                        "variant or run that runs out of memory while sharing is run again alone before it is "
+                        "reported, and summary.json says so (default: auto)")
     p.add_argument("--tracker_overhead", action="store_true",
                    help="pause memory polling on every other step, to measure what polling costs (default: off)")
     p.add_argument("--quiet", action="store_true", help="no progress lines while the variants train (default: off)")

@@ -626,6 +626,15 @@ def unsupported_findings(entries: list[tuple[str, dict]]) -> dict[str, str]:
             if e["status"].startswith(f"{UNSUPPORTED}: ")}
 
 
+def reruns_said(entries: list[tuple[str, dict]]) -> str | None:
+    """The runs that ran out of memory beside others and were run again alone: their figures are of that run."""
+    again = [label for label, e in entries if e.get("rerun_alone_after")]
+    if not again:
+        return None
+    return (f"Run again alone after running out of memory beside others (summary.json: rerun_alone_after): "
+            f"{', '.join(again)}; what each reports is of its run alone.")
+
+
 def why_failed(entries: list[tuple[str, dict]], checks: dict) -> str | None:
     """The run's failure in one line: the variants that did not finish, then the checks that failed."""
     parts = []

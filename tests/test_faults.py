@@ -372,7 +372,11 @@ def test_a_variant_out_of_memory_beside_others_is_run_again_alone(tmp_path):
     proc = run_script(["main.py", *SHORT, "--variants", f"{VARIANTS[0]},{FIXED}", "--concurrent_variants", "2",
                        "--inject_failure", f"{FIXED}:2:0:oom", "--output_dir", str(tmp_path)])
     assert proc.returncode == 1  # the injection strikes again when it runs alone
-    assert f"[{FIXED}] 6 steps on 2 rank(s) (again, alone)..." in proc.stdout
+    oom = "rank 0: out of memory (injected: Tried to allocate 1.00 GiB at step 2 on rank 0)"
+    assert f"[{FIXED}] ran out of memory beside {VARIANTS[0]}; run again alone before it is reported ({oom})\n" \
+           f"[{FIXED}] 6 steps on 2 rank(s) (again, alone)..." in proc.stdout
+    assert f"Run again alone after running out of memory beside others (summary.json: rerun_alone_after): {FIXED};" \
+        in " ".join(proc.stdout.split("\n"))
     summary = load(tmp_path / "summary.json")
     fixed, after = summary["variants"][FIXED], summary["variants"][VARIANTS[0]]
     assert fixed["status"].startswith("failed: rank 0: out of memory (injected")
