@@ -19,7 +19,7 @@ import os
 import re
 import warnings
 
-from fsdp2bench.cli import (OneLineParser, UserError, check_ranges, exit_with, expect_path)
+from fsdp2bench.cli import OneLineParser, UserError, cannot_create_in, check_ranges, exit_with, expect_path
 from fsdp2bench.names import VARIANTS, simulated_dir_name
 from fsdp2bench.plots import (InputError, latest_run, load_traces, loading_stems, plot_loading, plot_loading_sweep,
                               plot_matrix, plot_plan, plot_sequences, plot_summary_projection, plot_sweep,
@@ -47,6 +47,9 @@ def validate(argv: list[str] | None = None) -> argparse.Namespace:
     args = parse_args(argv)
     check_ranges(args, NUMBER_RANGES)
     expect_path(args.dir, "--dir", "directory")
+    why = cannot_create_in(args.dir)
+    if why:
+        raise UserError(f"--dir {args.dir}: cannot write the figures there ({why})")
     return args
 
 

@@ -108,12 +108,16 @@ def test_launcher_variables_set_by_hand_give_one_line_or_a_clean_run(tmp_path, m
         assert said is not None and said.startswith(line), said
         assert not (tmp_path / "out").exists()
         return
+    earlier = tmp_path / "out" / "summary.json"  # an earlier run's: a refused run leaves it where it is
+    earlier.parent.mkdir()
+    earlier.write_text(json.dumps({"written_by": "fsdp2bench"}))
     proc = run_script(["main.py", *argv], nproc=None, timeout=30, **env)
     if line is None:
         assert proc.returncode == 0, proc.stderr
         return
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(line), proc.stderr
+    assert sorted(p.name for p in earlier.parent.iterdir()) == ["summary.json"]
 
 
 def free_port() -> int:
@@ -282,3 +286,46 @@ def test_an_interrupt_a_library_wrapped_in_its_own_error_is_still_one_line(capsy
 
     with pytest.raises(RuntimeError, match="not an interrupt"):
         exit_with(broken)
+
+
+def tree(root) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("stop", ["a move that fails", "a signal"])
+def test_the_earlier_runs_files_move_all_or_none(tmp_path, monkeypatch, stop):
+    """Two files at the top move, then the one of a simulated folder cannot (its folder aside is a file of the
+    user's), or a signal comes before it: the two are put back, the folders made for them removed, in one line."""
+    from fsdp2bench import session
+    from fsdp2bench.cli import UserError
+    from fsdp2bench.isolation import Interrupted
+
+    ours = json.dumps({"written_by": "fsdp2bench"})
+    for path in ("summary.json", "accelerate_memory_usage.json", "simulated_N8/accelerate_memory_usage.json"):
+        (tmp_path / path).parent.mkdir(exist_ok=True)
+        (tmp_path / path).write_text(ours)
+    (tmp_path / "notes.txt").write_text("mine")
+    before = tree(tmp_path)
+    if stop == "a signal":
+        renames, rename = [], os.rename
+
+        def rename_then_signal(source, target):
+            renames.append(source)
+            if len(renames) == 3:
+                raise Interrupted("SIGINT")
+            rename(source, target)
+
+        monkeypatch.setattr(os, "rename", rename_then_signal)
+        with pytest.raises(Interrupted):
+            session.move_earlier_runs_aside(str(tmp_path), "X")
+        monkeypatch.undo()
+    else:
+        (tmp_path / "earlier_runs" / "before-X").mkdir(parents=True)
+        (tmp_path / "earlier_runs" / "before-X" / "simulated_N8").write_text("a file of the user's")
+        before = tree(tmp_path)
+        with pytest.raises(UserError) as refused:
+            session.move_earlier_runs_aside(str(tmp_path), "X")
+        assert str(refused.value) == (f"--output_dir {tmp_path}: cannot move the earlier run's "
+                                      "simulated_N8/accelerate_memory_usage.json to earlier_runs/before-X/ (File exists); "
+                                      "nothing was moved: move it away or choose another --output_dir")
+    assert tree(tmp_path) == before
