@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from fsdp2bench.cli import (RankError, UserError, check_replaceable, is_ours, lock_output_dir, one_line,
                             pick_device, prepare_output_dir)
-from fsdp2bench.isolation import STORE_TIMEOUT, StoreKeys, catch_interrupts, launcher_env, wait_for_keys
+from fsdp2bench.isolation import (STORE_TIMEOUT, StoreKeys, StoreLost, catch_interrupts, launcher_env, set_first,
+                                  wait_for_keys)
 from fsdp2bench.memory_model import model_bytes, param_shapes
 from fsdp2bench.model import build_meta_model, check_units_own_their_parameters, layer_class_names, load_config
 from fsdp2bench.starting import start_child_server
@@ -175,6 +176,20 @@ def agree_on_run_id(store: dist.TCPStore, rank: int, run_id: str) -> str:
 
 def say_interrupted(session: Session, exc: BaseException, where: str) -> int:
     """One line, from rank 0 (every rank is told by the launcher); the exit code of an interrupt."""
+    said = first_interrupt(session, str(exc)) if not isinstance(exc, StoreLost) else str(exc)
     if session.rank == 0:
-        print(f"Interrupted ({exc}){where}", file=sys.stderr)
+        print(f"Interrupted ({said}){where}", file=sys.stderr)
     return 130
+
+
+def first_interrupt(session: Session, own: str) -> str:
+    """The launch's first signal, and the rank it reached where rank 0 got another: a signal to one rank ends
+    that rank, and the launcher then sends SIGTERM to the others. Each rank posts its own (the first kept)
+    before it leaves, so before the launcher signals the rest."""
+    key = StoreKeys("first-interrupt").prefix
+    try:
+        set_first(session.store, key, f"{session.rank}|{own}")
+        rank, first = session.store.get(key).decode().split("|", 1)
+    except dist.DistError:  # the launcher's store is gone: this rank's own
+        return own
+    return first if first == own else f"{first} to rank {rank}"

@@ -318,6 +318,10 @@ def test_an_interrupt_that_reaches_one_rank_only_ends_every_rank_with_the_summar
     rank_processes(proc)[1].send_signal(signal.SIGINT)  # Ctrl-C on one node of a multi-node run
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode != 0
+    # rank 0 got the launcher's SIGTERM once rank 1 had ended: it names the signal that began it, and where
+    said = [line for line in stderr.splitlines() if line.startswith("Interrupted")]
+    assert said == [f"Interrupted (SIGINT to rank 1) during accelerate; finished variants and partial traces are in "
+                    f"{tmp_path}/"], stderr
     assert statuses(tmp_path) == {"torch_optimizer_after_fsdp": "ok", "accelerate": "interrupted"}
     assert load(tmp_path / "accelerate_memory_usage.json")["status"] == "interrupted"
 

@@ -139,6 +139,30 @@ def test_ctrl_c_while_starting_gives_one_line_and_no_traceback(tmp_path, after_s
     assert not (tmp_path / "out" / ".fsdp2bench.lock").exists()
 
 
+ENTRY_SCRIPTS = ["main.py", "loading.py", "plan.py", "matrix.py", "speed.py", "visualize.py"]
+
+
+def test_every_entry_script_takes_interrupts_in_one_line_before_any_other_import():
+    """A Ctrl-C to a rank in its first moments (torchrun's ranks start one by one; a signal to one rank) came in
+    while the script imported its package and printed Python's traceback: the one-line handler is set first, by a
+    module that imports only the standard library's os, signal and sys. (Before that is the interpreter's own
+    start-up, which no script can reach.)"""
+    import ast
+
+    for script in ENTRY_SCRIPTS:
+        tree = ast.parse((ROOT / script).read_text())
+        body = tree.body[1:] if isinstance(tree.body[0].value, ast.Constant) else tree.body  # the docstring
+        handler = next(i for i, node in enumerate(body) if isinstance(node, ast.If))
+        before = [ast.unparse(node) for node in body[:handler]]
+        assert before == ["from __future__ import annotations", "import sys",
+                          "from fsdp2bench.first import one_line_interrupts"], script
+        assert ast.unparse(body[handler]) == "if __name__ == '__main__':\n    one_line_interrupts()", script
+    first = ast.parse((ROOT / "fsdp2bench" / "first.py").read_text())
+    imported = {alias.name for node in ast.walk(first) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(first) if isinstance(node, ast.ImportFrom)}
+    assert imported == {"__future__", "os", "signal", "sys"}
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_while_loading_starts_gives_one_line_and_no_traceback(tmp_path, signum):
     """loading.py during its imports and checks: one line, nothing written."""
