@@ -23,6 +23,7 @@ if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them i
 
 import argparse
 import os
+import shlex
 
 from fsdp2bench import accelerate_config, arguments, matrix, options
 from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with,
@@ -124,13 +125,18 @@ def run(args: argparse.Namespace, forwarded: list[str]) -> int:
                 matrix.write_matrix(args.output_dir, meta, summaries)
             if code in matrix.INTERRUPTED_CODES:  # here, or in the launch alone (a signal this process may not have had)
                 matrix.write_matrix(args.output_dir, meta, summaries)
-                print(f"Interrupted; the option sets that ran are in {args.output_dir}/matrix.json", file=sys.stderr)
+                ran = f"the option sets that ran are in {os.path.join(args.output_dir, 'matrix.json')}" \
+                    if summaries else "no option set had finished"
+                print(f"Interrupted; {ran}", file=sys.stderr)
                 return 130
     finally:
         launches.close()
     result = matrix.write_matrix(args.output_dir, meta, summaries)
     matrix.print_findings(result)
-    print(f"Wrote {args.output_dir}/matrix.json; draw it with:\n    python3 visualize.py --dir {args.output_dir}")
+    drawn = any(r["status"] == "ok" for r in result["rows"])  # visualize.py draws the finished rows alone
+    print(f"Wrote {os.path.join(args.output_dir, 'matrix.json')}; " + (
+        f"draw it with:\n    python3 visualize.py --dir {shlex.quote(args.output_dir)}" if drawn else
+        "no option set finished a run, so there is nothing to draw"))
     return 1 if failed else 0
 
 

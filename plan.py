@@ -25,6 +25,7 @@ if __name__ == "__main__":  # ahead of the imports below: the fork server's over
 
 import argparse
 import os
+import shlex
 import time
 from dataclasses import dataclass
 
@@ -293,11 +294,14 @@ def run(argv: list[str] | None = None) -> int:
     try:
         runner.run_plan(planner, save)
     except Interrupted as exc:
-        save(interrupted=True)
-        return say_interrupted(session, exc, f"; the probes that ended are in {plan_path(args)}")
+        ended = save(interrupted=True)["meta"]["probes"]
+        return say_interrupted(session, exc, f"; the {ended} probe(s) that ended are in {plan_path(args)}" if ended
+                               else f"; no probe had ended ({plan_path(args)} says what was planned)")
     plan = save()
     fitting.print_plan(plan)
-    print(f"Wrote {plan_path(args)}; draw it with:\n    python3 visualize.py --dir {args.output_dir}", flush=True)
+    drawn = any(o["fits"] for a in plan["answers"] for o in a["outcomes"] + a.get("shared", []))
+    print(f"Wrote {plan_path(args)}; " + (f"draw it with:\n    python3 visualize.py --dir {shlex.quote(args.output_dir)}"
+                                          if drawn else "no probe fit, so there is nothing to draw"), flush=True)
     failed = [a["error"] for a in plan["answers"] if a["error"]]  # each names its probe
     if failed:  # last: the answers the plan could not give
         print(f"FAILED: {len(failed)} answer(s): {'; '.join(failed)}", file=sys.stderr, flush=True)

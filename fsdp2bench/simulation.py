@@ -29,6 +29,7 @@ from fsdp2bench.options import FsdpOptions
 FAKE_GROUP_MODULE = "torch.testing._internal.distributed.fake_pg"
 DEFAULT_STEPS = 10  # memory settles after the first optimizer step; losses mean nothing here
 LAST = "last"
+NOT_RUN = "not run"  # a run the sweep never started (interrupted before its turn)
 
 
 @dataclass(frozen=True)
@@ -204,9 +205,11 @@ def run_share(runs: list[SimulatedRun], make_job: Callable[[SimulatedRun], objec
     share.waiting = list(range(len(share.items)))
     pieces = [Piece(target, (make_job(r),), r.keys) for r in share.items]
     outcomes: dict[SimulatedRun, str | None] = {}
+    begun: set[SimulatedRun] = set()
 
     def started(i: int) -> None:  # each line one write: the other launch processes print theirs at once
         run = share.items[i]
+        begun.add(run.first)
         print(f"[process {rank}] {run.variant} ({run.label}){' again, alone' if run.alone else ''}\n", end="",
               flush=True)
 
@@ -229,7 +232,7 @@ def run_share(runs: list[SimulatedRun], make_job: Callable[[SimulatedRun], objec
     except Interrupted:
         for r in runs[rank::world_size]:  # so that rank 0 need not wait for runs that will never end
             if r not in outcomes:
-                store.set(_outcome_key(r), INTERRUPTED)
+                store.set(_outcome_key(r), INTERRUPTED if r in begun else NOT_RUN)
         raise
     return any(failed(failure) for failure in outcomes.values())
 
@@ -237,7 +240,8 @@ def run_share(runs: list[SimulatedRun], make_job: Callable[[SimulatedRun], objec
 def statuses(runs: list[SimulatedRun], store: dist.TCPStore) -> dict[SimulatedRun, str]:
     """Each run's status as summary.json gives it: ok, failed: <reason>, interrupted, or not run."""
     found = {r: store.get(_outcome_key(r)).decode() if store.check([_outcome_key(r)]) else None for r in runs}
-    return {r: "not run" if o is None else o if o in ("ok", INTERRUPTED) else status_of(o) for r, o in found.items()}
+    return {r: NOT_RUN if o is None else o if o in ("ok", INTERRUPTED, NOT_RUN) else status_of(o)
+            for r, o in found.items()}
 
 
 def reruns(runs: list[SimulatedRun], store: dist.TCPStore) -> dict[SimulatedRun, str]:

@@ -320,8 +320,8 @@ def test_an_interrupt_that_reaches_one_rank_only_ends_every_rank_with_the_summar
     assert proc.returncode != 0
     # rank 0 got the launcher's SIGTERM once rank 1 had ended: it names the signal that began it, and where
     said = [line for line in stderr.splitlines() if line.startswith("Interrupted")]
-    assert said == [f"Interrupted (SIGINT to rank 1) during accelerate; finished variants and partial traces are in "
-                    f"{tmp_path}/"], stderr
+    assert said == [f"Interrupted (SIGINT to rank 1) during accelerate; 1 finished variant(s) and the partial traces "
+                    f"of the interrupted are in {tmp_path}/"], stderr
     assert statuses(tmp_path) == {"torch_optimizer_after_fsdp": "ok", "accelerate": "interrupted"}
     assert load(tmp_path / "accelerate_memory_usage.json")["status"] == "interrupted"
 

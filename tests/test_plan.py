@@ -418,9 +418,10 @@ def test_an_interrupted_plan_says_what_it_kept_and_claims_nothing(tmp_path, sign
     proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)
     plan_json = tmp_path / "plan" / "plan.json"
-    assert proc.returncode == 130 and stderr.strip().splitlines() == [
-        f"Interrupted ({signal.Signals(signum).name}); the probes that ended are in {plan_json}"], stderr
     result = load(plan_json)
+    assert proc.returncode == 130 and stderr.strip().splitlines() == [
+        f"Interrupted ({signal.Signals(signum).name}); the {result['meta']['probes']} probe(s) that ended are in "
+        f"{plan_json}"], stderr
     assert result["meta"]["interrupted"] is True and result["meta"]["probes"] >= 5
     unfinished = [a for a in result["answers"] if not a["finished"]]
     assert unfinished and all(a["largest"] is None and a["tokens_per_rank_per_step"] is None for a in unfinished)
@@ -436,9 +437,10 @@ def test_a_signal_to_the_plan_and_every_process_it_started_ends_in_one_line(tmp_
     proc = plan_until(tmp_path, 1, own_group=True)
     os.killpg(proc.pid, signum)
     _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and stderr.strip().splitlines() == [
-        f"Interrupted ({signal.Signals(signum).name}); the probes that ended are in {plan_json}"], stderr
     result = load(plan_json)
+    assert proc.returncode == 130 and stderr.strip().splitlines() == [
+        f"Interrupted ({signal.Signals(signum).name}); the {result['meta']['probes']} probe(s) that ended are in "
+        f"{plan_json}"], stderr
     assert result["meta"]["interrupted"] is True and result["meta"]["probes"] >= 1
     assert not any(a["largest"] for a in result["answers"] if not a["finished"])
 

@@ -350,6 +350,6 @@ def test_the_earlier_runs_files_move_all_or_none(tmp_path, monkeypatch, stop):
         with pytest.raises(UserError) as refused:
             session.move_earlier_runs_aside(str(tmp_path), "X")
         assert str(refused.value) == (f"--output_dir {tmp_path}: cannot move the earlier run's "
-                                      "simulated_N8/accelerate_memory_usage.json to earlier_runs/before-X/ (File exists); "
-                                      "nothing was moved: move it away or choose another --output_dir")
+                                      "simulated_N8/accelerate_memory_usage.json to earlier_runs/before-X/ "
+                                      "(File exists); nothing was moved: move it away or choose another --output_dir")
     assert tree(tmp_path) == before

@@ -118,7 +118,9 @@ def test_visualize_draws_the_sweep_and_the_traces_of_one_world_size(sweep):
 
 
 def test_sigterm_keeps_finished_runs_and_marks_the_interrupted_one(tmp_path):
-    proc = start_script(["main.py", *TINY, "--max_steps", "200", "--simulate_world_size", "4,8",
+    """The N = 4 run finished, the N = 8 one interrupted, the N = 16 one never started: each said as it is, and
+    visualize.py's hints name only the world sizes with traces to draw."""
+    proc = start_script(["main.py", *TINY, "--max_steps", "200", "--simulate_world_size", "4,8,16",
                          "--variants", "torch_optimizer_after_fsdp", "--output_dir", str(tmp_path)], nproc=None)
     for line in proc.stdout:  # the N = 4 run has ended once the N = 8 one starts
         if "(simulated N=8, rank 0)" in line:
@@ -130,9 +132,17 @@ def test_sigterm_keeps_finished_runs_and_marks_the_interrupted_one(tmp_path):
     simulated = load(tmp_path / "summary.json")["simulated"]
     assert simulated["4"]["0"]["torch_optimizer_after_fsdp"]["status"] == "ok"
     assert simulated["8"]["0"]["torch_optimizer_after_fsdp"]["status"] == "interrupted"
+    assert simulated["16"]["0"]["torch_optimizer_after_fsdp"]["status"] == "not run"
     partial = load(tmp_path / "simulated_N8" / "torch_optimizer_after_fsdp_memory_usage.json")
     assert partial["status"] == "interrupted" and 0 < len(partial["steps"]) < 200
-    assert "Interrupted (SIGTERM)" in stderr and "Traceback" not in stderr
+    assert stderr.strip().splitlines() == [f"Interrupted (SIGTERM); 1 finished run(s) and the partial traces of the "
+                                           f"interrupted are in {tmp_path}/"], stderr
+    drawn = run_script(["visualize.py", "--dir", str(tmp_path)], nproc=None)
+    assert drawn.returncode == 0, drawn.stderr
+    hints = [line.strip() for line in drawn.stdout.splitlines() if "visualize.py --dir" in line]
+    assert hints == [f"python3 visualize.py --dir {tmp_path / f'simulated_N{n}'}" for n in (4, 8)]
+    for hint in hints:  # each a command that works
+        assert run_script(hint.split()[1:], nproc=None).returncode == 0
 
 
 def test_runs_side_by_side_start_as_others_end_and_measure_what_they_measure_alone(sweep, tmp_path):
@@ -238,6 +248,7 @@ def test_a_run_out_of_memory_beside_others_is_run_again_alone_before_it_is_repor
             f"[process 0] {VARIANTS[2]} (simulated N=2, rank 0) FAILED: {oom}\n") in proc.stdout
     assert (f"Run again alone after running out of memory beside others (summary.json: rerun_alone_after): "
             f"{VARIANTS[2]} (N=2, rank 0)") in " ".join(proc.stdout.split("\n"))
+    assert "The unfixed variant" not in proc.stdout  # it never ran: no finding about it
     runs = load(tmp_path / "summary.json")["simulated"]["2"]["0"]
     assert runs[VARIANTS[2]]["status"] == f"failed: {oom}" and runs[VARIANTS[2]]["rerun_alone_after"] == oom
     assert runs[VARIANTS[0]]["status"] == "ok" and "rerun_alone_after" not in runs[VARIANTS[0]]
