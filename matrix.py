@@ -24,9 +24,10 @@ if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them i
 import argparse
 import os
 import shlex
+import textwrap
 
 from fsdp2bench import accelerate_config, arguments, matrix, options
-from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with,
+from fsdp2bench.cli import (CONSOLE_WIDTH, OneLineParser, UserError, check_output_dir, check_ranges, exit_with,
                             pick_device, prepare_output_dir, refuse_foreign)
 from fsdp2bench.simulation import DEFAULT_STEPS, parse_world_sizes
 
@@ -54,7 +55,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                    help=f"steps of each simulated run (default: {DEFAULT_STEPS})")
     p.add_argument("--output_dir", default="out_matrix",
                    help="matrix.json here, each option set's launches in <output_dir>/<set>/ (default: out_matrix)")
+    p.epilog = passed_through_said()
     return p.parse_known_args(argv)
+
+
+def passed_through_said() -> str:
+    """The end of --help: every other option is main.py's, and goes to each launch as given."""
+    return textwrap.fill(
+        "main.py's options pass through: every option not listed above goes to each launch of main.py unchanged "
+        "(python3 main.py --help lists them), among them --model, --batch_size, --block_size, --max_steps, --device, "
+        "--variants, --loop, --loss and --config_file. Each option set gives its launches their FSDP2, accumulation "
+        f"and layout options, so these are refused here: {', '.join('--' + name for name in OWNED)}.",
+        CONSOLE_WIDTH)
 
 
 def check(args: argparse.Namespace, forwarded: list[str]) -> tuple[list[str], dict[str, str], dict]:

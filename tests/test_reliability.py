@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import psutil
@@ -353,3 +354,26 @@ def test_the_earlier_runs_files_move_all_or_none(tmp_path, monkeypatch, stop):
                                       "simulated_N8/accelerate_memory_usage.json to earlier_runs/before-X/ "
                                       "(File exists); nothing was moved: move it away or choose another --output_dir")
     assert tree(tmp_path) == before
+
+
+PASSING = ("import pytest\n\n\n@pytest.fixture(scope='session')\ndef shared(tmp_path_factory):\n"
+           "    return tmp_path_factory.mktemp('shared')\n\n\n"
+           "def test_passes(tmp_path, shared):\n    (tmp_path / 'kept.bin').write_bytes(b'x' * 4096)\n"
+           "    (shared / 'run.json').write_text('{}')\n")
+FAILING = "\n\ndef test_fails(tmp_path):\n    (tmp_path / 'look.txt').write_text('why')\n    assert False\n"
+
+
+@pytest.mark.parametrize("failing", [False, True])
+def test_passing_tests_leave_nothing_in_pytests_temp_dir(tmp_path, failing):
+    """pytest.ini's retention: a passing test's tmp_path goes with it, and a session's fixtures' too where every
+    test passed; a failing test's stays for a look."""
+    tests = tmp_path / "test_leftovers.py"
+    tests.write_text(PASSING + (FAILING if failing else ""))
+    root = tmp_path / "temproot"
+    root.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-c", str(ROOT / "pytest.ini"), "--rootdir",
+                           str(tmp_path), "-p", "no:cacheprovider", str(tests)], capture_output=True, text=True,
+                          env=environment(PYTEST_DEBUG_TEMPROOT=str(root)), cwd=tmp_path, timeout=120)
+    assert proc.returncode == int(failing), proc.stdout + proc.stderr
+    left = sorted(p.name for p in root.rglob("*") if p.is_file())
+    assert left == (["look.txt", "run.json"] if failing else [])
