@@ -81,7 +81,10 @@ def check(args: argparse.Namespace, forwarded: list[str]) -> tuple[list[str], di
         raise UserError("--sweep_steps needs --simulate_world_size (there is no sweep to run)")
     check_output_dir(args.output_dir, "matrix.json")
     refuse_foreign([os.path.join(args.output_dir, "matrix.json")], "--output_dir")
-    checked = arguments.validate([*forwarded, "--output_dir", args.output_dir])
+    # main.py's checks of the options forwarded, at the world size its launches will have: --nproc_per_node, or
+    # the sweeps' simulated N where there are no real runs
+    sweeps = ["--simulate_world_size", args.simulate_world_size] if args.nproc_per_node == 0 else []
+    checked = arguments.validate([*forwarded, *sweeps, "--output_dir", args.output_dir], max(1, args.nproc_per_node))
     given = checked.args
     owned = [name for name in OWNED if given.option_sources[name] == "flag"]  # main.py's own flags
     if owned:

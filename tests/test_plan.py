@@ -671,3 +671,16 @@ def test_a_shared_process_leaves_a_share_of_the_largest_block_free_under_its_tar
     target = points[0][1] + fitting.SHARED_TARGETS[1] * (fitting.SHARED_TOP * limit - points[0][1])
     x, y = points[1]
     assert y + slope * (39 - x) + free * 39 <= target < y + slope * (40 - x) + free * 40
+
+
+def test_a_layout_accelerate_refuses_is_a_finding_of_the_plan_as_of_main_py_not_a_failure(tmp_path):
+    """tp2 at N = 2 leaves FSDP nothing to shard: accelerate refuses it (at every tested release pair), which main.py
+    and matrix.py report as unsupported with exit 0; plan.py says the same, not FAILED."""
+    proc = run_script(["plan.py", "--device", "cpu", "--world_size", "2", "--sets", "tp2", "--variants", "accelerate",
+                       "--output_dir", str(tmp_path / "plan")], nproc=None)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    said = " ".join(proc.stdout.split())
+    assert "unsupported by the installed libraries (a finding, not a failure of the plan): 1 answer(s): tp2 N=2 " \
+           "accelerate" in said and "no dimension for FSDP to shard" in said
+    assert "(tp2 unsupported)" in said and "FAILED" not in proc.stderr
+    assert "no probe fit, so there is nothing to draw" in said
