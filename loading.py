@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import sys
 
+from fsdp2bench.first import one_line_interrupts
+
+if __name__ == "__main__":  # before any other import: a Ctrl-C from here on is one line, never a traceback
+    one_line_interrupts()
+
 from fsdp2bench.starting import check_launcher_env, start_before_imports
 
 if __name__ == "__main__":  # ahead of the imports below, on purpose: the fork server's overlap them

@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import sys
 
+from fsdp2bench.first import one_line_interrupts
+
+if __name__ == "__main__":  # before any other import: a Ctrl-C from here on is one line, never a traceback
+    one_line_interrupts()
+
 from fsdp2bench.starting import CANCELLED, start_before_imports, wait_for_turn
 
 if __name__ == "__main__":  # ahead of the imports below, on purpose: the fork server's overlap them
@@ -42,17 +47,17 @@ def variants_at_once(args: argparse.Namespace, session: Session, names: list[str
     if args.concurrent_variants != "auto":
         return int(args.concurrent_variants), None
     sizes = simulation.parse_world_sizes(args.simulate_world_size) if args.simulate_world_size else None
-    logits = concurrency.rank_logits_bytes(args.batch_size, args.block_size, session.config, fsdp_options)
-    room = concurrency.sweep_room(session.shapes, sizes, names, args.init_device, fsdp_options, logits, cap,
+    tokens = concurrency.step_bytes(args.batch_size, args.block_size, session.config, fsdp_options)
+    room = concurrency.sweep_room(session.shapes, sizes, names, args.init_device, fsdp_options, tokens, cap,
                                   shared_weights) if sizes and session.device.type == "cuda" else None
     if room is not None:
         k, reason = room.most, room.said()
     elif sizes:  # sized by the smallest N, whose runs hold the most
         k, reason = concurrency.decide(session.shapes, min(sizes), names, args.init_device, session.device.type,
-                                       fsdp_options, len(names) * len(sizes), logits, cap)
+                                       fsdp_options, len(names) * len(sizes), tokens, cap)
     else:
         decision = concurrency.decide(session.shapes, session.world_size, names, args.init_device, session.device.type,
-                                      fsdp_options, len(names), logits, cap) if session.rank == 0 else None
+                                      fsdp_options, len(names), tokens, cap) if session.rank == 0 else None
         k, reason = concurrency.agree(session.store, session.rank, decision)
     if session.rank == 0 and session.device.type == "cuda":
         say(f"{'Runs' if sizes else 'Variants'} at a time: {reason} (--concurrent_variants K chooses)")

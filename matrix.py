@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import sys
 
+from fsdp2bench.first import one_line_interrupts
+
+if __name__ == "__main__":  # before any other import: a Ctrl-C from here on is one line, never a traceback
+    one_line_interrupts()
+
 from fsdp2bench.starting import interrupts_raise, quiet_while_starting
 
 if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them is one line
@@ -18,9 +23,11 @@ if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them i
 
 import argparse
 import os
+import shlex
+import textwrap
 
 from fsdp2bench import accelerate_config, arguments, matrix, options
-from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with,
+from fsdp2bench.cli import (CONSOLE_WIDTH, OneLineParser, UserError, check_output_dir, check_ranges, exit_with,
                             pick_device, prepare_output_dir, refuse_foreign)
 from fsdp2bench.simulation import DEFAULT_STEPS, parse_world_sizes
 
@@ -48,7 +55,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                    help=f"steps of each simulated run (default: {DEFAULT_STEPS})")
     p.add_argument("--output_dir", default="out_matrix",
                    help="matrix.json here, each option set's launches in <output_dir>/<set>/ (default: out_matrix)")
+    p.epilog = passed_through_said()
     return p.parse_known_args(argv)
+
+
+def passed_through_said() -> str:
+    """The end of --help: every other option is main.py's, and goes to each launch as given."""
+    return textwrap.fill(
+        "main.py's options pass through: every option not listed above goes to each launch of main.py unchanged "
+        "(python3 main.py --help lists them), among them --model, --batch_size, --block_size, --max_steps, --device, "
+        "--variants, --loop, --loss and --config_file. Each option set gives its launches their FSDP2, accumulation "
+        f"and layout options, so these are refused here: {', '.join('--' + name for name in OWNED)}.",
+        CONSOLE_WIDTH)
 
 
 def check(args: argparse.Namespace, forwarded: list[str]) -> tuple[list[str], dict[str, str], dict]:
@@ -63,7 +81,10 @@ def check(args: argparse.Namespace, forwarded: list[str]) -> tuple[list[str], di
         raise UserError("--sweep_steps needs --simulate_world_size (there is no sweep to run)")
     check_output_dir(args.output_dir, "matrix.json")
     refuse_foreign([os.path.join(args.output_dir, "matrix.json")], "--output_dir")
-    checked = arguments.validate([*forwarded, "--output_dir", args.output_dir])
+    # main.py's checks of the options forwarded, at the world size its launches will have: --nproc_per_node, or
+    # the sweeps' simulated N where there are no real runs
+    sweeps = ["--simulate_world_size", args.simulate_world_size] if args.nproc_per_node == 0 else []
+    checked = arguments.validate([*forwarded, *sweeps, "--output_dir", args.output_dir], max(1, args.nproc_per_node))
     given = checked.args
     owned = [name for name in OWNED if given.option_sources[name] == "flag"]  # main.py's own flags
     if owned:
@@ -119,14 +140,19 @@ def run(args: argparse.Namespace, forwarded: list[str]) -> int:
                 matrix.write_matrix(args.output_dir, meta, summaries)
             if code in matrix.INTERRUPTED_CODES:  # here, or in the launch alone (a signal this process may not have had)
                 matrix.write_matrix(args.output_dir, meta, summaries)
-                print(f"Interrupted; the option sets that ran are in {args.output_dir}/matrix.json", file=sys.stderr)
+                ran = f"the option sets that ran are in {os.path.join(args.output_dir, 'matrix.json')}" \
+                    if summaries else "no option set had finished"
+                print(f"Interrupted; {ran}", file=sys.stderr)
                 return 130
     finally:
         launches.close()
     result = matrix.write_matrix(args.output_dir, meta, summaries)
     matrix.print_findings(result)
     matrix.print_speeds(result)
-    print(f"Wrote {args.output_dir}/matrix.json; draw it with:\n    python3 visualize.py --dir {args.output_dir}")
+    drawn = any(r["status"] == "ok" for r in result["rows"])  # visualize.py draws the finished rows alone
+    print(f"Wrote {os.path.join(args.output_dir, 'matrix.json')}; " + (
+        f"draw it with:\n    python3 visualize.py --dir {shlex.quote(args.output_dir)}" if drawn else
+        "no option set finished a run, so there is nothing to draw"))
     return 1 if failed else 0
 
 

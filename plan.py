@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import sys
 
+from fsdp2bench.first import one_line_interrupts
+
+if __name__ == "__main__":  # before any other import: a Ctrl-C from here on is one line, never a traceback
+    one_line_interrupts()
+
 from fsdp2bench.starting import check_launcher_env, start_before_imports
 
 if __name__ == "__main__":  # ahead of the imports below: the fork server's overlap them
@@ -20,6 +25,7 @@ if __name__ == "__main__":  # ahead of the imports below: the fork server's over
 
 import argparse
 import os
+import shlex
 import time
 from dataclasses import dataclass
 
@@ -112,9 +118,17 @@ class Checked:
 
 
 def validate(argv: list[str] | None = None) -> Checked:
-    """Everything plan.py refuses, in one line, before any probe runs."""
+    """Everything plan.py refuses, in one line, before any probe runs; an option the user's config set is named by
+    its field there."""
     launcher_keeps_to_one_thread()
     args = parse_args(argv)
+    try:
+        return checked_plan(args)
+    except UserError as error:
+        raise accelerate_config.with_fields(error, getattr(args, "config_fields", {})) from None
+
+
+def checked_plan(args: argparse.Namespace) -> Checked:
     check_releases()
     if check_launcher_env()[1] != 1:
         raise UserError("plan.py is one process that plays every rank: run it with python3, not a launcher")
@@ -145,8 +159,11 @@ def validate(argv: list[str] | None = None) -> Checked:
     config = accelerate_config.read(args.config_file)
     levers_given = {name: getattr(args, name) for name in ("activation_checkpointing", "ac_every", "compile", "float8")
                     if getattr(args, name) is not None}
+    sources = {**(dict.fromkeys(config.values, "config") if config else {}), **dict.fromkeys(levers_given, "flag")}
+    args.config_fields = accelerate_config.fields_said(config, sources)
     base = options.FsdpOptions(step=chosen_step(args)).over(config.values if config else {}).over(levers_given)
     options.check(base)
+    arguments.check_context_parallel_device(base.layout.cp_size, device.type)  # the config's CP, before the sets
     facts = model_facts(args.model, SEED, lambda model: check_blocks(blocks, model))
     arguments.check_wrapped_classes(config, facts.layer_classes)
     arguments.check_step(base, facts.config, device.type)
@@ -164,9 +181,21 @@ def validate(argv: list[str] | None = None) -> Checked:
     skipped += [f"{name}: not planned at N = {', '.join(str(n) for n in sizes if n not in fits_at[name])} "
                 "(its layout's sizes do not divide N)" for name in sets if fits_at[name] != sizes]
     if not any(fits_at.values()):
-        raise UserError(f"--sets {args.sets}: none can run at --world_size {args.world_size} (a set's layout must "
-                        f"divide N: an HSDP set's {options.NODE_RANKS} shards, a TP or CP set's sizes)")
+        raise UserError(nothing_fits(args, base, config, sizes))
     return Checked(args, sets, sizes, variants, blocks, upper, facts, cap, skipped, base, config)
+
+
+def nothing_fits(args: argparse.Namespace, base: options.FsdpOptions, config: accelerate_config.ConfigOptions | None,
+                 sizes: list[int]) -> str:
+    """Why no set can be planned at any N, blaming what set the layout: the user's config, where its own sizes fit
+    none of them, else the sets."""
+    layout_fields = {k: v for k, v in (config.values if config else {}).items() if k in options.LAYOUT_OPTIONS}
+    if layout_fields and not any(base.layout.fits(n) for n in sizes):
+        said = ", ".join(f"{accelerate_config.FIELDS[k]} {v}" for k, v in layout_fields.items())
+        return (f"{config.source}: its layout ({said}) fits none of --world_size {args.world_size}: its sizes must "
+                f"multiply to N, or divide it; give a --world_size it fits, or plan without --config_file")
+    return (f"--sets {args.sets}: none can run at --world_size {args.world_size} (a set's layout must divide N: an "
+            f"HSDP set's {options.NODE_RANKS} shards, a TP or CP set's sizes)")
 
 
 def layout_refusal(args: argparse.Namespace, chosen: options.FsdpOptions, blocks: list[int], config,
@@ -292,12 +321,19 @@ def run(argv: list[str] | None = None) -> int:
     try:
         runner.run_plan(planner, save)
     except Interrupted as exc:
-        save(interrupted=True)
-        return say_interrupted(session, exc, f"; the probes that ended are in {plan_path(args)}")
+        ended = save(interrupted=True)["meta"]["probes"]
+        return say_interrupted(session, exc, f"; the {ended} probe(s) that ended are in {plan_path(args)}" if ended
+                               else f"; no probe had ended ({plan_path(args)} says what was planned)")
     plan = save()
     fitting.print_plan(plan)
-    print(f"Wrote {plan_path(args)}; draw it with:\n    python3 visualize.py --dir {args.output_dir}", flush=True)
-    failed = [a["error"] for a in plan["answers"] if a["error"]]  # each names its probe
+    drawn = any(o["fits"] for a in plan["answers"] for o in a["outcomes"] + a.get("shared", []))
+    print(f"Wrote {plan_path(args)}; " + (f"draw it with:\n    python3 visualize.py --dir {shlex.quote(args.output_dir)}"
+                                          if drawn else "no probe fit, so there is nothing to draw"), flush=True)
+    findings = [a["error"] for a in plan["answers"] if fitting.unsupported(a)]  # each names its probe
+    if findings:  # as main.py and matrix.py report the same layout: a finding, the run not failed
+        say(f"unsupported by the installed libraries (a finding, not a failure of the plan): {len(findings)} "
+            f"answer(s): {'; '.join(findings)}")
+    failed = [a["error"] for a in plan["answers"] if a["error"] and not fitting.unsupported(a)]
     if failed:  # last: the answers the plan could not give
         print(f"FAILED: {len(failed)} answer(s): {'; '.join(failed)}", file=sys.stderr, flush=True)
     return 1 if failed else 0

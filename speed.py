@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import sys
 
+from fsdp2bench.first import one_line_interrupts
+
+if __name__ == "__main__":  # before any other import: a Ctrl-C from here on is one line, never a traceback
+    one_line_interrupts()
+
 from fsdp2bench.starting import interrupts_raise, quiet_while_starting
 
 if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them is one line

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import sys
 
+from fsdp2bench.first import one_line_interrupts
+
+if __name__ == "__main__":  # before any other import: a Ctrl-C from here on is one line, never a traceback
+    one_line_interrupts()
+
 from fsdp2bench.starting import interrupts_raise, quiet_while_starting
 
 if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them is one line
@@ -17,9 +22,11 @@ if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them i
 import argparse
 import os
 import re
+import shlex
 import warnings
 
-from fsdp2bench.cli import (OneLineParser, UserError, check_ranges, exit_with, expect_path)
+from fsdp2bench.cli import OneLineParser, UserError, cannot_create_in, check_ranges, exit_with, expect_path
+from fsdp2bench.matrix import SWEEP_DIR
 from fsdp2bench.names import VARIANTS, simulated_dir_name
 from fsdp2bench.plots import (InputError, latest_run, load_traces, loading_stems, plot_loading, plot_loading_sweep,
                               plot_matrix, plot_plan, plot_sequences, plot_summary_projection, plot_sweep,
@@ -47,6 +54,9 @@ def validate(argv: list[str] | None = None) -> argparse.Namespace:
     args = parse_args(argv)
     check_ranges(args, NUMBER_RANGES)
     expect_path(args.dir, "--dir", "directory")
+    why = cannot_create_in(args.dir)
+    if why:
+        raise UserError(f"--dir {args.dir}: cannot write the figures there ({why})")
     return args
 
 
@@ -62,15 +72,20 @@ def plot(args: argparse.Namespace) -> list[str]:
     matrix_path = os.path.join(args.dir, "matrix.json")
     if os.path.exists(matrix_path):
         with reading(matrix_path):
-            plot_matrix(read_json(matrix_path), os.path.join(args.dir, "matrix.png"))
-        print(f"wrote {os.path.join(args.dir, 'matrix.png')}; each option set's own plots: python3 visualize.py "
-              f"--dir {os.path.join(args.dir, '<set>')}")
+            matrix = read_json(matrix_path)
+            plot_matrix(matrix, os.path.join(args.dir, "matrix.png"))
+            sets = matrix["meta"]["option_sets"]
+        print(f"wrote {os.path.join(args.dir, 'matrix.png')}")
+        say_commands("each option set's own plots", [os.path.join(args.dir, name, *sub) for name in sets
+                                                     for sub in ((), (SWEEP_DIR,))])
         return []
     summary_path = os.path.join(args.dir, "summary.json")
     summary = read_json(summary_path) if os.path.exists(summary_path) else {}
     if summary.get("simulated"):
         with reading(summary_path):
             plot_sweep(summary, args.dir)
+            sizes = summary["meta"]["simulated"]["world_sizes"]
+        say_commands("the traces of each N", [os.path.join(args.dir, simulated_dir_name(n)) for n in sizes])
         strays = load_traces(args.dir, {name: f"{name}_memory_usage" for name in VARIANTS}, [])
         if strays:  # a sweep writes its traces in its simulated_N<n> folders, none here
             print(f"note: left out {sum(map(len, strays.values()))} trace file(s) of another run in {args.dir}: "
@@ -85,10 +100,7 @@ def plot(args: argparse.Namespace) -> list[str]:
         with reading(loading_path):
             plot_loading_sweep(loading, path)
         print(f"wrote {path}")
-        for n in sizes:
-            where = os.path.join(args.dir, simulated_dir_name(n))
-            if os.path.isdir(where):  # committed results often leave the traces out
-                print(f"loading traces of N={n}: python3 visualize.py --dir {where}")
+        say_commands("the loading traces of each N", [os.path.join(args.dir, simulated_dir_name(n)) for n in sizes])
         return []
     sequences = sequence_runs(args.dir) if not summary and not loading else []
     if len(sequences) > 1:  # sweeps at several sequence lengths, one per subdirectory
@@ -97,6 +109,27 @@ def plot(args: argparse.Namespace) -> list[str]:
         print(f"wrote {path}")
         return []
     return plot_traces(args, summary, loading)
+
+
+def command_that_draws(directory: str) -> str | None:
+    """``python3 visualize.py --dir DIRECTORY`` where it draws something there (a sweep's summary, or a usable
+    rank-0 trace of main.py or loading.py), else None: a hint is a command that works."""
+    summary_path = os.path.join(directory, "summary.json")
+    try:
+        sweep = os.path.isfile(summary_path) and bool(read_json(summary_path).get("simulated"))
+    except InputError:
+        sweep = False
+    traces = load_traces(directory, {name: f"{name}_memory_usage" for name in VARIANTS}, []) or \
+        load_traces(directory, loading_stems(directory), [])
+    return f"python3 visualize.py --dir {shlex.quote(directory)}" if sweep or traces else None
+
+
+def say_commands(what: str, directories: list[str]) -> None:
+    """The commands that draw ``what``, for those of ``directories`` that hold something to draw (an
+    interrupted sweep, a set that failed or a folder committed without its traces hold nothing)."""
+    commands = [c for c in map(command_that_draws, directories) if c is not None]
+    if commands:
+        print(f"{what}:" + "".join(f"\n    {c}" for c in commands))
 
 
 def plot_traces(args: argparse.Namespace, summary: dict, loading: dict) -> list[str]:

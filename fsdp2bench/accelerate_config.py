@@ -50,7 +50,7 @@ FIELDS = {"reshard_after_forward": "fsdp_reshard_after_forward",
           "activation_checkpointing": "fsdp_activation_checkpointing",
           "activation_checkpointing_offload": "fsdp_activation_checkpointing_offload",
           "cpu_offload": "fsdp_offload_params", "mixed_precision_policy": "mixed_precision",
-          "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS (the environment)",
+          "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
           **{f"{size}_size": f"parallelism_config_{size}_size" for size in ("dp_replicate", "dp_shard", "cp", "tp")},
           "cp_comm_strategy": "parallelism_config_cp_comm_strategy",
           "compile": "dynamo_config dynamo_backend", "float8": "mixed_precision"}
@@ -64,14 +64,17 @@ class ConfigOptions:
     not_measured: tuple[str, ...] = ()
     layer_classes: tuple[str, ...] | None = None  # fsdp_transformer_layer_cls_to_wrap, if the config names it
     cpu_ram_efficient_loading: bool = False
+    num_processes: int | None = None  # a file's own (under accelerate launch, the launch's ranks are the config's)
 
 
 def read(config_file: str | None) -> ConfigOptions | None:
     """The config this run measures: ``--config_file``, else the FSDP config ``accelerate launch`` passed in
     the environment, else None (the flags and the defaults alone)."""
     if config_file is not None:
-        environment, written = file_environment(config_file)
+        environment, written, file = file_environment(config_file)
         config = from_environment(environment, os.path.basename(config_file), written)
+        config = dataclasses.replace(config, not_measured=(*config.not_measured, *ignored_by_launcher(file)),
+                                     num_processes=whole_or_none(getattr(file, "num_processes", None)))
         if launched_with_fsdp():  # accelerate launch passed one too
             return dataclasses.replace(config, not_measured=(*config.not_measured, "the FSDP config accelerate "
                                                              "launch passed (--config_file is read instead)"))
@@ -84,33 +87,68 @@ def read(config_file: str | None) -> ConfigOptions | None:
 def said(config: ConfigOptions | None, sources: dict, args) -> str | None:
     """The line that says where the options came from: the config's values, the flags over them, and the
     fields not mirrored; or that ``accelerate launch`` passed no FSDP config; None with neither."""
+    from_env = "; ".join(f"{k} {text(getattr(args, k))} from {ENVIRONMENT_FIELDS[k]}={text(getattr(args, k))} in the "
+                         f"environment (accelerate's Accelerator reads it)" for k, s in sources.items() if s == ENVIRONMENT)
     if config is None:
-        return ("accelerate launch without an FSDP config (distributed_type FSDP, fsdp_version 2): the options are "
-                "the command line's and the defaults") if launched_without_fsdp() else None
+        if launched_without_fsdp():
+            return ("accelerate launch without an FSDP config (distributed_type FSDP, fsdp_version 2): the options are "
+                    "the command line's" + (f", the environment's ({from_env})" if from_env else "") + " and the defaults")
+        return f"Options from the environment: {from_env}" if from_env else None
     line = f"Options from {config.source}: " + ", ".join(f"{k} {text(v)}" for k, v in config.values.items())
     over = [f"--{k} {text(getattr(args, k))} (the config: {text(v)})" for k, v in config.values.items()
             if sources.get(k) == "flag" and getattr(args, k) != v]
     if over:
         line += "; on the command line over it: " + ", ".join(over)
+    if from_env:
+        line += f"; {from_env}"
     if config.not_measured:
-        line += "; not mirrored, no change to training memory: " + ", ".join(config.not_measured)
+        line += ("; not mirrored (what accelerate's FSDP2 training does not apply, or what does not change its "
+                 "memory): " + ", ".join(config.not_measured))
     return line
 
 
-def fields_said(config: ConfigOptions | None, sources: dict) -> dict[str, str]:
-    """For each option the config set (and no flag overrode), the field that set it and its value."""
+def fields_said(config: ConfigOptions | None, sources: dict, args=None) -> dict[str, str]:
+    """For each option the config or the environment set (and no flag overrode), where it came from, as a user
+    would find it: ``fsdp2.yaml parallelism_config_cp_size 2``, ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS=4``."""
+    said = {name: f"{ENVIRONMENT_FIELDS[name]}={text(getattr(args, name))} in the environment"
+            for name, source in sources.items() if source == ENVIRONMENT}
     if config is None:
+        return said
+    return {**said, **{name: f"{ENVIRONMENT_FIELDS[name]}={text(value)} in {config.source}"
+                       if name in ENVIRONMENT_FIELDS else f"{config.source} {FIELDS[name]} {text(value)}"
+                       for name, value in config.values.items() if sources.get(name) == "config"}}
+
+
+ENVIRONMENT = "environment"  # an option's source: a launcher variable the user set (accelerate reads it there)
+ENVIRONMENT_FIELDS = {"gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"}
+
+
+def environment_values() -> dict:
+    """The options this process's environment sets as accelerate's ``Accelerator`` would read them, where no
+    FSDP config of ``accelerate launch`` carries them already (``from_environment``): a torchrun or plain python
+    launch, with or without ``--config_file``."""
+    if launched_with_fsdp():
         return {}
-    return {name: f"{config.source} {FIELDS[name]} {text(value)}" for name, value in config.values.items()
-            if sources.get(name) == "config"}
+    return {name: whole_number(os.environ, key) for name, key in ENVIRONMENT_FIELDS.items() if key in os.environ}
 
 
 def with_fields(error: UserError, said: dict[str, str]) -> UserError:
     """A refusal that names options the config set, with the config's fields that set them."""
-    named = [name for name in said if f"--{name}" in str(error)]
+    named = [name for name in said if f"--{name}" in str(error) and said[name] not in str(error)]
     if not named:
         return error
     return UserError(f"{error} ({'; '.join(f'--{name} is {said[name]}' for name in named)})")
+
+
+def check_num_processes(config: ConfigOptions | None, world_size: int) -> None:
+    """A file's num_processes is the world it was written for: a launch of another size would measure another
+    world without a word (under accelerate launch the file's is the launch's own)."""
+    if config is None or config.num_processes is None or config.num_processes == world_size:
+        return
+    n = config.num_processes
+    raise UserError(f"{config.source}: num_processes {n}, but this launch has {world_size} rank(s): launch {n} "
+                    f"(torchrun --nproc_per_node {n}, or accelerate launch --config_file {config.source}), or play "
+                    f"rank 0 of {n} on one GPU with --simulate_world_size {n}")
 
 
 def summary_of(config: ConfigOptions | None, sources: dict) -> dict:
@@ -147,23 +185,58 @@ def file_environment(path: str) -> tuple[dict[str, str], set[str]]:
     from accelerate.utils.launch import prepare_multi_gpu_env
 
     parser = launch_command_parser()
-    check_fields(config, name, {action.dest for action in parser._actions})
-    if isinstance(config.mixed_precision, bool):  # YAML reads an unquoted no as false
-        raise UserError(f"{name}: mixed_precision {config.mixed_precision}: YAML reads an unquoted no as false; "
-                        "write mixed_precision: 'no'")
+    check_fields(config, name, {action.dest for action in parser._actions} | LAUNCHER_READS)
+    if isinstance(config.mixed_precision, bool):  # YAML 1.1 reads an unquoted no, off, yes, on as booleans
+        raise UserError(f"{name}: mixed_precision {text(config.mixed_precision)}: YAML reads an unquoted "
+                        + ("no, off or false as false; write mixed_precision: 'no'" if not config.mixed_precision else
+                           "yes, on or true as true, which is no precision; write mixed_precision: bf16 (or 'no')"))
     if config.mixed_precision is not None:  # else accelerate's launcher takes "no"
         check_precision(str(config.mixed_precision), name, "mixed_precision")
     # One machine, two processes and a free port: the launcher's checks of them do not concern the options.
     argv = ["--config_file", path, "--num_machines", "1", "--machine_rank", "0", "--main_process_port", "0",
             "--num_processes", "2", "main.py"]
-    try:
-        with quietly():
+    try:  # from the file alone: a variable of this process's own is not the file's (environment_values)
+        with quietly(), environment_of({}):
             args = _validate_launch_command(parser.parse_args(argv))[0]
             environment = prepare_multi_gpu_env(args)
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:
         raise UserError(f"{name}: accelerate refuses it: {first_line(exc)}") from None
-    written = {"FSDP_" + key.removeprefix("fsdp_").upper() for key in config.fsdp_config or {}}
-    return {k: v for k, v in environment.items() if k.startswith(PREFIXES)}, written
+    written = {"FSDP_" + launcher_field("fsdp_config", key).removeprefix("fsdp_").upper()
+               for key in config.fsdp_config or {}}
+    return {k: v for k, v in environment.items() if k.startswith(PREFIXES)}, written, config
+
+
+# Fields accelerate's launcher reads from a config though it has no flag for them (prepare_multi_gpu_env's getattr).
+LAUNCHER_READS = {"fsdp_ignored_modules"}
+
+
+def launcher_field(section: str, key: str) -> str:
+    """A field's name as accelerate's launcher takes it: inside fsdp_config it adds the fsdp_ prefix a field
+    written without it lacks (``reshard_after_forward`` is ``fsdp_reshard_after_forward``)."""
+    return key if section != "fsdp_config" or str(key).startswith("fsdp") else f"fsdp_{key}"
+
+
+def whole_or_none(value) -> int | None:
+    """A size or count a file gives, where it is a whole positive number as accelerate reads it (its launcher
+    passes ``str(value)`` on, read back by ``int()``: 2 and "2", not 2.0 nor true); else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        return None
+    return number if number >= 1 else None
+
+
+def ignored_by_launcher(file) -> tuple[str, ...]:
+    """What a file says that would change training memory but that accelerate launch does not apply under
+    distributed_type FSDP (a deepspeed_config's accumulation): named, so that none passes without a word."""
+    steps = (getattr(file, "deepspeed_config", None) or {}).get("gradient_accumulation_steps")
+    if steps is None:
+        return ()
+    return (f"deepspeed_config gradient_accumulation_steps {steps} (accelerate launch applies a deepspeed_config only "
+            f"under distributed_type DEEPSPEED: set --gradient_accumulation_steps {steps}, or "
+            f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={steps})",)
 
 
 def load(path: str):
@@ -189,12 +262,12 @@ def check_fields(config, name: str, known: set[str]) -> None:
         fields = getattr(config, section) or {}
         if not isinstance(fields, dict):
             raise UserError(f"{name}: {section} must be a mapping of fields, got {fields!r}")
-        unknown = sorted(key for key in fields if key not in known)
+        unknown = sorted(str(key) for key in fields if launcher_field(section, key) not in known)
         if unknown:
-            raise UserError(f"{name}: {section}: {', '.join(map(str, unknown))}: not a field accelerate knows "
+            raise UserError(f"{name}: {section}: {', '.join(unknown)}: not a field accelerate knows "
                             "(accelerate launch would ignore it and take its default)")
-    for key, value in (config.parallelism_config or {}).items():
-        if key.endswith("_size") and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+    for key, value in (config.parallelism_config or {}).items():  # the launcher passes str(value) on, read by int()
+        if str(key).endswith("_size") and whole_or_none(value) is None:
             raise UserError(f"{name}: {key} must be a positive integer, got {value!r}")
 
 
@@ -256,8 +329,20 @@ def from_environment(environment: dict[str, str], source: str, written: set[str]
     if "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" in environment:
         values["gradient_accumulation_steps"] = whole_number(environment, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
     classes = plugin.transformer_cls_names_to_wrap
-    return ConfigOptions(source, values, not_measured(environment, written),
+    return ConfigOptions(source, values, (*not_measured(environment, written), *fsdp1_only(environment, written)),
                          tuple(classes) if classes else None, bool(plugin.cpu_ram_efficient_loading))
+
+
+def fsdp1_only(environment: dict[str, str], written: set[str] | None) -> tuple[str, ...]:
+    """fsdp_sharding_strategy, where a config gives one: FSDP1's field, which accelerate's FSDP2 plugin never reads
+    (its launcher sets FULL_SHARD when none is given). Named with what sets the same under FSDP2."""
+    strategy = environment.get("FSDP_SHARDING_STRATEGY")
+    given = strategy is not None and ("FSDP_SHARDING_STRATEGY" in written if written is not None else
+                                      strategy.upper() not in ("FULL_SHARD", "1"))
+    if not given:
+        return ()
+    return (f"fsdp_sharding_strategy {strategy} (FSDP1's: accelerate's FSDP2 plugin does not read it; under FSDP2 "
+            "fsdp_reshard_after_forward false is SHARD_GRAD_OP, and parallelism_config_dp_replicate_size HSDP)",)
 
 
 def accelerate_objects(environment: dict[str, str], source: str):

@@ -74,9 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrent_variants", default="auto", metavar="K",
                    help="run K variants at a time, each in its own processes and process group; their memory "
                         "figures do not change (each process has its own allocator), step times do. auto: as "
-                        "many as GPU memory and host RAM allow by the memory model (1 on a CPU run; a sweep's "
-                        "runs by its smallest N); a variant that runs out of memory while sharing is run again "
-                        "alone (default: auto)")
+                        "many as GPU memory and host RAM allow by the memory model, a step's activations counted "
+                        "by the planner's rule (1 on a CPU run; a sweep's runs each by the need at its own N); a "
+                        "variant or run that runs out of memory while sharing is run again alone before it is "
+                        "reported, and summary.json says so (default: auto)")
     p.add_argument("--tracker_overhead", action="store_true",
                    help="pause memory polling on every other step, to measure what polling costs (default: off)")
     p.add_argument("--quiet", action="store_true", help="no progress lines while the variants train (default: off)")
@@ -250,10 +251,12 @@ def option_defaults() -> dict:
 
 def apply_config(args: argparse.Namespace) -> accelerate_config.ConfigOptions | None:
     """Each option from its flag, else from the user's accelerate config (``--config_file``, or the FSDP config
-    ``accelerate launch`` passed on), else its default; where each came from in ``args.option_sources``."""
+    ``accelerate launch`` passed on), else from the environment where accelerate reads it there, else its default;
+    where each came from in ``args.option_sources``."""
     if hasattr(args, "option_sources"):
         return None
     config = accelerate_config.read(args.config_file)
+    environment = accelerate_config.environment_values()
     sources = {}
     for name, default in option_defaults().items():
         if getattr(args, name) is not None:
@@ -261,13 +264,16 @@ def apply_config(args: argparse.Namespace) -> accelerate_config.ConfigOptions | 
         elif config is not None and name in config.values:
             setattr(args, name, config.values[name])
             sources[name] = "config"
+        elif name in environment:
+            setattr(args, name, environment[name])
+            sources[name] = accelerate_config.ENVIRONMENT
         else:
             setattr(args, name, default)
             sources[name] = "default"
     if args.cp_size == 1 and sources["cp_comm_strategy"] == "config":  # a flag turned the file's CP off
         args.cp_comm_strategy, sources["cp_comm_strategy"] = None, "default"
     args.option_sources = sources
-    args.config_fields = accelerate_config.fields_said(config, sources)
+    args.config_fields = accelerate_config.fields_said(config, sources, args)
     return config
 
 
@@ -348,9 +354,9 @@ def check_model(config, block_size: int, fsdp_options: options.FsdpOptions) -> N
     fsdp_options.layout.check_model(config, block_size)
 
 
-def check_context_parallel_device(fsdp_options: options.FsdpOptions, device_type: str) -> None:
-    if fsdp_options.layout.context_parallel and device_type != "cuda":
-        raise UserError(f"--cp_size {fsdp_options.layout.cp_size}: context parallelism does not run on the CPU with "
+def check_context_parallel_device(cp_size: int | None, device_type: str) -> None:
+    if cp_size is not None and cp_size > 1 and device_type != "cuda":
+        raise UserError(f"--cp_size {cp_size}: context parallelism does not run on the CPU with "
                         f"torch {torch.__version__} (SDPA's CPU kernels have no rule for a sequence cut over ranks, "
                         "and its math path mixes Tensor and DTensor: pytorch #147793); measure it on a GPU, where "
                         "one GPU plays any N with --simulate_world_size")
@@ -361,7 +367,7 @@ def layout_refusal(fsdp_options: options.FsdpOptions, config, block_size: int, d
     plan.py skip the set), or None."""
     try:
         options.check(fsdp_options)
-        check_context_parallel_device(fsdp_options, device_type)
+        check_context_parallel_device(fsdp_options.layout.cp_size, device_type)
         fsdp_options.layout.check_model(config, block_size)
         check_step(fsdp_options, config, device_type)
     except UserError as exc:
@@ -433,22 +439,33 @@ class Checked:
     config: accelerate_config.ConfigOptions | None  # the user's accelerate config, where one is read
 
 
-def validate(argv: list[str] | None = None) -> Checked:
+def validate(argv: list[str] | None = None, world_size: int | None = None) -> Checked:
     """Everything main.py refuses, in one line, before any process or file exists (tests call it
-    in-process with hostile command lines)."""
+    in-process with hostile command lines); an option the user's config or environment set is named by its
+    field there. ``world_size``: the launch's these options are for, where this process is not it (matrix.py's)."""
     launcher_keeps_to_one_thread()  # before this process computes anything: it forks the children
     args = parse_args(argv)
+    try:
+        return checked_launch(args, world_size)
+    except UserError as error:
+        raise accelerate_config.with_fields(error, getattr(args, "config_fields", {})) from None
+
+
+def checked_launch(args: argparse.Namespace, world_size: int | None) -> Checked:
     check_releases()
     launch_rank, launch_world = check_launcher_env()
+    launch_world = world_size or launch_world
     config = apply_config(args)
+    check_context_parallel_device(args.cp_size, pick_device(args.device).type)  # the device before the sizes
     names, fsdp_options = check_args(args, launch_world)
+    if not args.simulate_world_size:
+        accelerate_config.check_num_processes(config, launch_world)
     device_type = pick_device(args.device).type
     args.model = args.model or default_model(device_type)
     if args.init_device == "cuda" and device_type != "cuda":
         raise UserError("--init_device cuda needs a GPU (this run is on the CPU)")
     if args.gpu_memory is not None and device_type != "cuda":
         raise UserError("--gpu_memory needs a GPU (this run is on the CPU)")
-    check_context_parallel_device(fsdp_options, device_type)
     check_output_dir(args.output_dir, "summary.json")
     refuse_foreign(files_written(args, names, launch_world), "--output_dir")
     facts = model_facts(args.model, args.seed, lambda model: check_model(model, args.block_size, fsdp_options))

@@ -138,16 +138,16 @@ def exit_with(run: Callable[[], int]) -> None:
         refuse(exc)
     except (KeyboardInterrupt, Stopped) as exc:  # outside a run's own handling of interrupts
         say_interrupted_outside(exc)
-    except Exception as exc:  # an interrupt that a library caught and raised again as its own error
-        interrupt = interruption_within(exc)
-        if interrupt is None:
-            raise
-        say_interrupted_outside(interrupt)
     except OSError as exc:  # a file the command writes (a full disk, a directory gone); each is written whole
         if exc.filename is None:
             raise
         print(f"error: cannot write {exc.filename} ({exc.strerror})", file=sys.stderr)
         sys.exit(1)
+    except Exception as exc:  # an interrupt that a library caught and raised again as its own error
+        interrupt = interruption_within(exc)
+        if interrupt is None:
+            raise
+        say_interrupted_outside(interrupt)
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -460,7 +460,7 @@ def expect_path(path: str, flag: str, wanted: str) -> None:
 
 
 def check_output_dir(path: str, summary_file: str, flag: str = "--output_dir") -> None:
-    """Whether a run can write into ``path``, told without writing anything: a file in the way, no
+    """Whether a run can write into ``path``, told leaving nothing behind: a file in the way, no
     writable directory above it, a summary file that is a directory."""
     if not path.strip():
         raise UserError(f"{flag}: an empty path")
@@ -469,9 +469,22 @@ def check_output_dir(path: str, summary_file: str, flag: str = "--output_dir") -
     existing = path
     while not os.path.exists(existing):
         existing = os.path.dirname(existing.rstrip(os.sep)) or "."
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{flag} {path}: cannot write there ({existing} is not a writable directory)")
+    why = "not a directory" if not os.path.isdir(existing) else cannot_create_in(existing)
+    if why:
+        raise UserError(f"{flag} {path}: cannot write there ({existing}: {why})")
     refuse_directory(os.path.join(path, summary_file))
+
+
+def cannot_create_in(directory: str) -> str | None:
+    """Why no file can be made in ``directory``, found by making one and removing it (root passes
+    ``os.access`` where a read-only mount or an immutable directory refuses it), or None."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write_test", dir=directory)
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    os.close(fd)
+    os.remove(probe)
+    return None
 
 
 def check_writable_file(path: str, flag: str) -> None:

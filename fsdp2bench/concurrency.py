@@ -3,7 +3,8 @@
 A step is bound by the host, not the GPU (its kernels take about a quarter of it on 2x H200), so
 variants side by side nearly divide the time, each in its own processes with its own allocator,
 which leaves every memory figure unchanged. The memory model gives what a variant holds on the GPU
-at its step peak; what a step holds beyond it (``gpu_need``) is calibrated on the reserved peaks of
+at its step peak; its step's tokens add their activations and logits by the planner's rule
+(``step_bytes``); what a step holds beyond both (``gpu_need``) is calibrated on the reserved peaks of
 one H200. A variant that still runs out of memory while sharing is run again alone (suite.py).
 """
 
@@ -25,14 +26,14 @@ from fsdp2bench.starting import started_ahead
 from fsdp2bench.step import logits_copies, logits_tokens
 
 FIXED_MARGIN = 1 * GIB  # the CUDA context and cuBLAS workspaces
-# What a step holds on the GPU beyond its state, as a fraction of the model's fp32 bytes P: gathered
-# units and their gradients, the allocator's cached blocks. On one H200 (results/h200/matrix_1.5b and
-# matrix_7b: 196 rows, every option set) the reserved peak less the state came to at most 0.65 P at
-# N >= 2 (0.42 P for 7B), about 0.5 P more with blocks kept gathered after forward, 0.2 P more with
-# fp32 gradient reduction, 0.3 P more under CPU offload; test_memory_model checks every row.
-BEYOND_STATE, NO_RESHARD, FP32_REDUCE, OFFLOADED = 0.7, 0.5, 0.2, 0.3
-# Under TP, 0.1 P more: the 7B shape under tp2 reserved up to 0.77 P beyond its state at N = 128
-# (results/h200/parallel_7b: 42 rows of TP and CP sets, N = 8 to 128).
+# What a step holds on the GPU beyond its state and its tokens' activations and logits (``step_bytes``), as a
+# fraction of the model's fp32 bytes P: gathered units and their gradients, the allocator's cached blocks. On
+# one H200 (results/h200/matrix_1.5b, matrix_7b and parallel_7b: 259 rows, every option set, N = 1 to 128)
+# that came to at most 0.46 P for the 1.5B shape, 0.43 P for the 7B one and 0.58 P under its TP sets (tp2_cp2 at
+# N = 128), beside about 0.5 P more with blocks kept gathered after forward, 0.2 P more with fp32 gradient
+# reduction, 0.3 P more under CPU offload, 0.1 P more under TP; test_memory_model checks every row, and the long
+# sequences of results/h200/long_context_1.5b, where the activations are most of the peak.
+BEYOND_STATE, NO_RESHARD, FP32_REDUCE, OFFLOADED = 0.6, 0.5, 0.2, 0.3
 TENSOR_PARALLEL = 0.1
 # What a token adds to a step's peak on one rank, beyond the logits: per block, bf16 activations of
 # about 16 hidden and 4 intermediate widths (4 hidden widths under activation checkpointing, the
@@ -58,11 +59,11 @@ def peak_device_bytes(shapes, world_size: int, name: str, options: FsdpOptions, 
                for phase in PEAK_PHASES if phase in phases(options.accumulates))
 
 
-def variant_need(shapes, world_size: int, name: str, options: FsdpOptions, logits_bytes: int) -> int:
+def variant_need(shapes, world_size: int, name: str, options: FsdpOptions, token_bytes: int) -> int:
     """Bytes one variant reserves on a GPU at its step peak, rank 0: its state there, AdamW's foreach
     temporaries (about the local fp32 parameters, while the intended variants step on the GPU; the
     unfixed one's parameters get no gradients), what a step holds beyond the state (``BEYOND_STATE``),
-    the logits, and the CUDA context."""
+    its tokens' activations and logits (``token_bytes``: ``step_bytes``), and the CUDA context."""
     state = peak_device_bytes(shapes, world_size, name, options, "cuda")
     steps_on_gpu = name != UNFIXED and not options.cpu_offload
     temporaries = expected_state(shapes, world_size, 0, name, "before_zero_grad", options)["param_bytes"] \
@@ -70,8 +71,7 @@ def variant_need(shapes, world_size: int, name: str, options: FsdpOptions, logit
     fraction = BEYOND_STATE + (0 if options.reshard_after_forward else NO_RESHARD) + \
         (FP32_REDUCE if options.mixed_precision_policy != AUTOCAST else 0) + (OFFLOADED if options.cpu_offload else 0) + \
         (TENSOR_PARALLEL if options.layout.tensor_parallel else 0)
-    return state + temporaries + int(model_bytes(shapes) * fraction) + logits_copies(options.step) * logits_bytes \
-        + FIXED_MARGIN
+    return state + temporaries + int(model_bytes(shapes) * fraction) + token_bytes + FIXED_MARGIN
 
 
 def microbatch_logits_bytes(batch_size: int, block_size: int, config) -> int:
@@ -116,11 +116,22 @@ def selective_widths(config) -> int:
     return 3 * config.hidden_size + kv * head_dim + config.intermediate_size
 
 
+def step_bytes(batch_size: int, block_size: int, config, options: FsdpOptions) -> int:
+    """What a microbatch's tokens hold on one rank at the step peak: the planner's rule
+    (``activation_bytes_per_token``: the blocks' activations and, under the model's loss, its logits) for the
+    tokens of a rank (a cp rank holds 1/C of each sequence) and, under a chunked or fused loss, one chunk's
+    logits."""
+    tokens = batch_size * (block_size // options.layout.cp_size)
+    chunk = 0 if options.step.builds_logits else \
+        logits_copies(options.step) * rank_logits_bytes(batch_size, block_size, config, options)
+    return activation_bytes_per_token(config, options) * tokens + chunk
+
+
 def gpu_need(shapes, world_size: int, names: list[str], init_device: str, options: FsdpOptions,
-             logits_bytes: int) -> int:
+             token_bytes: int) -> int:
     """Bytes one variant may take on one GPU: the largest need among ``names``, or the whole model while
     it is built there (with ``--init_device cuda``)."""
-    need = max(variant_need(shapes, world_size, name, options, logits_bytes) for name in names)
+    need = max(variant_need(shapes, world_size, name, options, token_bytes) for name in names)
     return max(need, int(model_bytes(shapes) * 1.2) if init_device == "cuda" else 0)
 
 
@@ -151,22 +162,28 @@ def gpu_memory() -> int | None:
 
 
 def decide(shapes, world_size: int, names: list[str], init_device: str, device_type: str,
-           options: FsdpOptions, pieces: int, logits_bytes: int, cap: GpuCap | None = None) -> tuple[int, str]:
+           options: FsdpOptions, pieces: int, token_bytes: int, cap: GpuCap | None = None) -> tuple[int, str]:
     """How many of ``pieces`` (variants, or a sweep's runs at world size ``world_size`` or more) to
-    run at once on this node, and why; under a cap a variant takes at most the cap's memory."""
+    run at once on this node, and why (the estimate, and what of it the step's tokens hold); under a cap a
+    variant takes at most the cap's memory."""
     if device_type != "cuda":
         return 1, "a CPU run: variants would only share the same cores"
     total = gpu_memory()
     if total is None:
         return 1, "nvidia-smi did not report the GPUs' memory"
-    need = gpu_need(shapes, world_size, names, init_device, options, logits_bytes)
+    need = gpu_need(shapes, world_size, names, init_device, options, token_bytes)
     need = need if cap is None else min(need, cap.process_bytes)
     per_process = host_bytes(shapes, world_size, names, init_device, options, device_type)
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     by_gpu, by_host = total // need, host_memory_for_launch() // (per_process * processes)
     k = max(1, min(pieces, by_gpu, by_host))
-    return k, (f"{k} at a time: about {need / GIB:.1f} GiB per variant on a {total / GIB:.0f} GiB GPU, "
-               f"{per_process / GIB:.1f} GiB of host RAM per process")
+    return k, (f"{k} at a time: about {need / GIB:.1f} GiB per variant on a {total / GIB:.0f} GiB GPU "
+               f"({tokens_said(token_bytes)}), {per_process / GIB:.1f} GiB of host RAM per process")
+
+
+def tokens_said(token_bytes: int) -> str:
+    """What of an estimate a step's tokens hold, and by which rule: said wherever the estimate is."""
+    return f"{token_bytes / GIB:.1f} GiB of it the activations and logits of a step, by the planner's rule"
 
 
 @dataclass(frozen=True)
@@ -179,6 +196,7 @@ class SweepRoom:
     gpu: int  # the GPU's bytes
     host: int  # host bytes for their processes, the shared weights taken out
     needs: dict  # (N, variant) -> (GPU bytes, host bytes) of one run
+    token_bytes: int  # what each run's step's tokens hold on the GPU (step_bytes), part of every need
 
     def fits(self, runs: list) -> bool:
         """Whether ``runs`` (each with ``world_size`` and ``variant``) can run together."""
@@ -197,7 +215,7 @@ class SweepRoom:
             by_n[n] = max(g, by_n.get(n, 0))
         span = ", ".join(f"{g / GIB:.1f} at N = {n}" for n, g in sorted(by_n.items()))
         return (f"as many as fit on the {self.gpu / GIB:.0f} GiB GPU, each by its own need (GiB, the most costly "
-                f"variant: {span})")
+                f"variant: {span}; {tokens_said(self.token_bytes)})")
 
 
 def host_memory_for_launch() -> int:
@@ -208,7 +226,7 @@ def host_memory_for_launch() -> int:
 
 
 def sweep_room(shapes, sizes: list[int], names: list[str], init_device: str, options: FsdpOptions,
-               logits_bytes: int, cap: GpuCap | None, shared_build: bool) -> SweepRoom | None:
+               token_bytes: int, cap: GpuCap | None, shared_build: bool) -> SweepRoom | None:
     """The room of a sweep on this node's GPU (None where nvidia-smi does not say it)."""
     total = gpu_memory()
     if total is None:
@@ -218,10 +236,10 @@ def sweep_room(shapes, sizes: list[int], names: list[str], init_device: str, opt
     needs = {}
     for n in sizes:
         for name in names:
-            gpu = gpu_need(shapes, n, [name], init_device, options, logits_bytes)
+            gpu = gpu_need(shapes, n, [name], init_device, options, token_bytes)
             needs[(n, name)] = (gpu if cap is None else min(gpu, cap.process_bytes),
                                 host_bytes(shapes, n, [name], init_device, options, "cuda", shared_build))
-    return SweepRoom(total, host, needs)
+    return SweepRoom(total, host, needs, token_bytes)
 
 
 @dataclass(frozen=True)

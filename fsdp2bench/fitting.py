@@ -455,7 +455,7 @@ def findings(answers: list[dict], reference: str, device_type: str = "cuda") -> 
         open_ = [a for a in cell if a["error"] or not a["finished"]]
         if open_:  # a comparison with an answer that failed or was cut short would rest on a bound
             out.append(f"{where}: no finding, {len(open_)} of {len(cell)} answers open ("
-                       + ", ".join(f"{a['option_set']} {'failed' if a['error'] else 'interrupted'}" for a in open_)
+                       + ", ".join(f"{a['option_set']} {open_said(a)}" for a in open_)
                        + ")" + "".join(f"; {a['option_set']} fits {_fit_said(a)}" for a in cell
                                        if a not in open_ and a["largest"]) + ".")
             continue
@@ -473,6 +473,10 @@ def findings(answers: list[dict], reference: str, device_type: str = "cuda") -> 
         default = next((a for a in cell if a["option_set"] == "default"), None)
         out.append(_cheapest_beyond(where, default, fitting_ones, "GPU" if device_type == "cuda" else "CPU's cores"))
     return out
+
+
+def open_said(answer: dict) -> str:
+    return ("unsupported" if unsupported(answer) else "failed") if answer["error"] else "interrupted"
 
 
 def _fixed_said(answer: dict | None) -> str:
@@ -508,10 +512,16 @@ def _fit_said(answer: dict) -> str:
     return f"{answer['tokens_per_rank_per_step']:,} tokens per rank per step ({name} = {answer['largest']})"
 
 
+def unsupported(answer: dict) -> bool:
+    """Whether an answer ended on what the installed libraries cannot do (accelerate refusing the layout, as
+    main.py reports it: a finding, not a failure of the plan)."""
+    return bool(answer["error"]) and ": unsupported: " in f": {answer['error']}"
+
+
 def _above_said(answer: dict) -> str:
     above = answer["above"]
     if answer["error"]:
-        return f"failed: {answer['error'][:40]}"
+        return f"{'unsupported' if unsupported(answer) else 'failed'}: {answer['error'][:40]}"
     if answer["at_upper_bound"]:
         return "the upper bound"
     if not answer["finished"]:

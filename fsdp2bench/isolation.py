@@ -210,19 +210,6 @@ def run_isolated(pieces: list[Piece], rank: int, participants: Sequence[int], st
     return failures
 
 
-def run_rolling(pieces: list[Piece], room: Callable[[int, list[int]], bool], rank: int, store: dist.TCPStore,
-                device: torch.device, started: Callable[[int], None], ended: Callable[[int, str | None], None]) -> None:
-    """Run pieces that need no peer (simulated ranks), each in its own child, in order, starting the
-    next as soon as ``room(next, running)`` allows (always when none runs), so that a long piece holds
-    up no other. ``started(i)`` and ``ended(i, failure)`` are told as each piece starts and ends."""
-    waiting = list(range(len(pieces)))
-
-    def next_piece(running: list[int]) -> int | None:
-        return waiting.pop(0) if waiting and (not running or room(waiting[0], running)) else None
-
-    run_queue(pieces, next_piece, rank, store, device, started, ended)
-
-
 def run_queue(pieces: list[Piece], next_piece: Callable[[list[int]], int | None], rank: int, store: dist.TCPStore,
               device: torch.device, started: Callable[[int], None], ended: Callable[[int, str | None], None],
               let_go: Callable[[int, str, list[int]], str | None] = lambda i, held, running: "go") -> None:

@@ -185,6 +185,7 @@ def save(fig, path: str, dpi: int = 110, rect: tuple = (0, 0, 1, 1)) -> None:
 
 
 LEGEND_FONT = 8
+EDGE, UPPER, SHARED, AIMED, OOM, AT_LEAST = "edge", "upper bound", "shared", "aimed", "out of memory", "at least"
 EACH_COLOUR = {tuple: HandlerTuple(ndivide=None, pad=0.0)}  # a key of one shape in each colour it is drawn in
 
 
@@ -313,26 +314,46 @@ def plot_memory(runs: dict, keys: tuple, path: str, threshold: float, partition:
     if not any(v is not None for ranks in runs.values() for v in ranks[0][trace_key]):
         return False
     fig, ax = plt.subplots(figsize=(12, 5))
+    stopped: list[str] = []  # the colours of the lines of runs that did not finish, marked where they stopped
     for i, (name, ranks) in enumerate(runs.items()):
         times, values = filtered(aligned_times(ranks[0]), ranks[0][trace_key], threshold, partition)
         peak = counter_peak(ranks, peak_key)
         sampled = [v for v in ranks[0][trace_key] if v is not None]
         said = f": peak {peak:.0f} MiB" if peak is not None else \
             f": peak {max(sampled):.0f} MiB sampled" if sampled else ""
-        ax.plot(times, values, color=f"C{VARIANTS.index(name) if name in VARIANTS else i}", lw=0.9, alpha=0.8,
+        colour = f"C{VARIANTS.index(name) if name in VARIANTS else i}"
+        ax.plot(times, values, color=colour, lw=0.9, alpha=0.8,
                 label=f"{short_name(name)}{said}{failure_note(ranks[0])}")
         if values and ranks[0].get("status", "ok") != "ok":  # where it stopped
-            ax.plot(times[-1:], values[-1:], ls="none", marker="X", ms=11, color=f"C{i}", markeredgecolor="black")
+            ax.plot(times[-1:], values[-1:], ls="none", marker="X", ms=11, color=colour, markeredgecolor="black")
+            stopped.append(colour)
     ax.set_xlabel(f"seconds since the model was sharded ('{ALIGN_EVENT}' event)")
     ax.set_title(f"{what}, {simulated_label(runs) or 'rank 0'}, over time")
     fit_y_axis(ax, f"{what} (MiB)")
     ax.grid(alpha=0.3)
-    finish_axes(ax)
+    name_coinciding(ax)
+    handles, labels = ax.get_legend_handles_labels()
+    if stopped:
+        handles.append(in_each_colour(stopped, "did not finish: stopped at the X", marker="X", ms=8, ls="none",
+                                      markeredgecolor="black"))
+        labels.append(handles[-1][0].get_label())
+    legend_inside(ax, handles, labels)
     save(fig, path)
     return True
 
 
-def plot_loss(runs: dict, path: str) -> None:
+LOSS_VERDICTS = {True: ": the stale optimizer's model did not train", False: ": the stale optimizer's model trained"}
+
+
+def loss_title(unfixed_check: dict | None) -> str:
+    """The loss plot's title: a conclusion about the unfixed variant only where the run's own check made one
+    (summary.json's ``unfixed_did_not_train``: it ran, and the intended variants' loss fell beyond the spread of
+    the batches), else what is drawn."""
+    verdict = LOSS_VERDICTS.get(unfixed_check.get("ok")) if unfixed_check else None
+    return "Loss per step, rank 0's batches" + (verdict or "")
+
+
+def plot_loss(runs: dict, path: str, unfixed_check: dict | None = None) -> None:
     """Rank 0's loss per step; variants whose losses are equal step for step are one line, labelled
     with all of them, so that none hides under another."""
     groups: dict[tuple, list[str]] = {}
@@ -346,7 +367,7 @@ def plot_loss(runs: dict, path: str) -> None:
                 label=" = ".join(map(short_name, names)) + (" (equal at every step)" if len(names) > 1 else ""))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (rank 0's batches)")
-    ax.set_title("Loss per step: the stale optimizer's model never trains")
+    ax.set_title(loss_title(unfixed_check))
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     finish_axes(ax)
@@ -398,7 +419,8 @@ def plot_projection(summary: dict, path: str) -> bool:
     ax.set_xlabel("world size N (ranks)")
     ax.set_ylabel(f"state per rank ({unit_name})")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"{summary['meta']['model']}: state per rank by the sharding rule (lines), counted here (stars)")
+    ax.set_title(f"{summary['meta']['model']}: state per rank by the sharding rule (lines)"
+                 + (", counted here (stars)" if starred else ""))
     ax.grid(alpha=0.3)
     legend_inside(ax, handles, [(h[0] if isinstance(h, tuple) else h).get_label() for h in handles], columns=3)
     save(fig, path)
@@ -419,7 +441,10 @@ def plot_training(runs: dict, directory: str, threshold: float, partition: float
     if simulated_label(runs):
         print("skipped loss.png: losses of a simulated world size mean nothing")
     else:
-        plot_loss(runs, os.path.join(directory, "loss.png"))
+        summary_path = os.path.join(directory, "summary.json")
+        with reading(summary_path):
+            checks = read_json(summary_path).get("checks", {}) if os.path.exists(summary_path) else {}
+            plot_loss(runs, os.path.join(directory, "loss.png"), checks.get("unfixed_did_not_train"))
         print(f"wrote {os.path.join(directory, 'loss.png')}")
     plot_summary_projection(directory)
 
@@ -503,12 +528,10 @@ def sweep_points(summary: dict, name: str) -> list[tuple[int, int, dict]]:
 
 
 def plot_sweep(summary: dict, directory: str) -> None:
-    """memory_vs_world_size.png of a --simulate_world_size sweep, and where the per-N plots come from."""
+    """memory_vs_world_size.png of a --simulate_world_size sweep."""
     path = os.path.join(directory, "memory_vs_world_size.png")
     plot_simulated(summary, path)
     print(f"wrote {path}")
-    for n in summary["meta"]["simulated"]["world_sizes"]:
-        print(f"traces of N={n}: python3 visualize.py --dir {os.path.join(directory, simulated_dir_name(n))}")
 
 
 def plot_simulated(summary: dict, path: str) -> None:
@@ -551,6 +574,8 @@ def _simulated_variant(summary: dict, name: str, i: int, sizes: list[int], unit:
     axes[0].plot(sizes, [table[str(n)][name]["before_zero_grad"] / unit for n in sizes], color=f"C{i}", lw=1,
                  label=f"{short_name(name)}: sharding rule")
     points = sweep_points(summary, name)
+    if not points:  # it finished at no N: no crosses, no dots, and no key for them
+        return
     x = [n * 2 ** (0.05 * (i - 1.5)) for n, _, _ in points]  # nudged apart: the intended ones coincide
     state = [max(state_bytes(rank["before_zero_grad"]) for rank in e["accounting"]) / unit for _, _, e in points]
     axes[0].plot(x, state, ls="none", marker="x", ms=7, color=f"C{i}", label=f"{short_name(name)}: counted (crosses)")
@@ -667,16 +692,21 @@ def plot_matrix(matrix: dict, path: str) -> None:
         raise InputError("matrix.json has no finished row to draw")
     fig, axes = plt.subplots(1, len(columns), figsize=(4.2 * len(columns), 5.5), squeeze=False)
     width = 0.8 / len(VARIANTS)
+    keys: dict[str, object] = {}  # one legend key per kind of bar drawn somewhere
     for ax, (n, simulated) in zip(axes[0], columns):
         for i, name in enumerate(VARIANTS):
             xs = [j + (i - 1.5) * width for j in range(len(sets))]
             ys = [values.get((s, n, simulated, name), float("nan")) / 1024 for s in sets]
-            ax.bar(xs, ys, width, color=f"C{i}", label=short_name(name) if ax is axes[0][0] else None)
+            bars = ax.bar(xs, ys, width, color=f"C{i}")
+            if any(y == y for y in ys):
+                keys.setdefault(short_name(name), bars)
             if name == VARIANTS[1]:  # the unfixed variant
                 base = [values.get((s, n, simulated, VARIANTS[0]), float("nan")) / 1024 for s in sets]
                 extra = [max(0.0, y - b) for y, b in zip(ys, base)]
-                ax.bar(xs, extra, width, bottom=[min(y, b) for y, b in zip(ys, base)], fill=False, hatch="///",
-                       edgecolor="black", lw=0, label="stale optimizer's extra" if ax is axes[0][0] else None)
+                hatched = ax.bar(xs, extra, width, bottom=[min(y, b) for y, b in zip(ys, base)], fill=False,
+                                 hatch="///", edgecolor="black", lw=0)
+                if any(e > 0 for e in extra):
+                    keys.setdefault("stale optimizer's extra", hatched)
         ax.set_title(f"N = {n}{' (simulated)' if simulated else ''}")
         ax.set_xticks(range(len(sets)), sets, rotation=45, ha="right")
         ax.set_ylim(bottom=0)
@@ -687,7 +717,8 @@ def plot_matrix(matrix: dict, path: str) -> None:
     fig.suptitle(f"Peak per rank by option set and variant ({' '.join(matrix['meta']['main_args'])})"[:140],
                  y=0.995, fontsize=9)
     wide = len(columns) >= 3  # room for the legend on one row
-    fig.legend(loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=5 if wide else 2, fontsize=8)
+    fig.legend(list(keys.values()), list(keys), loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=5 if wide else 2,
+               fontsize=8)
     save(fig, path, rect=(0, 0.1 if wide else 0.2, 1, 0.97))
 
 
@@ -703,8 +734,9 @@ def plan_figure(answers: list[dict]) -> str:
 def plot_plan(plan: dict, path: str) -> None:
     """plan.png: per variant (rows) and N (columns) a panel; per option set the peak of every probe
     that fit against its value (filled) and of its shared process's values (hollow), the line that aimed
-    the probes, the edge (the largest value that fits) ringed, the probes that ran out of memory as
-    crosses on the cap, and the cap itself as a line."""
+    the probes, the edge (the largest value that fits) ringed, or a triangle where the search's upper bound
+    fit, the probes that ran out of memory as crosses on the cap, and the cap itself as a line; the legend keys
+    the marks drawn."""
     answers = plan["answers"]
     if not any(o["fits"] for a in answers for o in a["outcomes"] + a.get("shared", [])):
         raise InputError("plan.json has no probe that fit: nothing to draw")
@@ -715,6 +747,7 @@ def plot_plan(plan: dict, path: str) -> None:
     figure = plan_figure(answers)
     fig, axes = plt.subplots(len(variants), len(columns), figsize=(max(6.5, 4.6 * len(columns)),
                                                                    3.6 * len(variants)), squeeze=False, sharey=True)
+    drawn: set[str] = set()  # the kinds of mark drawn in some panel: the legend keys those alone
     for row, variant in enumerate(variants):
         for col, (n, fixed) in enumerate(columns):
             ax = axes[row][col]
@@ -722,7 +755,7 @@ def plot_plan(plan: dict, path: str) -> None:
             for i, name in enumerate(sets):
                 answer = next((a for a in panel if a["option_set"] == name), None)
                 if answer is not None:
-                    _plan_answer(ax, answer, figure, f"C{i % 10}", cap)
+                    drawn |= _plan_answer(ax, answer, figure, f"C{i % 10}", cap)
             if cap:
                 ax.axhline(cap["allocator_limit_mib"] / 1024, color="black", ls="--", lw=1)
             other = "block" if answers[0]["searched"] == "batch_size" else "batch"
@@ -734,21 +767,25 @@ def plot_plan(plan: dict, path: str) -> None:
         axes[row][0].set_ylabel("GiB " + ("allocated (peak)" if figure == "peak_allocated_mib" else "host RSS (peak)"))
     for ax in axes[-1]:
         ax.set_xlabel(answers[0]["searched"].replace("_", " "))
-    _plan_legend(fig, answers, sets, cap, (len(variants), len(columns)), path)
+    _plan_legend(fig, drawn, sets, cap, (len(variants), len(columns)), path)
 
 
-def _plan_legend(fig, answers: list[dict], sets: list[str], cap: dict | None, panels: tuple[int, int],
+PLAN_MARKS = {  # a kind of mark _plan_answer draws -> its legend key's label and style
+    EDGE: ("the largest that fits (a larger value did not)", dict(marker="o", ms=11, mfc="none", ls="")),
+    UPPER: ("fits at the upper bound searched: the edge lies above it", dict(marker="^", ms=10, mfc="none", ls="")),
+    SHARED: ("a shared process's value (aims, decides nothing)", dict(marker="s", ms=5, mfc="none", ls="")),
+    AIMED: ("the line that aimed the probes", dict(ls=":")),
+    OOM: ("ran out of memory (drawn on the cap)", dict(marker="x", ls="")),
+    AT_LEAST: ("interrupted: the largest fit so far, a lower bound", dict(marker=">", ms=10, mfc="none", ls="")),
+}
+
+
+def _plan_legend(fig, drawn: set[str], sets: list[str], cap: dict | None, panels: tuple[int, int],
                  path: str) -> None:
     colours = [f"C{i % 10}" for i in range(len(sets))]  # each mark below is drawn in its option set's colour
     handles: list = [plt.Line2D([], [], color=c, marker="o", label=name) for c, name in zip(colours, sets)]
-    handles += [in_each_colour(colours, "the largest that fits", marker="o", ms=11, mfc="none", ls=""),
-                in_each_colour(colours, "a shared process's value (aims, decides nothing)", marker="s", ms=5,
-                               mfc="none", ls=""),
-                in_each_colour(colours, "the line that aimed the probes", ls=":"),
-                in_each_colour(colours, "ran out of memory (drawn on the cap)", marker="x", ls="")]
-    if any(a.get("at_least") for a in answers):
-        handles.append(in_each_colour(colours, "interrupted: the largest fit so far, a lower bound", marker=">", ms=10,
-                                      mfc="none", ls=""))
+    handles += [in_each_colour(colours, label, **style) for kind, (label, style) in PLAN_MARKS.items()
+                if kind in drawn]
     if cap:
         handles.append(plt.Line2D([], [], color="black", ls="--",
                                   label=f"the allocator's limit ({cap['gib']:g} GiB less the CUDA context)"))
@@ -760,24 +797,34 @@ def _plan_legend(fig, answers: list[dict], sets: list[str], cap: dict | None, pa
     save(fig, path, rect=(0, 0.04 + 0.05 * rows_of_legend / rows, 1, 1))
 
 
-def _plan_answer(ax, answer: dict, figure: str, color: str, cap: dict | None) -> None:
+def _plan_answer(ax, answer: dict, figure: str, color: str, cap: dict | None) -> set[str]:
+    """One option set's marks in one panel; returns the kinds drawn (``PLAN_MARKS``)."""
+    drawn = set()
     fits = sorted((o["value"], o[figure] / 1024) for o in answer["outcomes"] if o["fits"] and o.get(figure) is not None)
     if fits:
         ax.plot(*zip(*fits), color=color, marker="o", ms=3, lw=1)
     shared = [(o["value"], o[figure] / 1024) for o in answer.get("shared", []) if o["fits"] and o.get(figure) is not None]
     if shared:
         ax.plot(*zip(*shared), color=color, marker="s", ms=4, mfc="none", ls="")
+        drawn.add(SHARED)
     line = answer.get("line")
     if line and figure == "peak_allocated_mib":
         xs = [min(v for v, _ in shared + fits), max(v for v, _ in shared + fits)]
         ax.plot(xs, [(line["peak_allocated_mib"] + line["slope_mib"] * (x - line["value"])) / 1024 for x in xs],
                 color=color, ls=":", lw=1)
+        drawn.add(AIMED)
     best = next((y for x, y in fits if x == answer["largest"]), None)
-    if best is not None:
-        ax.plot([answer["largest"]], [best], color=color, marker="o", ms=11, mfc="none", ls="")
+    if best is not None:  # at the upper bound searched, every value fit: no edge was found
+        kind = UPPER if answer.get("at_upper_bound") else EDGE
+        marker, size = ("^", 10) if kind == UPPER else ("o", 11)
+        ax.plot([answer["largest"]], [best], color=color, marker=marker, ms=size, mfc="none", ls="")
+        drawn.add(kind)
     bound = next((y for x, y in fits if x == answer.get("at_least")), None)
     if bound is not None:  # unfinished: the edge lies above this point, not at it
         ax.plot([answer["at_least"]], [bound], color=color, marker=">", ms=10, mfc="none", ls="")
+        drawn.add(AT_LEAST)
     failed = [o["value"] for o in answer["outcomes"] if not o["fits"]]
     if failed and cap:
         ax.plot(failed, [cap["allocator_limit_mib"] / 1024] * len(failed), color=color, marker="x", ls="")
+        drawn.add(OOM)
+    return drawn

@@ -29,7 +29,7 @@ import torch
 
 from fsdp2bench import report
 from fsdp2bench.concurrency import (GpuCap, activation_bytes_per_token, host_bytes, host_memory_for_launch,
-                                    rank_logits_bytes, variant_need)
+                                    step_bytes, variant_need)
 from fsdp2bench.fitting import SHARED_LIMIT, SHARED_MOST_MIB, Ladder, Outcome, Planner, Search
 from fsdp2bench.isolation import STAND_DOWN, Piece, StoreKeys, gather_records, has_keys, run_queue
 from fsdp2bench.memory_model import expected_device_bytes, expected_state, model_bytes
@@ -256,8 +256,8 @@ class ProbeRunner:
             return 0
         question, search = self.questions[key], self.searches[key]
         first = variant_need(self.session.shapes, question.world_size, question.variant, question.options,
-                             rank_logits_bytes(*question.batch_and_block(search.lower), self.session.config,
-                                               question.options))
+                             step_bytes(*question.batch_and_block(search.lower), self.session.config,
+                                        question.options))
         share = min(self.cap.allocator_bytes * SHARED_LIMIT, SHARED_MOST_MIB * MIB)
         limit = max(int(share), first - self.cap.context)
         return min(self.cap.allocator_bytes, limit) + self.cap.context
@@ -318,8 +318,8 @@ class ProbeRunner:
             expected = self.cap.process_bytes if near_cap else int(predicted * MIB * ROOM_MARGIN) + self.cap.context
         else:
             expected = variant_need(self.session.shapes, question.world_size, question.variant, question.options,
-                                    rank_logits_bytes(*question.batch_and_block(value), self.session.config,
-                                                      question.options))
+                                    step_bytes(*question.batch_and_block(value), self.session.config,
+                                               question.options))
         return min(self.cap.process_bytes, expected)
 
     def setup_room(self, key) -> int:

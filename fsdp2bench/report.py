@@ -561,24 +561,24 @@ MEASURED_FIGURES = {  # key in summary.json -> (how to read it off an entry, wha
 }
 
 
+def compared_sizes(simulated: dict, figure) -> list[tuple[int, dict[str, float]]]:
+    """(N, {variant: figure}) at each simulated N where the unfixed variant and an intended one both finished with
+    the figure: the only places where the two can be compared."""
+    return [(n, row) for n, row in sorted(_worst_per_world_size(simulated, figure).items())
+            if UNFIXED in row and any(v in row for v in INTENDED)]
+
+
 def measured_crossover(simulated: dict) -> dict:
     """Per measured figure, the smallest simulated N at which the unfixed variant's exceeds that of
-    every intended variant that ran there (None where it never does, or where none of them ran). A variant
-    that did not run (accelerate where the libraries cannot) is not compared. A figure the device cannot
-    measure (no allocator on CPU) is left out."""
-    names = {name for _, _, name, _ in simulated_entries(simulated)}
-    intended = [n for n in INTENDED if n in names]
+    every intended variant that ran there (None where it never does). A figure is left out where no N has both
+    the unfixed variant and an intended one finished (accelerate where the libraries cannot is not compared), or
+    where the device cannot measure it (no allocator on CPU)."""
     found = {}
     for key, (figure, _) in MEASURED_FIGURES.items():
-        table = _worst_per_world_size(simulated, figure)
-        if not table:
-            continue
-        found[key] = None
-        for n, row in sorted(table.items()):
-            ran = [v for v in intended if v in row]
-            if ran and UNFIXED in row and row[UNFIXED] > max(row[v] for v in ran):
-                found[key] = n
-                break
+        compared = compared_sizes(simulated, figure)
+        if compared:
+            found[key] = next((n for n, row in compared
+                               if row[UNFIXED] > max(row[v] for v in INTENDED if v in row)), None)
     return found
 
 
@@ -610,10 +610,10 @@ def print_sweep_table(summary: dict) -> None:
     say(speed_said(summary, [v for *_, v in simulated_entries(summary["simulated"]) if v["status"] == "ok"]),
         indent="     ")
     crossover = summary["simulation_findings"]["unfixed_exceeds_intended_from_world_size"]
-    sizes = ", ".join(str(n) for n in summary["meta"]["simulated"]["world_sizes"])
     exact = (summary.get("projection") or {}).get("unfixed_costs_more_from_world_size")
     rule = f"; by the sharding rule from N = {exact} on" if exact else ""
     for key, n in crossover.items():
+        sizes = ", ".join(str(size) for size, _ in compared_sizes(summary["simulated"], MEASURED_FIGURES[key][0]))
         said = f"first at N = {n} of the simulated {sizes}" if n is not None else f"at none of the simulated {sizes}"
         say(f"The unfixed variant's {MEASURED_FIGURES[key][1]} exceeds every intended variant's {said}{rule}.")
     print_checks(summary["checks"])
@@ -656,6 +656,15 @@ def unsupported_findings(entries: list[tuple[str, dict]]) -> dict[str, str]:
     refused at these releases (utils.accelerate_fsdp2)."""
     return {label: e["status"][len(UNSUPPORTED) + 2:] for label, e in entries
             if e["status"].startswith(f"{UNSUPPORTED}: ")}
+
+
+def reruns_said(entries: list[tuple[str, dict]]) -> str | None:
+    """The runs that ran out of memory beside others and were run again alone: their figures are of that run."""
+    again = [label for label, e in entries if e.get("rerun_alone_after")]
+    if not again:
+        return None
+    return (f"Run again alone after running out of memory beside others (summary.json: rerun_alone_after): "
+            f"{', '.join(again)}; what each reports is of its run alone.")
 
 
 def why_failed(entries: list[tuple[str, dict]], checks: dict) -> str | None:

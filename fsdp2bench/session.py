@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from fsdp2bench.cli import (RankError, UserError, check_replaceable, is_ours, lock_output_dir, one_line,
                             pick_device, prepare_output_dir)
-from fsdp2bench.isolation import STORE_TIMEOUT, StoreKeys, catch_interrupts, launcher_env, wait_for_keys
+from fsdp2bench.isolation import (STORE_TIMEOUT, StoreKeys, StoreLost, catch_interrupts, launcher_env, set_first,
+                                  wait_for_keys)
 from fsdp2bench.memory_model import model_bytes, param_shapes
 from fsdp2bench.model import build_meta_model, check_units_own_their_parameters, layer_class_names, load_config
 from fsdp2bench.starting import start_child_server
@@ -79,9 +80,10 @@ def open_session(facts: ModelFacts, device_choice: str, output_dir: str, summary
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"  # rank 0's names the launch
     if rank == 0:
         lock_output_dir(output_dir)
-        move_earlier_runs_aside(output_dir, run_id)
         check_replaceable(os.path.join(output_dir, summary_file))
     store = meet_peers(rank, world_size)
+    if rank == 0:  # last: a run refused before it has met its peers has moved nothing
+        move_earlier_runs_aside(output_dir, run_id)
     return Session(device, rank, world_size, facts.config, facts.shapes, facts.layer_classes, store,
                    agree_on_run_id(store, rank, run_id))
 
@@ -92,24 +94,43 @@ EARLIER_RUNS = "earlier_runs"  # where a run moves the files of the runs before 
 def move_earlier_runs_aside(output_dir: str, run_id: str) -> None:
     """A run owns its directory: every file of the benchmark's there (its mark), at the top or in a simulated
     world size's folder, is of an earlier run and goes to ``earlier_runs/<before this run>/``, said in one
-    line, so that no figure or trace of another run is read as this one's. Files without the mark stay."""
+    line, so that no figure or trace of another run is read as this one's. Files without the mark stay. All of
+    them move or none: a move that fails (or a signal meanwhile) puts back those already moved."""
     found = earlier_files(output_dir)
     if not found:
         return
     aside = os.path.join(EARLIER_RUNS, f"before-{run_id}")
-    for relative in found:
-        target = os.path.join(output_dir, aside, relative)
-        try:
+    moved: list[str] = []
+    try:
+        for relative in found:
+            target = os.path.join(output_dir, aside, relative)
             os.makedirs(os.path.dirname(target), exist_ok=True)
             os.rename(os.path.join(output_dir, relative), target)
-        except OSError as exc:
-            raise UserError(f"--output_dir {output_dir}: cannot move the earlier run's {relative} to {aside}/ "
-                            f"({exc.strerror}); move it away or choose another --output_dir") from None
+            moved.append(relative)
+    except BaseException as exc:
+        put_back(output_dir, aside, moved)
+        if not isinstance(exc, OSError):
+            raise
+        raise UserError(f"--output_dir {output_dir}: cannot move the earlier run's {found[len(moved)]} to {aside}/ "
+                        f"({exc.strerror}); nothing was moved: move it away or choose another --output_dir") from None
     for folder in {os.path.dirname(r) for r in found if os.path.dirname(r)}:
         with contextlib.suppress(OSError):  # left where it holds files of another program
             os.rmdir(os.path.join(output_dir, folder))
     print(f"note: moved the {len(found)} file(s) of earlier runs in {output_dir} to "
           f"{os.path.join(output_dir, aside)}/; this run writes its own in their place", flush=True)
+
+
+def put_back(output_dir: str, aside: str, moved: list[str]) -> None:
+    """Undo a move that stopped half-way: each file back where it was, the folders made for it removed where
+    empty (``earlier_runs`` too, unless it holds the runs moved before)."""
+    for relative in reversed(moved):
+        with contextlib.suppress(OSError):
+            os.rename(os.path.join(output_dir, aside, relative), os.path.join(output_dir, relative))
+    for root, _, _ in sorted(os.walk(os.path.join(output_dir, aside)), key=lambda entry: -len(entry[0])):
+        with contextlib.suppress(OSError):
+            os.rmdir(root)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.join(output_dir, EARLIER_RUNS))
 
 
 def earlier_files(output_dir: str) -> list[str]:
@@ -155,6 +176,20 @@ def agree_on_run_id(store: dist.TCPStore, rank: int, run_id: str) -> str:
 
 def say_interrupted(session: Session, exc: BaseException, where: str) -> int:
     """One line, from rank 0 (every rank is told by the launcher); the exit code of an interrupt."""
+    said = first_interrupt(session, str(exc)) if not isinstance(exc, StoreLost) else str(exc)
     if session.rank == 0:
-        print(f"Interrupted ({exc}){where}", file=sys.stderr)
+        print(f"Interrupted ({said}){where}", file=sys.stderr)
     return 130
+
+
+def first_interrupt(session: Session, own: str) -> str:
+    """The launch's first signal, and the rank it reached where rank 0 got another: a signal to one rank ends
+    that rank, and the launcher then sends SIGTERM to the others. Each rank posts its own (the first kept)
+    before it leaves, so before the launcher signals the rest."""
+    key = StoreKeys("first-interrupt").prefix
+    try:
+        set_first(session.store, key, f"{session.rank}|{own}")
+        rank, first = session.store.get(key).decode().split("|", 1)
+    except dist.DistError:  # the launcher's store is gone: this rank's own
+        return own
+    return first if first == own else f"{first} to rank {rank}"

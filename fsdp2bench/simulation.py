@@ -10,6 +10,7 @@ each in a fresh process as usual; they need no peers, so the launch's processes 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2bench.cli import UserError
-from fsdp2bench.isolation import (INTERRUPTED, Interrupted, Piece, StoreKeys, failed, run_rolling, status_of,
+from fsdp2bench.isolation import (INTERRUPTED, Interrupted, Piece, StoreKeys, failed, run_queue, status_of,
                                   wait_for_keys)
 from fsdp2bench.layout import Degrees, Meshes, build_meshes
 from fsdp2bench.memory_model import expected_state
@@ -28,14 +29,17 @@ from fsdp2bench.options import FsdpOptions
 FAKE_GROUP_MODULE = "torch.testing._internal.distributed.fake_pg"
 DEFAULT_STEPS = 10  # memory settles after the first optimizer step; losses mean nothing here
 LAST = "last"
+NOT_RUN = "not run"  # a run the sweep never started (interrupted before its turn)
 
 
 @dataclass(frozen=True)
 class SimulatedRun:
-    """One variant, playing rank ``rank`` of a world of ``world_size``."""
+    """One variant, playing rank ``rank`` of a world of ``world_size``; ``alone``: its second attempt, with the
+    GPU to itself, after it ran out of memory beside other runs."""
     world_size: int
     rank: int
     variant: str
+    alone: bool = False
 
     @property
     def label(self) -> str:
@@ -43,7 +47,12 @@ class SimulatedRun:
 
     @property
     def keys(self) -> StoreKeys:
-        return StoreKeys(f"simulated/N{self.world_size}/r{self.rank}/{self.variant}")
+        return StoreKeys(f"simulated/N{self.world_size}/r{self.rank}/{self.variant}" + ("/alone" if self.alone else ""))
+
+    @property
+    def first(self) -> SimulatedRun:
+        """The run as planned: the keys its outcome is posted under, whichever attempt ended it."""
+        return dataclasses.replace(self, alone=False)
 
 
 def world_size_dir(output_dir: str, world_size: int) -> str:
@@ -141,7 +150,48 @@ def init_simulated_group(device: torch.device, rank: int, world_size: int,
 # --------------------------------------------------------------------------- main process side
 
 def _outcome_key(run: SimulatedRun) -> str:
-    return f"{run.keys.prefix}/outcome"
+    return f"{run.first.keys.prefix}/outcome"
+
+
+def _rerun_key(run: SimulatedRun) -> str:
+    return f"{run.first.keys.prefix}/rerun_alone_after"
+
+
+def out_of_memory(failure: str | None) -> bool:
+    return failure is not None and "out of memory" in failure
+
+
+@dataclass
+class Share:
+    """One launch process's share of a sweep as it runs: ``items[i]`` is what piece ``i`` plays (a run run
+    again alone is appended), ``crowded`` the pieces that had another beside them at some moment."""
+    items: list[SimulatedRun]
+    together: Callable[[list[SimulatedRun]], bool]
+    waiting: list[int] = dataclasses.field(default_factory=list)
+    crowded: set[int] = dataclasses.field(default_factory=set)
+
+    def next_piece(self, running: list[int]) -> int | None:
+        """The next run in order where it fits beside those going; a run again alone waits until none runs, and
+        none starts beside it."""
+        if not self.waiting:
+            return None
+        i = self.waiting[0]
+        if running and (self.items[i].alone or any(self.items[j].alone for j in running)
+                        or not self.together([self.items[j] for j in running] + [self.items[i]])):
+            return None
+        self.waiting.pop(0)
+        if running:
+            self.crowded |= {*running, i}
+        return i
+
+    def again_alone(self, i: int, failure: str | None) -> SimulatedRun | None:
+        """The run to play again, first of those waiting, where piece ``i`` ran out of memory beside another."""
+        run = self.items[i]
+        if run.alone or i not in self.crowded or not out_of_memory(failure):
+            return None
+        self.items.append(dataclasses.replace(run, alone=True))
+        self.waiting.insert(0, len(self.items) - 1)
+        return self.items[-1]
 
 
 def run_share(runs: list[SimulatedRun], make_job: Callable[[SimulatedRun], object], target: Callable,
@@ -149,27 +199,40 @@ def run_share(runs: list[SimulatedRun], make_job: Callable[[SimulatedRun], objec
               together: Callable[[list[SimulatedRun]], bool]) -> bool:
     """Run this launch process's share of the sweep (every ``world_size``-th run), each alone in a fresh
     process, the next as soon as it can run ``together`` with those going; post each outcome ("ok" or the
-    failure) as it ends. True if any of them failed."""
-    mine, outcomes = runs[rank::world_size], {}
+    failure) as it ends. A run that ran out of memory beside others is run again alone before its outcome is
+    posted, and says so. True if any of them failed."""
+    share = Share(runs[rank::world_size], together)
+    share.waiting = list(range(len(share.items)))
+    pieces = [Piece(target, (make_job(r),), r.keys) for r in share.items]
+    outcomes: dict[SimulatedRun, str | None] = {}
+    begun: set[SimulatedRun] = set()
 
     def started(i: int) -> None:  # each line one write: the other launch processes print theirs at once
-        print(f"[process {rank}] {mine[i].variant} ({mine[i].label})\n", end="", flush=True)
+        run = share.items[i]
+        begun.add(run.first)
+        print(f"[process {rank}] {run.variant} ({run.label}){' again, alone' if run.alone else ''}\n", end="",
+              flush=True)
 
     def ended(i: int, failure: str | None) -> None:
-        outcomes[i] = failure
-        store.set(_outcome_key(mine[i]), "ok" if failure is None else failure)
+        run, again = share.items[i], share.again_alone(i, failure)
+        if again is not None:
+            pieces.append(Piece(target, (make_job(again),), again.keys))
+            store.set(_rerun_key(run), failure)
+            print(f"[process {rank}] {run.variant} ({run.label}) ran out of memory beside other runs; run again "
+                  f"alone before it is reported ({failure})\n", end="", flush=True)
+            return
+        outcomes[run.first] = failure
+        store.set(_outcome_key(run), "ok" if failure is None else failure)
         if failure:
             said = f"FAILED: {failure}" if failed(failure) else status_of(failure)
-            print(f"[process {rank}] {mine[i].variant} ({mine[i].label}) {said}\n", end="", flush=True)
+            print(f"[process {rank}] {run.variant} ({run.label}) {said}\n", end="", flush=True)
 
     try:
-        run_rolling([Piece(target, (make_job(r),), r.keys) for r in mine],
-                    lambda i, running: together([mine[j] for j in running] + [mine[i]]),
-                    rank, store, device, started, ended)
+        run_queue(pieces, share.next_piece, rank, store, device, started, ended)
     except Interrupted:
-        for i, r in enumerate(mine):  # so that rank 0 need not wait for runs that will never end
-            if i not in outcomes:
-                store.set(_outcome_key(r), INTERRUPTED)
+        for r in runs[rank::world_size]:  # so that rank 0 need not wait for runs that will never end
+            if r not in outcomes:
+                store.set(_outcome_key(r), INTERRUPTED if r in begun else NOT_RUN)
         raise
     return any(failed(failure) for failure in outcomes.values())
 
@@ -177,7 +240,13 @@ def run_share(runs: list[SimulatedRun], make_job: Callable[[SimulatedRun], objec
 def statuses(runs: list[SimulatedRun], store: dist.TCPStore) -> dict[SimulatedRun, str]:
     """Each run's status as summary.json gives it: ok, failed: <reason>, interrupted, or not run."""
     found = {r: store.get(_outcome_key(r)).decode() if store.check([_outcome_key(r)]) else None for r in runs}
-    return {r: "not run" if o is None else o if o in ("ok", INTERRUPTED) else status_of(o) for r, o in found.items()}
+    return {r: NOT_RUN if o is None else o if o in ("ok", INTERRUPTED, NOT_RUN) else status_of(o)
+            for r, o in found.items()}
+
+
+def reruns(runs: list[SimulatedRun], store: dist.TCPStore) -> dict[SimulatedRun, str]:
+    """The runs that were run again alone, and the failure beside others that made it so."""
+    return {r: store.get(_rerun_key(r)).decode() for r in runs if store.check([_rerun_key(r)])}
 
 
 def wait_for_sweep(runs: list[SimulatedRun], store: dist.TCPStore) -> None:

@@ -17,6 +17,7 @@ import sys
 import time
 
 from fsdp2bench.cli import RankError, UserError, process_running, set_up_standard_streams
+from fsdp2bench.first import one_line_interrupts
 
 # The children's targets live in this package; transformers and accelerate are imported lazily by
 # the children, so importing them once in the server is what saves the time.
@@ -74,8 +75,7 @@ def quiet_while_starting() -> None:
     """Every entry script's first step: its streams set up, and a Ctrl-C during its imports and checks
     one line, not a traceback (until the script handles interrupts itself: ``interrupts_raise``)."""
     set_up_standard_streams()
-    signal.signal(signal.SIGINT, _interrupted_while_starting)
-    signal.signal(signal.SIGTERM, _interrupted_while_starting)
+    one_line_interrupts()
 
 
 def interrupts_raise() -> None:
@@ -87,15 +87,6 @@ def interrupts_raise() -> None:
 
 def _raise_keyboard_interrupt(signum, _frame) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-def _interrupted_while_starting(signum, _frame) -> None:
-    """Ctrl-C during the imports and checks, before anything is written (the session takes over
-    before it writes): one line, from the first rank, and the exit code of an interrupt. At once:
-    an exception raised into a half-done import would surface at the interpreter's exit."""
-    if os.environ.get("RANK", "0") == "0":
-        print("Interrupted while starting; nothing ran", file=sys.stderr, flush=True)
-    os._exit(130)
 
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

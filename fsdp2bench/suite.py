@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import sys
@@ -11,10 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from fsdp2bench import report, simulation
-from fsdp2bench.cli import save_summary, unwritten
+from fsdp2bench.cli import save_summary, say, unwritten
 from fsdp2bench.concurrency import SweepRoom
-from fsdp2bench.isolation import (Interrupted, Piece, StoreKeys, StoreLost, failed, gather_records, has_keys,
-                                  leave_together, run_isolated, status_of, wait_for_keys)
+from fsdp2bench.isolation import (INTERRUPTED, Interrupted, Piece, StoreKeys, StoreLost, failed, gather_records,
+                                  has_keys, leave_together, run_isolated, status_of, wait_for_keys)
 from fsdp2bench.memory_model import PROJECTION_WORLD_SIZES
 from fsdp2bench.runner import Job, TrainConfig, variant_process
 from fsdp2bench.session import Session, say_interrupted
@@ -76,16 +77,32 @@ def run_variants(suite: Suite) -> int:
         except Interrupted as exc:
             if s.rank == 0:
                 record_interrupted(suite, jobs, group + [n for g in groups for n in g], started_at)
-            return say_interrupted(s, exc, f" during {', '.join(group)}; finished variants and partial traces "
-                                           f"are in {suite.output_dir}/")
-        again = [job.name for job, f in zip(jobs, failures) if f and len(group) > 1 and "out of memory" in f]
+            return say_interrupted(s, exc, f" during {', '.join(group)}"
+                                           f"{kept_said(suite, list(suite.summary['variants'].values()), 'variant')}")
+        again = [job.name for job, f in zip(jobs, failures) if len(group) > 1 and simulation.out_of_memory(f)]
         shared_failure.update({job.name: f for job, f in zip(jobs, failures) if job.name in again})
         groups[0:0] = [[name] for name in again]
+        if s.rank == 0:
+            for name in again:
+                print(f"[{name}] ran out of memory beside {', '.join(n for n in group if n != name)}; run again alone "
+                      f"before it is reported ({shared_failure[name]})", flush=True)
         any_failed = any_failed or any(failed(f) for job, f in zip(jobs, failures) if job.name not in again)
         if s.rank == 0:
             kept = [(job, f) for job, f in zip(jobs, failures) if job.name not in again]
             record_group(suite, [j for j, _ in kept], [f for _, f in kept], started_at, wall, group, shared_failure)
     return finish(suite, report.print_table, any_failed)
+
+
+def kept_said(suite: Suite, entries: list[dict], what: str) -> str:
+    """Where an interrupt leaves the results, said as they are: the finished runs, the partial traces of the
+    interrupted ones, or that none had finished."""
+    finished = sum(e.get("status") == "ok" for e in entries)
+    partial = any(e.get("status") == INTERRUPTED for e in entries)
+    kept = [f"{finished} finished {what}(s)"] if finished else []
+    kept += ["the partial traces of the interrupted"] if partial else []
+    if not kept:
+        return f"; no {what} had finished or begun to train"
+    return f"; {' and '.join(kept)} are in {suite.output_dir}/" + ("" if finished else f" (no {what} had finished)")
 
 
 def record_interrupted(suite: Suite, jobs: list[Job], left: list[str], started_at: float) -> None:
@@ -168,7 +185,9 @@ def run_sweep(suite: Suite, sizes: list[int], rank_specs: list) -> int:
     except Interrupted as exc:
         if s.rank == 0 and not isinstance(exc, StoreLost):
             record_sweep(suite, runs, sizes)
-        return say_interrupted(s, exc, f"; finished runs are in {suite.output_dir}/")
+        ended = [e for *_, e in report.simulated_entries(suite.summary.get("simulated") or {})]
+        return say_interrupted(s, exc, kept_said(suite, ended, "run") if ended else
+                               f"; what was written is in {suite.output_dir}/")
     if s.rank == 0:
         record_sweep(suite, runs, sizes)
     any_failed = own_failed or (s.rank == 0 and any(report.failed_status(e["status"])
@@ -180,14 +199,18 @@ def record_sweep(suite: Suite, runs: list, sizes: list[int]) -> None:
     """Rank 0: summary.json of a sweep, with every run that has ended (the rest marked so)."""
     s = suite.session
     simulated: dict = {}
+    again = simulation.reruns(runs, s.store)
     for run, status in simulation.statuses(runs, s.store).items():
+        played = dataclasses.replace(run, alone=True) if run in again else run
         if status == "ok":
-            record, = gather_records(s.store, run.keys, [run.rank])
+            record, = gather_records(s.store, played.keys, [run.rank])
             suite.summary["meta"]["gpu_name"] = record["gpu_name"]
             entry = report.memory_summary(run.variant, [record], s.shapes, run.world_size, [run.rank],
                                           suite.train.options, s.device.type, suite.train.init_device)
         else:
             entry = {"status": status}
+        if run in again:
+            entry["rerun_alone_after"] = again[run]
         simulated.setdefault(str(run.world_size), {}).setdefault(str(run.rank), {})[run.variant] = \
             {"label": run.label, **entry}
     suite.summary["simulated"] = simulated
@@ -221,6 +244,9 @@ def finish(suite: Suite, print_results, any_failed: bool) -> int:
     print_results(suite.summary)
     missing = unwritten()
     entries = report.run_entries(suite.summary)
+    rerun = report.reruns_said(entries)
+    if rerun:
+        say(rerun)
     if not missing and any(e["status"] == "ok" for _, e in entries):
         print(f"Wrote per-rank traces and summary.json to {suite.output_dir}/; draw the plots with:\n"
               f"    python3 visualize.py --dir {shlex.quote(suite.output_dir)}", flush=True)

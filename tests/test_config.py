@@ -110,14 +110,75 @@ def refused(tmp_path: Path, path: str) -> str:
      "parallelism_config_sp_size 2: sequence parallelism"),
     ({"fsdp_reshard_after_foward": False}, {}, "fsdp_config: fsdp_reshard_after_foward: not a field accelerate knows"),
     ({}, {"parallelism_config": [1, 2]}, "parallelism_config must be a mapping of fields"),
-    ({}, {"mixed_precision": False}, "YAML reads an unquoted no as false; write mixed_precision: 'no'"),
+    ({}, {"mixed_precision": False}, "mixed_precision false: YAML reads an unquoted no, off or false as false; "
+                                     "write mixed_precision: 'no'"),
+    ({}, {"mixed_precision": True}, "mixed_precision true: YAML reads an unquoted yes, on or true as true, which is "
+                                    "no precision; write mixed_precision: bf16"),
+    ({"fsdp_ignored_modules": "lm_head"}, {}, "fsdp_ignored_modules lm_head: the suite shards every module"),
+    ({}, {"num_processes": 8}, "num_processes 8, but this launch has 1 rank(s): launch 8 (torchrun --nproc_per_node "
+                               "8, or accelerate launch --config_file fsdp2.yaml), or play rank 0 of 8 on one GPU with "
+                               "--simulate_world_size 8"),
+    ({}, {"parallelism_config": {"parallelism_config_cp_size": 2}},
+     "--cp_size 2: context parallelism does not run on the CPU with torch"),
     ({}, {"num_processes": "two", "parallelism_config": {"parallelism_config_dp_shard_size": 4}},
      "--dp_shard_size 4 is not the world size 1 (--dp_replicate_size is fsdp2.yaml "
      "parallelism_config_dp_replicate_size 1; --dp_shard_size is fsdp2.yaml parallelism_config_dp_shard_size 4)"),
 ])
 def test_what_cannot_be_mirrored_is_refused_naming_the_file_and_field(tmp_path, fsdp, top, said):
     message = refused(tmp_path, config_file(tmp_path, fsdp=fsdp, **top))
-    assert "fsdp2.yaml" in message and said in message
+    assert "fsdp2.yaml" in message and said in message, message
+
+
+def config_line(tmp_path: Path, path: str, *extra: str, **env: str) -> tuple[str, object]:
+    """The line main.py says of where its options came from, and what it checked, for this config (in-process,
+    with ``env`` set in this process's environment for the call)."""
+    from fsdp2bench.cli import environment_changed
+
+    with environment_changed(env):
+        checked = arguments.validate(["--config_file", path, *RUN, "--output_dir", str(tmp_path / "out"), *extra])
+        line = arguments.accelerate_config.said(checked.config, checked.args.option_sources, checked.args)
+    return " ".join(line.split()), checked
+
+
+def test_every_word_about_a_config_is_true_of_what_accelerate_does_with_it(tmp_path):
+    """A field written without its fsdp_ prefix is one (accelerate's launcher adds it); a size quoted in the file is
+    one accelerate reads; FSDP1's sharding strategy and a deepspeed_config's accumulation, which accelerate's FSDP2
+    launch does not apply, are named; the environment's accumulation steps are said as the environment's."""
+    path = config_file(tmp_path, fsdp={"reshard_after_forward": False, "fsdp_sharding_strategy": "SHARD_GRAD_OP"},
+                       deepspeed_config={"gradient_accumulation_steps": 4},
+                       parallelism_config={"parallelism_config_dp_shard_size": "2"})
+    line, checked = config_line(tmp_path, path, "--simulate_world_size", "2")
+    assert checked.fsdp_options.reshard_after_forward is False and checked.fsdp_options.layout.dp_shard_size == 2
+    assert "fsdp_sharding_strategy SHARD_GRAD_OP (FSDP1's: accelerate's FSDP2 plugin does not read it" in line
+    assert "deepspeed_config gradient_accumulation_steps 4 (accelerate launch applies a deepspeed_config only under " \
+           "distributed_type DEEPSPEED" in line
+    assert checked.fsdp_options.gradient_accumulation_steps == 1
+    line, checked = config_line(tmp_path, config_file(tmp_path), ACCELERATE_GRADIENT_ACCUMULATION_STEPS="3")
+    assert checked.fsdp_options.gradient_accumulation_steps == 3
+    assert checked.args.option_sources["gradient_accumulation_steps"] == "environment"
+    assert "gradient_accumulation_steps 3 from ACCELERATE_GRADIENT_ACCUMULATION_STEPS=3 in the environment" in line
+    assert "Options from fsdp2.yaml: " in line and "fsdp2.yaml: gradient" not in line
+    assert "gradient_accumulation_steps 3," not in line.split(";")[0]  # not among the file's own
+    _, checked = config_line(tmp_path, config_file(tmp_path), "--gradient_accumulation_steps", "2",
+                             ACCELERATE_GRADIENT_ACCUMULATION_STEPS="3")
+    assert checked.fsdp_options.gradient_accumulation_steps == 2  # a flag wins
+
+
+def test_the_environments_accumulation_steps_apply_without_a_config_and_are_named_when_refused(tmp_path, monkeypatch):
+    """accelerate's Accelerator reads ACCELERATE_GRADIENT_ACCUMULATION_STEPS under torchrun or plain python too:
+    every variant applies it, the line says where it came from, and a refusal names the variable."""
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "2")
+    checked = arguments.validate([*RUN, "--output_dir", str(tmp_path / "out")])
+    assert checked.fsdp_options.gradient_accumulation_steps == 2
+    assert arguments.accelerate_config.said(None, checked.args.option_sources, checked.args) == \
+        "Options from the environment: gradient_accumulation_steps 2 from ACCELERATE_GRADIENT_ACCUMULATION_STEPS=2 " \
+        "in the environment (accelerate's Accelerator reads it)"
+    said = refusal(arguments.validate, [*RUN, "--output_dir", str(tmp_path / "out"), "--sync_each_batch", "true",
+                                        "--requires_all_reduce", "false"])
+    assert said is not None and "ACCELERATE_GRADIENT_ACCUMULATION_STEPS=2 in the environment" in said, said
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "x")
+    assert refusal(arguments.validate, [*RUN, "--output_dir", str(tmp_path / "out")]) == \
+        "error: ACCELERATE_GRADIENT_ACCUMULATION_STEPS in the environment must be a positive integer, got 'x'"
 
 
 def test_a_file_accelerate_cannot_read_is_one_line(tmp_path):
@@ -162,3 +223,35 @@ def test_plan_matrix_and_loading_read_the_same_file(tmp_path):
     assert sets == ["default"] and options_from["config"] == "fsdp2.yaml"
     with pytest.raises(UserError, match="--activation_checkpointing is set by matrix.py"):
         matrix.check(*matrix.parse_args(["--config_file", path, "--activation_checkpointing", *RUN]))
+
+
+def test_each_refusal_names_its_cause_and_source_at_the_world_size_each_launch_will_have(tmp_path):
+    """matrix.py checks the options it forwards at its launches' world size (--nproc_per_node, or the sweeps' N), not
+    its own process's 1; CP on a CPU rank is refused as CP on the CPU before its size is checked against N, as the
+    flag or as the config's field; plan.py blames the config's layout where that is what fits no N."""
+    import matrix
+
+    hsdp = config_file(tmp_path, "hsdp.yaml", parallelism_config={"parallelism_config_dp_shard_size": 2})
+    out = ["--output_dir", str(tmp_path / "m")]
+    for launches in (["--nproc_per_node", "2"], ["--nproc_per_node", "0", "--simulate_world_size", "2"]):
+        sets, _, _ = matrix.check(*matrix.parse_args(["--config_file", hsdp, "--option_sets", "default", *RUN,
+                                                      *launches, *out]))
+        assert sets == ["default"], launches
+    with pytest.raises(UserError) as refused_at_1:
+        matrix.check(*matrix.parse_args(["--config_file", hsdp, "--option_sets", "default", *RUN, *out]))
+    assert "world size 1" in str(refused_at_1.value) and "hsdp.yaml parallelism_config_dp_shard_size 2" in \
+        str(refused_at_1.value)
+    cpu_cp = "context parallelism does not run on the CPU"
+    said = refusal(arguments.validate, [*RUN, "--cp_size", "2", "--output_dir", str(tmp_path / "out")])
+    assert said.startswith(f"error: --cp_size 2: {cpu_cp}"), said
+    cp = config_file(tmp_path, "cp.yaml", parallelism_config={"parallelism_config_cp_size": 2})
+    said = refused(tmp_path, cp)
+    assert said.startswith(f"--cp_size 2: {cpu_cp}") and said.endswith("(--cp_size is cp.yaml parallelism_config_cp_size 2)")
+    said = refusal(plan.validate, ["--config_file", cp, "--device", "cpu", "--world_size", "2", "--output_dir",
+                                   str(tmp_path / "p")])
+    assert said.startswith(f"error: --cp_size 2: {cpu_cp}") and "cp.yaml parallelism_config_cp_size 2" in said
+    shards = config_file(tmp_path, "shards.yaml", parallelism_config={"parallelism_config_dp_shard_size": 4})
+    said = refusal(plan.validate, ["--config_file", shards, "--device", "cpu", "--world_size", "2,6", "--output_dir",
+                                   str(tmp_path / "p")])
+    assert said.startswith("error: shards.yaml: its layout (") and "parallelism_config_dp_shard_size 4" in said \
+        and "fits none of --world_size 2,6" in said and "--sets" not in said, said

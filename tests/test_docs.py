@@ -43,3 +43,50 @@ def test_each_docs_page_starts_with_the_question_it_answers():
     for page in (ROOT / "docs").glob("*.md"):
         lines = page.read_text().splitlines()
         assert lines[0].startswith("# ") and lines[2].startswith("*") and lines[2].rstrip().endswith("?*"), page.name
+
+
+def readme_command_lines() -> list[tuple[str, list[str]]]:
+    """(script, its arguments) of every command of the README's code blocks that runs one of the scripts."""
+    found = []
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if not line.startswith("    "):
+            continue
+        for command in line.split("&&"):
+            words = command.split()
+            script = next((w for w in words if re.fullmatch(r"\w+\.py", w)), None)
+            if script:
+                found.append((script, words[words.index(script) + 1:]))
+    return found
+
+
+def test_every_command_line_of_the_readme_is_one_its_script_takes():
+    """Each option and value as its script's parser reads it (matrix.py's others as main.py's); among them the
+    Trainer's loop and liger's loss, which a newcomer looks for."""
+    import loading
+    import matrix
+    import plan
+    import visualize
+    from fsdp2bench import arguments
+
+    commands = readme_command_lines()
+    assert {script for script, _ in commands} >= {"main.py", "visualize.py", "plan.py", "matrix.py"}
+    for script, argv in commands:
+        if script == "matrix.py":
+            _, forwarded = matrix.parse_args(argv)
+            arguments.parse_args(forwarded)
+        else:
+            {"main.py": arguments, "plan.py": plan, "visualize.py": visualize, "loading.py": loading}[script] \
+                .parse_args(argv)
+    main_lines = [" ".join(argv) for script, argv in commands if script == "main.py"]
+    assert any("--loop trainer" in line and "--loss liger" in line for line in main_lines), main_lines
+
+
+def test_every_plan_run_kept_in_results_is_ranked_in_its_readme():
+    """results/h200/plan_1.5b holds a folder per plan.py run, named by the commit that ran it: its README's first
+    table says which to read first and where each of the others stands."""
+    folder = ROOT / "results" / "h200" / "plan_1.5b"
+    index = (folder / "README.md").read_text().split("\n## ")[1]
+    assert index.startswith("Which folder to read")
+    assert "**read first**" in index
+    for run in (p for p in folder.iterdir() if p.is_dir()):
+        assert f"`{run.name}/`" in index, run.name

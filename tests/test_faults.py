@@ -318,6 +318,10 @@ def test_an_interrupt_that_reaches_one_rank_only_ends_every_rank_with_the_summar
     rank_processes(proc)[1].send_signal(signal.SIGINT)  # Ctrl-C on one node of a multi-node run
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode != 0
+    # rank 0 got the launcher's SIGTERM once rank 1 had ended: it names the signal that began it, and where
+    said = [line for line in stderr.splitlines() if line.startswith("Interrupted")]
+    assert said == [f"Interrupted (SIGINT to rank 1) during accelerate; 1 finished variant(s) and the partial traces "
+                    f"of the interrupted are in {tmp_path}/"], stderr
     assert statuses(tmp_path) == {"torch_optimizer_after_fsdp": "ok", "accelerate": "interrupted"}
     assert load(tmp_path / "accelerate_memory_usage.json")["status"] == "interrupted"
 
@@ -372,7 +376,11 @@ def test_a_variant_out_of_memory_beside_others_is_run_again_alone(tmp_path):
     proc = run_script(["main.py", *SHORT, "--variants", f"{VARIANTS[0]},{FIXED}", "--concurrent_variants", "2",
                        "--inject_failure", f"{FIXED}:2:0:oom", "--output_dir", str(tmp_path)])
     assert proc.returncode == 1  # the injection strikes again when it runs alone
-    assert f"[{FIXED}] 6 steps on 2 rank(s) (again, alone)..." in proc.stdout
+    oom = "rank 0: out of memory (injected: Tried to allocate 1.00 GiB at step 2 on rank 0)"
+    assert f"[{FIXED}] ran out of memory beside {VARIANTS[0]}; run again alone before it is reported ({oom})\n" \
+           f"[{FIXED}] 6 steps on 2 rank(s) (again, alone)..." in proc.stdout
+    assert f"Run again alone after running out of memory beside others (summary.json: rerun_alone_after): {FIXED};" \
+        in " ".join(proc.stdout.split("\n"))
     summary = load(tmp_path / "summary.json")
     fixed, after = summary["variants"][FIXED], summary["variants"][VARIANTS[0]]
     assert fixed["status"].startswith("failed: rank 0: out of memory (injected")

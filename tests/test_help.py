@@ -99,3 +99,16 @@ def test_a_true_or_false_flag_names_the_values_it_takes():
     proc = run_script(["main.py", "--device", "cpu", "--reshard_after_forward", "maybe"], nproc=None)
     assert proc.stderr.strip() == "error: argument --reshard_after_forward: expected true or false, got 'maybe' " \
                                   "(see --help)"
+
+
+def test_matrix_help_says_main_options_pass_through_and_which_the_sets_own():
+    """--loop, --loss and --config_file are main.py's: matrix.py's help, which lists its own options, says that
+    main.py's go to every launch, and which it refuses (its sets set them)."""
+    proc = run_script(["matrix.py", "--help"], nproc=None)
+    assert proc.returncode == 0, proc.stderr
+    said = " ".join(proc.stdout.split())
+    assert "main.py's options pass through" in said and "python3 main.py --help lists them" in said
+    for flag in ("--loop", "--loss", "--config_file", "--model", "--batch_size"):
+        assert flag in said.split("pass through")[1]
+    for name in matrix.OWNED:
+        assert f"--{name}" in said.split("refused here:")[1]

@@ -93,8 +93,9 @@ def test_a_simulated_world_size_loads_rank0_alone_and_skips_the_modes_that_need_
     added = {n: r["peak_rss_mib"] - r["baseline_rss_mib"] for n, r in read.items()}
     assert added["8"] < added["2"]  # rank 0 of 8 reads a quarter of what rank 0 of 2 reads
     drawn = run_script(["visualize.py", "--dir", str(tmp_path)], nproc=None)
-    assert drawn.returncode == 0 and f"loading traces of N=8: python3 visualize.py --dir {tmp_path / 'simulated_N8'}" \
-        in drawn.stdout, drawn.stderr
+    assert drawn.returncode == 0 and (f"the loading traces of each N:\n    python3 visualize.py --dir "
+                                      f"{tmp_path / 'simulated_N2'}\n    python3 visualize.py --dir "
+                                      f"{tmp_path / 'simulated_N8'}\n") in drawn.stdout, drawn.stderr
     assert (tmp_path / "loading_vs_world_size.png").stat().st_size > 10_000
     drawn = run_script(["visualize.py", "--dir", str(tmp_path / "simulated_N8")], nproc=None)
     assert drawn.returncode == 0 and (tmp_path / "simulated_N8" / "loading_memory.png").stat().st_size > 10_000

@@ -89,29 +89,49 @@ def test_accounting_equals_expectation_at_four_ranks(tmp_path):
     check_accounting(summary, 4)
 
 
+def measured_h200_peaks() -> list[tuple]:
+    """(model, option set, N, variant, batch, block, reserved peak MiB) of every run measured on one H200 that
+    ended ok: the matrices (batch 2 x block 128, every option set, N = 1 to 128) and the long sequences
+    (8192 to 65536 tokens, C = 1 to 8, rank 0 of simulated N = 8), where the activations are most of the peak."""
+    peaks = []
+    for folder, model in (("matrix_1.5b", "qwen2.5-1.5b"), ("matrix_7b", "qwen2.5-7b"), ("parallel_7b", "qwen2.5-7b")):
+        peaks += [(model, r["option_set"], r["world_size"], r["variant"], 2, 128, r["peak_reserved_mib"])
+                  for r in load(ROOT / "results" / "h200" / folder / "matrix.json")["rows"] if r["status"] == "ok"]
+    for path in sorted((ROOT / "results" / "h200" / "long_context_1.5b").glob("c*/summary.json")):
+        summary = load(path)
+        args, cp = summary["meta"]["args"], summary["meta"]["fsdp_options"]["layout"]["cp_size"]
+        peaks += [("long_context", f"cp{cp}", 8, name, args["batch_size"], args["block_size"],
+                   entry["peak_reserved_mib"]["max"])
+                  for name, entry in summary["simulated"]["8"]["0"].items() if entry["status"] == "ok"]
+    return peaks
+
+
 def test_the_gpu_estimate_covers_every_reserved_peak_measured_on_one_h200():
-    """``--concurrent_variants auto`` plans with ``concurrency.variant_need``: for every row that the
-    committed H200 matrices measured (two shapes, every option set, the TP and CP sets of the 7B one, N = 1
-    to 128) it is at least the
-    reserved peak, so that variants side by side never squeeze one another; and for the default 1.5B
-    run at N = 1 it lets four variants share the 140 GiB GPU, as their measured peaks do."""
-    from fsdp2bench.concurrency import variant_need
+    """``--concurrent_variants auto`` plans with ``concurrency.variant_need``, its step's tokens counted by the
+    planner's rule (``step_bytes``): for every run measured on one H200 that ended ok (259 matrix rows, 9 long
+    sequences) it is at least the reserved peak, so that variants side by side never squeeze one another; it
+    lets four default 1.5B variants at N = 1 share the 140 GiB GPU, as their measured peaks do, and never two of
+    the issue's 1.5B runs at batch 4 x 4096 and N = 8 (89 GiB reserved each: side by side, one ran out)."""
+    from fsdp2bench.concurrency import step_bytes, variant_need
+    from fsdp2bench.layout import Layout
     from fsdp2bench.names import GIB, MIB
-    from fsdp2bench.options import OPTION_SETS
+    from fsdp2bench.options import OPTION_SETS, FsdpOptions
     from fsdp2bench.session import model_facts
 
-    short = []
-    for folder, model in (("matrix_1.5b", "qwen2.5-1.5b"), ("matrix_7b", "qwen2.5-7b"), ("parallel_7b", "qwen2.5-7b")):
-        facts = model_facts(model, 421)
-        logits = 4 * 2 * 128 * facts.config.vocab_size  # the matrices' batch 2 x block 128
-        rows = [r for r in load(ROOT / "results" / "h200" / folder / "matrix.json")["rows"] if r["status"] == "ok"]
-        assert len(rows) >= 40
-        for row in rows:
-            need = variant_need(facts.shapes, row["world_size"], row["variant"], OPTION_SETS[row["option_set"]],
-                                logits)
-            if need < row["peak_reserved_mib"] * MIB:
-                short.append((model, row["option_set"], row["world_size"], row["variant"]))
-        if model == "qwen2.5-1.5b":
-            default = max(variant_need(facts.shapes, 1, v, OPTION_SETS["default"], logits) for v in VARIANTS)
-            assert 4 * default <= 140 * GIB
+    facts = {"qwen2.5-1.5b": model_facts("qwen2.5-1.5b", 421), "qwen2.5-7b": model_facts("qwen2.5-7b", 421),
+             "long_context": model_facts(str(ROOT / "results" / "h200" / "long_context_1.5b" / "model"), 421)}
+    peaks, short = measured_h200_peaks(), []
+    assert len(peaks) == 259 + 9
+    for model, option_set, n, variant, batch, block, reserved in peaks:
+        options = OPTION_SETS[option_set] if option_set in OPTION_SETS else \
+            FsdpOptions(layout=Layout(cp_size=int(option_set[2:])))
+        need = variant_need(facts[model].shapes, n, variant, options, step_bytes(batch, block, facts[model].config,
+                                                                                   options))
+        if need < reserved * MIB:
+            short.append((model, option_set, n, variant, batch, block))
     assert short == []
+    small, default = facts["qwen2.5-1.5b"], OPTION_SETS["default"]
+    assert 4 * max(variant_need(small.shapes, 1, v, default, step_bytes(2, 128, small.config, default))
+                   for v in VARIANTS) <= 140 * GIB
+    issue = step_bytes(4, 4096, small.config, default)
+    assert 2 * min(variant_need(small.shapes, 8, v, default, issue) for v in VARIANTS) > 140 * GIB

@@ -96,11 +96,15 @@ def test_a_launch_waiting_for_its_turn_writes_nothing_and_ends_as_told(tmp_path)
                                                 f"ahead of its turn, is gone"]
 
 
-def test_the_matrix_is_drawn(matrix):
-    out, _ = matrix
+def test_the_matrix_is_drawn_and_each_sets_command_draws_it(matrix):
+    out, proc = matrix
+    assert proc.stdout.rstrip().endswith(f"draw it with:\n    python3 visualize.py --dir {out}")
     proc = run_script(["visualize.py", "--dir", str(out)], nproc=None)
     assert proc.returncode == 0, proc.stderr
     assert (out / "matrix.png").stat().st_size > 10_000
+    hints = [line.strip() for line in proc.stdout.splitlines() if line.startswith("    python3 visualize.py")]
+    assert hints == [f"python3 visualize.py --dir {out / name}" for name in PLUGIN_SETS]  # no sweeps: none of them
+    assert run_script(hints[0].split()[1:], nproc=None).returncode == 0
 
 
 def test_a_matrix_with_a_sweep_has_a_row_per_simulated_world_size(tmp_path):

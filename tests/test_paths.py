@@ -74,3 +74,42 @@ def test_a_path_option_says_what_the_path_is(script, check, flag, kind, words, r
         check([flag, path, *(["--output_dir", str(tmp_path / "out")] if flag != "--output_dir" and script not in
                              ("visualize.py", "speed.py") else []), *rest])
     assert str(refused.value).startswith(f"{flag} {path}: ") and words in str(refused.value), str(refused.value)
+
+
+WRITTEN = [(script, check, flag, rest) for script, check, flag, said, rest in OPTIONS if said in WRITE.values()] + \
+    [("visualize.py", visualize.validate, "--dir", [])]
+
+
+@pytest.mark.parametrize("script, check, flag, rest", WRITTEN, ids=[f"{w[0]} {w[2]}" for w in WRITTEN])
+def test_a_place_no_file_can_be_made_in_is_refused_before_anything_is_written(script, check, flag, rest, tmp_path,
+                                                                              monkeypatch):
+    """A read-only mount or an immutable directory (as root too, whom ``os.access`` lets through): every script
+    that writes there says so in one line, before it writes or draws anything."""
+    import tempfile
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.chdir(tmp_path)
+    where = tmp_path / "given path"
+    where.mkdir()
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    path = str(where / "speed.json") if flag == "--json" else str(where)
+    with pytest.raises(UserError) as refused:
+        check([flag, path, *rest])
+    assert "cannot write" in str(refused.value) and "Read-only file system" in str(refused.value), str(refused.value)
+    assert str(refused.value).startswith(f"{flag} {path if flag != '--json' else where}"), str(refused.value)
+    assert os.listdir(where) == []
+
+
+def test_a_write_that_fails_once_a_script_runs_is_one_line_and_exit_1(tmp_path):
+    """A full disk or a directory gone while drawing or training: the file named, no traceback."""
+    from conftest import run_script
+
+    code = ("from fsdp2bench.cli import exit_with\n"
+            "def run():\n"
+            f"    raise OSError(28, 'No space left on device', {str(tmp_path / 'loss.png')!r})\n"
+            "exit_with(run)\n")
+    proc = run_script(["-c", code], nproc=None)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == f"error: cannot write {tmp_path / 'loss.png'} (No space left on device)\n"

@@ -420,9 +420,10 @@ def test_an_interrupted_plan_says_what_it_kept_and_claims_nothing(tmp_path, sign
     proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)
     plan_json = tmp_path / "plan" / "plan.json"
-    assert proc.returncode == 130 and stderr.strip().splitlines() == [
-        f"Interrupted ({signal.Signals(signum).name}); the probes that ended are in {plan_json}"], stderr
     result = load(plan_json)
+    assert proc.returncode == 130 and stderr.strip().splitlines() == [
+        f"Interrupted ({signal.Signals(signum).name}); the {result['meta']['probes']} probe(s) that ended are in "
+        f"{plan_json}"], stderr
     assert result["meta"]["interrupted"] is True and result["meta"]["probes"] >= 5
     unfinished = [a for a in result["answers"] if not a["finished"]]
     assert unfinished and all(a["largest"] is None and a["tokens_per_rank_per_step"] is None for a in unfinished)
@@ -438,9 +439,10 @@ def test_a_signal_to_the_plan_and_every_process_it_started_ends_in_one_line(tmp_
     proc = plan_until(tmp_path, 1, own_group=True)
     os.killpg(proc.pid, signum)
     _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and stderr.strip().splitlines() == [
-        f"Interrupted ({signal.Signals(signum).name}); the probes that ended are in {plan_json}"], stderr
     result = load(plan_json)
+    assert proc.returncode == 130 and stderr.strip().splitlines() == [
+        f"Interrupted ({signal.Signals(signum).name}); the {result['meta']['probes']} probe(s) that ended are in "
+        f"{plan_json}"], stderr
     assert result["meta"]["interrupted"] is True and result["meta"]["probes"] >= 1
     assert not any(a["largest"] for a in result["answers"] if not a["finished"])
 
@@ -671,3 +673,16 @@ def test_a_shared_process_leaves_a_share_of_the_largest_block_free_under_its_tar
     target = points[0][1] + fitting.SHARED_TARGETS[1] * (fitting.SHARED_TOP * limit - points[0][1])
     x, y = points[1]
     assert y + slope * (39 - x) + free * 39 <= target < y + slope * (40 - x) + free * 40
+
+
+def test_a_layout_accelerate_refuses_is_a_finding_of_the_plan_as_of_main_py_not_a_failure(tmp_path):
+    """tp2 at N = 2 leaves FSDP nothing to shard: accelerate refuses it (at every tested release pair), which main.py
+    and matrix.py report as unsupported with exit 0; plan.py says the same, not FAILED."""
+    proc = run_script(["plan.py", "--device", "cpu", "--world_size", "2", "--sets", "tp2", "--variants", "accelerate",
+                       "--output_dir", str(tmp_path / "plan")], nproc=None)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    said = " ".join(proc.stdout.split())
+    assert "unsupported by the installed libraries (a finding, not a failure of the plan): 1 answer(s): tp2 N=2 " \
+           "accelerate" in said and "no dimension for FSDP to shard" in said
+    assert "(tp2 unsupported)" in said and "FAILED" not in proc.stderr
+    assert "no probe fit, so there is nothing to draw" in said

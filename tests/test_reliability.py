@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import psutil
@@ -108,12 +109,16 @@ def test_launcher_variables_set_by_hand_give_one_line_or_a_clean_run(tmp_path, m
         assert said is not None and said.startswith(line), said
         assert not (tmp_path / "out").exists()
         return
+    earlier = tmp_path / "out" / "summary.json"  # an earlier run's: a refused run leaves it where it is
+    earlier.parent.mkdir()
+    earlier.write_text(json.dumps({"written_by": "fsdp2bench"}))
     proc = run_script(["main.py", *argv], nproc=None, timeout=30, **env)
     if line is None:
         assert proc.returncode == 0, proc.stderr
         return
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(line), proc.stderr
+    assert sorted(p.name for p in earlier.parent.iterdir()) == ["summary.json"]
 
 
 def free_port() -> int:
@@ -133,6 +138,30 @@ def test_ctrl_c_while_starting_gives_one_line_and_no_traceback(tmp_path, after_s
     assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert stderr.startswith("Interrupted"), stderr
     assert not (tmp_path / "out" / ".fsdp2bench.lock").exists()
+
+
+ENTRY_SCRIPTS = ["main.py", "loading.py", "plan.py", "matrix.py", "speed.py", "visualize.py"]
+
+
+def test_every_entry_script_takes_interrupts_in_one_line_before_any_other_import():
+    """A Ctrl-C to a rank in its first moments (torchrun's ranks start one by one; a signal to one rank) came in
+    while the script imported its package and printed Python's traceback: the one-line handler is set first, by a
+    module that imports only the standard library's os, signal and sys. (Before that is the interpreter's own
+    start-up, which no script can reach.)"""
+    import ast
+
+    for script in ENTRY_SCRIPTS:
+        tree = ast.parse((ROOT / script).read_text())
+        body = tree.body[1:] if isinstance(tree.body[0].value, ast.Constant) else tree.body  # the docstring
+        handler = next(i for i, node in enumerate(body) if isinstance(node, ast.If))
+        before = [ast.unparse(node) for node in body[:handler]]
+        assert before == ["from __future__ import annotations", "import sys",
+                          "from fsdp2bench.first import one_line_interrupts"], script
+        assert ast.unparse(body[handler]) == "if __name__ == '__main__':\n    one_line_interrupts()", script
+    first = ast.parse((ROOT / "fsdp2bench" / "first.py").read_text())
+    imported = {alias.name for node in ast.walk(first) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(first) if isinstance(node, ast.ImportFrom)}
+    assert imported == {"__future__", "os", "signal", "sys"}
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
@@ -282,3 +311,69 @@ def test_an_interrupt_a_library_wrapped_in_its_own_error_is_still_one_line(capsy
 
     with pytest.raises(RuntimeError, match="not an interrupt"):
         exit_with(broken)
+
+
+def tree(root) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("stop", ["a move that fails", "a signal"])
+def test_the_earlier_runs_files_move_all_or_none(tmp_path, monkeypatch, stop):
+    """Two files at the top move, then the one of a simulated folder cannot (its folder aside is a file of the
+    user's), or a signal comes before it: the two are put back, the folders made for them removed, in one line."""
+    from fsdp2bench import session
+    from fsdp2bench.cli import UserError
+    from fsdp2bench.isolation import Interrupted
+
+    ours = json.dumps({"written_by": "fsdp2bench"})
+    for path in ("summary.json", "accelerate_memory_usage.json", "simulated_N8/accelerate_memory_usage.json"):
+        (tmp_path / path).parent.mkdir(exist_ok=True)
+        (tmp_path / path).write_text(ours)
+    (tmp_path / "notes.txt").write_text("mine")
+    before = tree(tmp_path)
+    if stop == "a signal":
+        renames, rename = [], os.rename
+
+        def rename_then_signal(source, target):
+            renames.append(source)
+            if len(renames) == 3:
+                raise Interrupted("SIGINT")
+            rename(source, target)
+
+        monkeypatch.setattr(os, "rename", rename_then_signal)
+        with pytest.raises(Interrupted):
+            session.move_earlier_runs_aside(str(tmp_path), "X")
+        monkeypatch.undo()
+    else:
+        (tmp_path / "earlier_runs" / "before-X").mkdir(parents=True)
+        (tmp_path / "earlier_runs" / "before-X" / "simulated_N8").write_text("a file of the user's")
+        before = tree(tmp_path)
+        with pytest.raises(UserError) as refused:
+            session.move_earlier_runs_aside(str(tmp_path), "X")
+        assert str(refused.value) == (f"--output_dir {tmp_path}: cannot move the earlier run's "
+                                      "simulated_N8/accelerate_memory_usage.json to earlier_runs/before-X/ "
+                                      "(File exists); nothing was moved: move it away or choose another --output_dir")
+    assert tree(tmp_path) == before
+
+
+PASSING = ("import pytest\n\n\n@pytest.fixture(scope='session')\ndef shared(tmp_path_factory):\n"
+           "    return tmp_path_factory.mktemp('shared')\n\n\n"
+           "def test_passes(tmp_path, shared):\n    (tmp_path / 'kept.bin').write_bytes(b'x' * 4096)\n"
+           "    (shared / 'run.json').write_text('{}')\n")
+FAILING = "\n\ndef test_fails(tmp_path):\n    (tmp_path / 'look.txt').write_text('why')\n    assert False\n"
+
+
+@pytest.mark.parametrize("failing", [False, True])
+def test_passing_tests_leave_nothing_in_pytests_temp_dir(tmp_path, failing):
+    """pytest.ini's retention: a passing test's tmp_path goes with it, and a session's fixtures' too where every
+    test passed; a failing test's stays for a look."""
+    tests = tmp_path / "test_leftovers.py"
+    tests.write_text(PASSING + (FAILING if failing else ""))
+    root = tmp_path / "temproot"
+    root.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-c", str(ROOT / "pytest.ini"), "--rootdir",
+                           str(tmp_path), "-p", "no:cacheprovider", str(tests)], capture_output=True, text=True,
+                          env=environment(PYTEST_DEBUG_TEMPROOT=str(root)), cwd=tmp_path, timeout=120)
+    assert proc.returncode == int(failing), proc.stdout + proc.stderr
+    left = sorted(p.name for p in root.rglob("*") if p.is_file())
+    assert left == (["look.txt", "run.json"] if failing else [])

@@ -118,7 +118,9 @@ def test_visualize_draws_the_sweep_and_the_traces_of_one_world_size(sweep):
 
 
 def test_sigterm_keeps_finished_runs_and_marks_the_interrupted_one(tmp_path):
-    proc = start_script(["main.py", *TINY, "--max_steps", "200", "--simulate_world_size", "4,8",
+    """The N = 4 run finished, the N = 8 one interrupted, the N = 16 one never started: each said as it is, and
+    visualize.py's hints name only the world sizes with traces to draw."""
+    proc = start_script(["main.py", *TINY, "--max_steps", "200", "--simulate_world_size", "4,8,16",
                          "--variants", "torch_optimizer_after_fsdp", "--output_dir", str(tmp_path)], nproc=None)
     for line in proc.stdout:  # the N = 4 run has ended once the N = 8 one starts
         if "(simulated N=8, rank 0)" in line:
@@ -130,9 +132,17 @@ def test_sigterm_keeps_finished_runs_and_marks_the_interrupted_one(tmp_path):
     simulated = load(tmp_path / "summary.json")["simulated"]
     assert simulated["4"]["0"]["torch_optimizer_after_fsdp"]["status"] == "ok"
     assert simulated["8"]["0"]["torch_optimizer_after_fsdp"]["status"] == "interrupted"
+    assert simulated["16"]["0"]["torch_optimizer_after_fsdp"]["status"] == "not run"
     partial = load(tmp_path / "simulated_N8" / "torch_optimizer_after_fsdp_memory_usage.json")
     assert partial["status"] == "interrupted" and 0 < len(partial["steps"]) < 200
-    assert "Interrupted (SIGTERM)" in stderr and "Traceback" not in stderr
+    assert stderr.strip().splitlines() == [f"Interrupted (SIGTERM); 1 finished run(s) and the partial traces of the "
+                                           f"interrupted are in {tmp_path}/"], stderr
+    drawn = run_script(["visualize.py", "--dir", str(tmp_path)], nproc=None)
+    assert drawn.returncode == 0, drawn.stderr
+    hints = [line.strip() for line in drawn.stdout.splitlines() if "visualize.py --dir" in line]
+    assert hints == [f"python3 visualize.py --dir {tmp_path / f'simulated_N{n}'}" for n in (4, 8)]
+    for hint in hints:  # each a command that works
+        assert run_script(hint.split()[1:], nproc=None).returncode == 0
 
 
 def test_runs_side_by_side_start_as_others_end_and_measure_what_they_measure_alone(sweep, tmp_path):
@@ -171,10 +181,10 @@ def test_a_sweep_on_a_gpu_packs_each_run_by_its_own_need(monkeypatch):
     monkeypatch.setattr(concurrency, "gpu_memory", lambda: 140 * GIB)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Host)
     facts, options = model_facts("qwen2.5-7b", 421), OPTION_SETS["tp2"]
-    logits = concurrency.rank_logits_bytes(2, 128, facts.config, options)
+    tokens = concurrency.step_bytes(2, 128, facts.config, options)
 
     def room(shared: bool) -> concurrency.SweepRoom:
-        return concurrency.sweep_room(facts.shapes, [8, 128], VARIANTS, "cpu", options, logits, None, shared)
+        return concurrency.sweep_room(facts.shapes, [8, 128], VARIANTS, "cpu", options, tokens, None, shared)
 
     def most_at(room: concurrency.SweepRoom, n: int) -> int:
         runs = [SimulatedRun(n, 0, "torch_optimizer_after_fsdp")] * 8
@@ -185,3 +195,62 @@ def test_a_sweep_on_a_gpu_packs_each_run_by_its_own_need(monkeypatch):
     assert 5 * shared.needs[(128, "torch_optimizer_after_fsdp")][0] <= 140 * GIB
     assert shared.most == 5 and "the 140 GiB GPU" in shared.said()
     assert most_at(room(False), 128) == 4  # 30.5 GB of weights per process: the host holds four
+
+
+def test_the_issue_runs_never_share_a_gpu_once_their_activations_are_counted(monkeypatch):
+    """1.5B at batch 4 x 4096, simulated N = 8, on one H200: each run reserved about 89 GiB; an estimate of 36.4 GiB
+    (the logits, not the activations) ran two side by side and one ran out of memory. By the planner's rule each
+    needs more than half the GPU, and the line that says the choice says by which rule."""
+    from fsdp2bench import concurrency
+    from fsdp2bench.names import GIB
+    from fsdp2bench.options import OPTION_SETS
+    from fsdp2bench.session import model_facts
+    from fsdp2bench.simulation import SimulatedRun
+
+    monkeypatch.setattr(concurrency, "gpu_memory", lambda: 140 * GIB)
+    facts, options = model_facts("qwen2.5-1.5b", 421), OPTION_SETS["default"]
+    names = ["torch_optimizer_after_fsdp", "accelerate"]
+    tokens = concurrency.step_bytes(4, 4096, facts.config, options)
+    room = concurrency.sweep_room(facts.shapes, [8], names, "cpu", options, tokens, None, True)
+    assert not room.fits([SimulatedRun(8, 0, name) for name in names]) and room.most == 1
+    assert 89 * GIB < room.needs[(8, "accelerate")][0] < 100 * GIB
+    assert f"{tokens / GIB:.1f} GiB of it the activations and logits of a step, by the planner's rule" in room.said()
+
+
+def test_only_a_run_that_shared_the_gpu_is_run_again_alone_and_nothing_runs_beside_it():
+    """The schedule of a sweep's share (in-process): two runs side by side, a third alone; the second runs out of
+    memory (it shared the GPU: run again alone, first of those waiting, once none runs), the third too (alone:
+    reported as it is)."""
+    from fsdp2bench.simulation import Share, SimulatedRun
+
+    runs = [SimulatedRun(8, 0, name) for name in VARIANTS[:3]]
+    share = Share(list(runs), lambda group: len(group) <= 2, [0, 1, 2])
+    assert share.next_piece([]) == 0 and share.next_piece([0]) == 1 and share.next_piece([0, 1]) is None
+    oom = "rank 0: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB)"
+    again = share.again_alone(1, oom)
+    assert again == SimulatedRun(8, 0, VARIANTS[1], alone=True) and again.first == runs[1]
+    assert again.keys.prefix != runs[1].keys.prefix  # its own keys: a piece's keys are used once
+    assert share.next_piece([0]) is None  # it waits for the GPU to itself...
+    assert share.next_piece([]) == 3 and share.next_piece([3]) is None  # ...and nothing starts beside it
+    assert share.again_alone(3, oom) is None  # out of memory alone: its own failure
+    assert share.next_piece([]) == 2 and share.again_alone(2, oom) is None
+    assert share.again_alone(0, "rank 0: RuntimeError: boom") is None
+
+
+def test_a_run_out_of_memory_beside_others_is_run_again_alone_before_it_is_reported(tmp_path):
+    proc = run_script(["main.py", *TINY, "--max_steps", "2", "--simulate_world_size", "2", "--variants",
+                       f"{VARIANTS[0]},{VARIANTS[2]}", "--concurrent_variants", "2", "--inject_failure",
+                       f"{VARIANTS[2]}:1:0:oom", "--output_dir", str(tmp_path)], nproc=None)
+    assert proc.returncode == 1  # the injection strikes again when it runs alone
+    oom = "rank 0: out of memory (injected: Tried to allocate 1.00 GiB at step 1 on rank 0)"
+    assert (f"[process 0] {VARIANTS[2]} (simulated N=2, rank 0) ran out of memory beside other runs; run again alone "
+            f"before it is reported ({oom})\n[process 0] {VARIANTS[2]} (simulated N=2, rank 0) again, alone\n"
+            f"[process 0] {VARIANTS[2]} (simulated N=2, rank 0) FAILED: {oom}\n") in proc.stdout
+    assert (f"Run again alone after running out of memory beside others (summary.json: rerun_alone_after): "
+            f"{VARIANTS[2]} (N=2, rank 0)") in " ".join(proc.stdout.split("\n"))
+    assert "The unfixed variant" not in proc.stdout  # it never ran: no finding about it
+    runs = load(tmp_path / "summary.json")["simulated"]["2"]["0"]
+    assert runs[VARIANTS[2]]["status"] == f"failed: {oom}" and runs[VARIANTS[2]]["rerun_alone_after"] == oom
+    assert runs[VARIANTS[0]]["status"] == "ok" and "rerun_alone_after" not in runs[VARIANTS[0]]
+    trace = load(tmp_path / "simulated_N2" / f"{VARIANTS[2]}_memory_usage.json")
+    assert trace["status"] == "failed" and [s["step"] for s in trace["steps"]] == [0]

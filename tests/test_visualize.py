@@ -148,7 +148,7 @@ def drawn(monkeypatch, draw) -> list:
     from fsdp2bench import plots
 
     figures = []
-    monkeypatch.setattr(plots, "save", lambda fig, path, dpi=110: figures.append(fig))
+    monkeypatch.setattr(plots, "save", lambda fig, path, dpi=110, rect=None: figures.append(fig))
     draw(plots)
     return figures
 
@@ -199,3 +199,51 @@ def test_figures_draw_what_has_data_and_say_truly_what_each_mark_is(suite, cpu_s
     assert 'after: sharding rule (under "accelerate")' in labels
     assert 'before, fixed: sharding rule (under "accelerate")' in labels
     assert not [label for label in labels if "before's" in label]
+
+
+def legend_labels(figure) -> list[str]:
+    legends = [ax.get_legend() for ax in figure.axes if ax.get_legend() is not None] + list(figure.legends)
+    return [t.get_text() for legend in legends for t in legend.get_texts()]
+
+
+def test_titles_legends_and_marks_follow_the_data_drawn(suite, monkeypatch):
+    """No title states a conclusion the run did not reach, no legend keys a mark that is not drawn, a mark is in its
+    line's colour, and the largest value searched that fit is not called the edge."""
+    import copy
+
+    from conftest import ROOT
+
+    out, _ = suite
+    plots = __import__("fsdp2bench.plots", fromlist=["load_traces"])
+    runs = plots.load_traces(str(out), {name: f"{name}_memory_usage" for name in VARIANTS}, [])
+    for check, title in ((None, "Loss per step, rank 0's batches"),
+                         ({"ok": None}, "Loss per step, rank 0's batches"),
+                         ({"ok": True}, "Loss per step, rank 0's batches: the stale optimizer's model did not train"),
+                         ({"ok": False}, "Loss per step, rank 0's batches: the stale optimizer's model trained")):
+        loss, = drawn(monkeypatch, lambda p: p.plot_loss(runs, "x", check))
+        assert loss.axes[0].get_title() == title
+    failed = copy.deepcopy(runs)
+    failed[VARIANTS[2]][0]["status"] = "failed"
+    rss, = drawn(monkeypatch, lambda p: p.plot_memory(failed, p.MEMORY_PLOTS["rss_memory.png"], "x", 0, 2))
+    line, = [ln for ln in rss.axes[0].get_lines() if ln.get_label().startswith("before, fixed")]
+    stop, = [ln for ln in rss.axes[0].get_lines() if ln.get_marker() == "X"]
+    assert stop.get_color() == line.get_color() == "C2"
+    assert "did not finish: stopped at the X" in legend_labels(rss)
+    summary = json.loads((out / "summary.json").read_text())
+    summary["projection"]["measured"]["per_rank_state_bytes"] = {}  # nothing counted: no stars
+    projection, = drawn(monkeypatch, lambda p: p.plot_projection(summary, "x"))
+    assert projection.axes[0].get_title() == "tiny: state per rank by the sharding rule (lines)"
+    assert not [label for label in legend_labels(projection) if "star" in label]
+    matrix = {"meta": {"option_sets": ["default"], "main_args": []},
+              "rows": [{"option_set": "default", "world_size": 2, "simulated": True, "variant": v, "status": "ok",
+                        "training_peak_allocated_mib": 100.0} for v in (VARIANTS[0], VARIANTS[3])]}
+    figure, = drawn(monkeypatch, lambda p: p.plot_matrix(matrix, "x"))
+    assert legend_labels(figure) == ["after", "accelerate"]  # no stale bars, so no key for them or their extra
+    plan = json.loads((ROOT / "results" / "h200" / "plan_1.5b" / "cap24_4f02486" / "plan.json").read_text())
+    plan["meta"]["gpu_memory"] = None  # no cap: the out-of-memory crosses are drawn on none
+    for answer in plan["answers"]:
+        answer["at_upper_bound"] = True
+    figure, = drawn(monkeypatch, lambda p: p.plot_plan(plan, "x"))
+    labels = legend_labels(figure)
+    assert "fits at the upper bound searched: the edge lies above it" in labels
+    assert not [label for label in labels if "largest that fits" in label or "out of memory" in label], labels
