@@ -46,16 +46,18 @@ def test_selective_checkpointing_and_compile_train_every_variant_exactly(tmp_pat
         applied = v["applied"][0]
         assert (applied["activation_checkpointing"], applied["compiled"]) == ("selective", "blocks"), name
         assert v["applied_matches_options"]
-        speed = v["speed"]
-        assert speed["warmup_steps"] == 2 and speed["timed_steps"] == 2 and speed["compile_s"] is not None
-        assert speed["tokens_per_s_per_gpu"] > 0 and speed["mfu"] is None and not speed["compute_only"]
-        assert speed["tokens_per_step_per_gpu"] == 2 * 128  # batch 2 x block 128 on each rank
+        speed = v["speed"]  # steps timed beside another run on this machine (none in CI) are left out
+        assert speed["warmup_steps"] == 2 and speed["timed_steps"] + speed["shared_steps"] == 2
+        assert speed["mfu"] is None and not speed["compute_only"] and speed["tokens_per_step_per_gpu"] == 2 * 128
+        if not speed["shared_steps"]:
+            assert speed["tokens_per_s_per_gpu"] > 0 and speed["compile_s"] is not None
     # accelerate's plugin knows no selective checkpointing: the suite wraps its model before prepare(), and says so.
     assert variants["accelerate"]["applied"][0]["checkpointing_by"] == "the suite, before prepare"
     # accelerate's regional compilation compiles the small modules around the blocks too; the torch variants do not.
     assert variants["accelerate"]["applied"][0]["compiled_outside_blocks"]
     assert not variants["torch_optimizer_after_fsdp"]["applied"][0]["compiled_outside_blocks"]
-    assert "Compiling took" in " ".join(proc.stdout.split())
+    if any(v["speed"]["compile_s"] is not None for v in variants.values()):
+        assert "Compiling took" in " ".join(proc.stdout.split())
 
 
 def test_every_kth_block_and_a_step_beside_another_run(tmp_path):
@@ -88,11 +90,12 @@ def test_a_bare_loop_beside_the_suite_on_a_simulated_rank(tmp_path):
     with open(out / "speed.json") as f:
         bare = json.load(f)["bare_loop"]
     assert bare["run"] == "N=4 rank 0 torch_optimizer_after_fsdp" and bare["world_size"] == 4
-    assert bare["bare_median_step_s"] > 0 and bare["suite_median_step_s"] > 0
-    assert bare["suite_cost_per_step"] == bare["suite_median_step_s"] / bare["bare_median_step_s"] - 1
     speed = load(out / "summary.json")["simulated"]["4"]["0"]["torch_optimizer_after_fsdp"]["speed"]
-    assert speed["compute_only"] and speed["tokens_per_s_per_gpu"] > 0
-    assert "compute only" in " ".join(proc.stdout.split())
+    assert speed["compute_only"] and bare["bare_median_step_s"] > 0
+    if not speed["shared_steps"]:  # none in CI; a run beside it on this machine leaves the suite no speed
+        assert speed["tokens_per_s_per_gpu"] > 0 and bare["suite_median_step_s"] == speed["median_step_time_s"]
+        assert bare["suite_cost_per_step"] == bare["suite_median_step_s"] / bare["bare_median_step_s"] - 1
+        assert "compute only" in " ".join(proc.stdout.split())
 
 
 @pytest.mark.parametrize("argv, said", [
