@@ -423,14 +423,17 @@ def accelerate_levers(options: FsdpOptions, model: nn.Module | None, layer_class
     """``Accelerator`` arguments for compile (its regional compilation with inductor) and float8 (torchao's recipe
     with the suite's config and filter, so that all four variants convert the same layers); made without the
     launcher's dynamo variables, which would otherwise choose for it."""
-    from accelerate.utils import AORecipeKwargs, TorchDynamoPlugin
+    from accelerate.utils import TorchDynamoPlugin
 
     with options_alone():
         dynamo = TorchDynamoPlugin(backend="inductor", use_regional_compilation=True, mode="default",
                                    fullgraph=False) if options.compile else TorchDynamoPlugin(backend="no")
-    handlers = [AORecipeKwargs(config=levers.float8_config(), module_filter_func=levers.float8_filter(
-        model, layer_classes))] if options.float8 else []
-    return {"dynamo_plugin": dynamo, **({"kwargs_handlers": handlers} if handlers else {})}
+    if not options.float8:
+        return {"dynamo_plugin": dynamo}
+    from accelerate.utils import AORecipeKwargs
+
+    recipe = AORecipeKwargs(config=levers.float8_config(), module_filter_func=levers.float8_filter(model, layer_classes))
+    return {"dynamo_plugin": dynamo, "kwargs_handlers": [recipe]}
 
 
 def accelerate_scaling(options: FsdpOptions) -> dict:
