@@ -432,7 +432,8 @@ def accelerate_levers(options: FsdpOptions, model: nn.Module | None, layer_class
         return {"dynamo_plugin": dynamo}
     from accelerate.utils import AORecipeKwargs
 
-    recipe = AORecipeKwargs(config=levers.float8_config(), module_filter_func=levers.float8_filter(model, layer_classes))
+    recipe = AORecipeKwargs(config=levers.float8_config(),
+                            module_filter_func=levers.float8_filter(model, layer_classes))
     return {"dynamo_plugin": dynamo, "kwargs_handlers": [recipe]}
 
 
