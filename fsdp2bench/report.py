@@ -322,7 +322,7 @@ TABLE_COLUMNS = [
     ("grads", 7, lambda v: _mib(_worst_rank(v, "end_of_training")["grad_bytes"]), False),
     ("optim", 7, lambda v: _mib(_worst_rank(v, "end_of_training")["optimizer_state_bytes"]), False),
     ("stale", 7, lambda v: _mib(_worst_rank(v, "end_of_training")["stale_param_bytes"]), False),
-    ("tok/s", 7, lambda v: throughput.rate_said(v.get("speed")), False),
+    ("tok/s", 6, lambda v: throughput.rate_said(v.get("speed")), False),
     ("MFU", 5, lambda v: throughput.mfu_said(v.get("speed")), False),
 ]
 NAME_WIDTH = 37  # the longest run name
@@ -354,7 +354,7 @@ def print_table(summary: dict) -> None:
 
 def speed_said(summary: dict, entries: list[dict]) -> str:
     """What tok/s and MFU are, against which peak, and why a figure is missing; the compile time where one ran."""
-    figures = [v["speed"] for v in entries]
+    figures = [v["speed"] for v in entries if v.get("speed")]  # a summary written before speeds were: none
     if not figures:
         return ""
     first = figures[0]

@@ -234,4 +234,4 @@ def test_the_accelerate_variant_alone_computes_without_autocast_and_the_docs_say
         {**{name: {True} for name in VARIANTS[:3]}, "accelerate": {False}}
     for page in ("variants.md", "fsdp-options.md"):
         said = " ".join((ROOT / "docs" / page).read_text().split())
-        assert "without autocast" in said and "90 MiB less allocated" in said and "2% faster" in said, page
+        assert "without autocast" in said and "90 MiB less allocated" in said and "1.3-2.3% shorter" in said, page
