@@ -138,9 +138,15 @@ def candidates_of(layouts: list[Degrees], levers: Levers, global_sequences: int,
     return out
 
 
-def estimated_bytes(candidate: Candidate, shapes, config, block: int, base: FsdpOptions) -> int:
+def estimated_bytes(candidate: Candidate, shapes, config, block: int, base: FsdpOptions,
+                    held: dict | None = None) -> int:
     """What the memory model and the planner's activation rule say rank 0 reserves at its step peak (state
-    byte-exact; the rest an estimate calibrated on one H200: ``concurrency.variant_need``)."""
+    byte-exact; the rest an estimate calibrated on one H200: ``concurrency.variant_need``). ``held`` keeps what
+    the tokens do not change, per layout and levers: tens of thousands of candidates share a few thousand."""
     chosen = candidate.options(base)
-    return variant_need(shapes, candidate.degrees.world_size, TRAINED, chosen,
-                        step_bytes(candidate.batch, block, config, chosen))
+    c = candidate
+    key = (c.degrees, c.ac, c.loss, c.compile, c.float8, c.microbatches > 1, c.sync_each_batch)
+    held = {} if held is None else held
+    if key not in held:
+        held[key] = variant_need(shapes, c.degrees.world_size, TRAINED, chosen, 0)
+    return held[key] + step_bytes(c.batch, block, config, chosen)

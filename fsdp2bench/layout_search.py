@@ -72,6 +72,7 @@ class Setup:
     max_timings: int
     init_device: str
     num_parameters: int
+    held: dict = field(default_factory=dict, compare=False)  # estimated_bytes's, per layout and levers
 
     @property
     def tokens_per_step_per_gpu(self) -> float:
@@ -81,7 +82,7 @@ class Setup:
 def assess(candidate: Candidate, setup: Setup) -> Assessed:
     """The memory model's estimate and the projected communication of one candidate; where the estimate is over
     the cap by more than ``EDGE``, it does not fit, and by how much is said."""
-    estimate = estimated_bytes(candidate, setup.shapes, setup.config, setup.block, setup.base)
+    estimate = estimated_bytes(candidate, setup.shapes, setup.config, setup.block, setup.base, setup.held)
     chosen = candidate.options(setup.base)
     collectives = step_collectives(setup.shapes, setup.config, candidate.degrees, chosen, candidate.batch,
                                    setup.block, candidate.microbatches)
@@ -157,7 +158,7 @@ def take_timing(timing: dict, probed: Assessed, everyone: list[Assessed], setup:
     """A timing to every candidate of the same per-rank shapes: its compute, and its memory moved by what the
     memory model says each holds beside the probed candidate at one microbatch."""
     probed_one = estimated_bytes(Candidate(*_fields(probed.candidate)[:6], 1), setup.shapes, setup.config,
-                                 setup.block, setup.base)
+                                 setup.block, setup.base, setup.held)
     for found in (f for f in everyone if f.key == probed.key):
         found.compute = timing
         moved = found.estimated_bytes - probed_one
@@ -191,15 +192,17 @@ def project(found: Assessed, setup: Setup) -> None:
 
 
 def choose_and_time(found: list[Assessed], setup: Setup, say) -> list[dict]:
-    """Time the candidates most likely to rank first (by ``prior_speed``), one per per-rank shape, until
-    ``max_timings`` ran; each timing serves every candidate of its shape."""
+    """Time the candidates most likely to rank first (by ``prior_speed``, the least memory first among equals),
+    one per per-rank shape (and one loss of each: the least memory's), until ``max_timings`` ran; each timing
+    serves every candidate of its shape."""
     timings, timed = [], set()
-    for each in sorted((f for f in found if f.fits is not False), key=lambda f: -prior_speed(f, setup)):
+    for each in sorted((f for f in found if f.fits is not False),
+                       key=lambda f: (-prior_speed(f, setup), f.estimated_bytes)):
         if len(timings) >= setup.max_timings:
             break
-        if each.key in timed or each.fits is False:
-            continue
-        timed.add(each.key)
+        if without_loss(each.key) in timed or each.fits is False:
+            continue  # the loss changes little of a step's time: another shape is timed first
+        timed.add(without_loss(each.key))
         timing = run_timing(each, setup, len(timings))
         timings.append(timing)
         take_timing(timing, each, found, setup)
@@ -207,6 +210,10 @@ def choose_and_time(found: list[Assessed], setup: Setup, say) -> list[dict]:
     for each in found:
         project(each, setup)
     return timings
+
+
+def without_loss(key: tuple) -> tuple:
+    return key[:4] + key[5:]
 
 
 def timing_said(timing: dict) -> str:

@@ -19,6 +19,7 @@ caller combines by a stated rule), congestion, stragglers. No torch: the planner
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -95,15 +96,15 @@ class Collective:
         return {**asdict(self), "gbps": links.gbps(self.span), "projected_s": self.seconds(links)}
 
 
-def gathered_bytes(shapes, degrees: Degrees, options: FsdpOptions) -> tuple[int, int, int]:
-    """(blocks' bytes, root's bytes, elements) FSDP2 all-gathers on rank 0: each parameter's tp part, its dim 0
-    padded to a multiple of dp_shard x cp, in the dtype it gathers."""
-    fsdp, blocks, root, elements = degrees.fsdp_degree, 0, 0, 0
-    param_bytes = 4 if options.mixed_precision_policy == FP32 else BF16
+@functools.lru_cache(maxsize=4096)
+def gathered_bytes(shapes: tuple, fsdp: int, tp: int, float8: bool, param_bytes: int) -> tuple[int, int, int]:
+    """(blocks' bytes, root's bytes, elements) FSDP2 all-gathers on rank 0 over ``fsdp`` shards: each parameter's
+    tp part, its dim 0 padded to a multiple of ``fsdp``, in the dtype it gathers (a byte for a float8 weight)."""
+    blocks, root, elements = 0, 0, 0
     for param in shapes:
-        shape = tp_local_shape(param, degrees.tp, 0)
+        shape = tp_local_shape(param, tp, 0)
         count = math.ceil((shape[0] if shape else 1) / fsdp) * fsdp * math.prod(shape[1:])
-        size = count * (1 if options.float8 and float8_weight(param) else param_bytes)
+        size = count * (1 if float8 and float8_weight(param) else param_bytes)
         blocks, root = (blocks + size, root) if param.block is not None else (blocks, root + size)
         elements += count
     return blocks, root, elements
@@ -116,7 +117,8 @@ def ring(group: int) -> float:
 
 def fsdp_collectives(shapes, degrees: Degrees, options: FsdpOptions, microbatches: int) -> list[Collective]:
     """FSDP2's all-gathers and reduce-scatters, and HSDP's all-reduce across replicas."""
-    blocks, root, elements = gathered_bytes(shapes, degrees, options)
+    blocks, root, elements = gathered_bytes(tuple(shapes), degrees.fsdp_degree, degrees.tp, options.float8,
+                                            4 if options.mixed_precision_policy == FP32 else BF16)
     fsdp, span = degrees.fsdp_degree, degrees.fsdp_degree * degrees.tp
     reduced = microbatches if options.sync_each_batch else 1
     gathers = (2 if options.reshard_after_forward else 1) * blocks + root
