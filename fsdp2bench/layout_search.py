@@ -236,7 +236,8 @@ def record(found: Assessed, links: Links) -> dict:
     return {"name": c.name, **c.degrees.as_dict(), "activation_checkpointing": c.ac, "loss": c.loss,
             "compile": c.compile, "float8": c.float8, "batch_size": c.batch, "microbatches": c.microbatches,
             "sync_each_batch": c.sync_each_batch, "fits": found.fits, "memory": found.memory,
-            "projected_comm_s": found.comm_s, "collectives": [x.as_dict(links) for x in found.collectives],
+            "projected_comm_s": found.comm_s,
+            "collectives": [x.as_dict(links) for x in found.collectives] if found.projected else None,
             "timing": found.compute.get("candidate") if found.compute else None, "projected": found.projected}
 
 

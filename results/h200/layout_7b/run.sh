@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The layout search for the Qwen2.5-7B shape (the qwen2.5-7b preset): N = 8 GPUs of 80 GiB, sequences of 32768 tokens,
-# 8 sequences a step (262,144 tokens), every lever that runs on the machine (float8 where torchao imports, liger where installed).
+# 8 sequences a step (262,144 tokens), every lever that runs on the machine (float8 where torchao imports, liger
+# where installed).
 # Two timing launches (one simulated rank alone on the GPU, 4 steps each), most promising first. Run from the
 # repository root:   bash results/h200/layout_7b/run.sh OUT
-# Writes OUT/console.txt, OUT/plan.json, OUT/accelerate_config.json and OUT/layout.png (timings stay in /tmp).
+# Writes OUT/console.txt, OUT/plan.json.gz (every candidate), OUT/accelerate_config.json and OUT/layout.png
+# (the timings stay in /tmp).
 set -u
 out=$1
 mkdir -p "$out"
@@ -14,4 +16,5 @@ python3 plan.py --find layout --model qwen2.5-7b --world_size 8 --gpu_memory 80 
     > "$out/console.txt" 2>&1
 echo "plan.py: exit $? in $((SECONDS - start)) s" | tee -a "$out/console.txt"
 python3 visualize.py --dir /tmp/layout_7b >> "$out/console.txt" 2>&1
-cp /tmp/layout_7b/plan.json /tmp/layout_7b/accelerate_config.json /tmp/layout_7b/layout.png "$out/" 2>/dev/null
+gzip -c /tmp/layout_7b/plan.json > "$out/plan.json.gz"
+cp /tmp/layout_7b/accelerate_config.json /tmp/layout_7b/layout.png "$out/" 2>/dev/null

@@ -3,7 +3,8 @@
 # 1024 sequences a step, every lever that runs on the machine (float8 where torchao imports, liger where installed).
 # Three timing launches (one simulated rank alone on the GPU, 4 steps each), most promising first. Run from the
 # repository root:   bash results/h200/layout_8b/run.sh OUT
-# Writes OUT/console.txt, OUT/plan.json, OUT/accelerate_config.json and OUT/layout.png (timings stay in /tmp).
+# Writes OUT/console.txt, OUT/plan.json.gz (every candidate), OUT/accelerate_config.json and OUT/layout.png
+# (the timings stay in /tmp).
 set -u
 out=$1
 mkdir -p "$out"
@@ -14,4 +15,5 @@ python3 plan.py --find layout --model results/h200/long_context_8b/model --world
     > "$out/console.txt" 2>&1
 echo "plan.py: exit $? in $((SECONDS - start)) s" | tee -a "$out/console.txt"
 python3 visualize.py --dir /tmp/layout_8b >> "$out/console.txt" 2>&1
-cp /tmp/layout_8b/plan.json /tmp/layout_8b/accelerate_config.json /tmp/layout_8b/layout.png "$out/" 2>/dev/null
+gzip -c /tmp/layout_8b/plan.json > "$out/plan.json.gz"
+cp /tmp/layout_8b/accelerate_config.json /tmp/layout_8b/layout.png "$out/" 2>/dev/null
