@@ -96,14 +96,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     arguments.add_config_option(p, "the options each set is put over (a set's own options win)")
     g = p.add_argument_group(f"The layout search (--find {LAYOUT}; docs/plan.md)")
     g.add_argument("--global_batch", type=int, default=None, metavar="SEQUENCES",
-                   help="sequences per optimizer step over all ranks")
+                   help="SEQUENCES per optimizer step over all ranks (default: none; this or --global_batch_tokens)")
     g.add_argument("--global_batch_tokens", type=int, default=None, metavar="TOKENS",
-                   help="the same in tokens, a multiple of --block_size")
-    g.add_argument("--levers", default=None,
-                   help=f"the levers searched, comma-separated from {', '.join(LEVER_NAMES)} (default: every one "
+                   help="the same in TOKENS, a multiple of --block_size (default: none)")
+    g.add_argument("--levers", default=None, metavar="LEVERS",
+                   help=f"the LEVERS searched, comma-separated from {', '.join(LEVER_NAMES)} (default: every one "
                         "that runs here)")
     g.add_argument("--links", default=None, metavar="WITHIN,ACROSS|FILE",
-                   help="GB/s per direction per GPU within a node of 8 and across nodes, or a JSON file with "
+                   help="GB/s per direction per GPU WITHIN a node of 8 and ACROSS nodes, or a JSON FILE with "
                         "node_size, within_gbps, across_gbps (default: 450,50: NVLink 4, 400 Gb/s RDMA)")
     g.add_argument("--max_timings", type=int, default=6,
                    help="timing launches at most, one per per-rank shape, most promising first (default: 6)")
