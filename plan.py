@@ -29,14 +29,15 @@ import shlex
 import time
 from dataclasses import dataclass
 
-from fsdp2bench import accelerate_config, arguments, concurrency, fitting, options, weights
+from fsdp2bench import accelerate_config, arguments, concurrency, fitting, layout_plan, options, weights
+from fsdp2bench.candidates import LEVER_NAMES
 from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with,
                             parse_names, pick_device, refuse_foreign, save_summary, say)
 from fsdp2bench.data import load_tokens
 from fsdp2bench.isolation import Interrupted, launcher_keeps_to_one_thread
 from fsdp2bench.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, max_positions
 from fsdp2bench.names import INTENDED, MIB, VARIANTS
-from fsdp2bench.probes import (BATCH, BLOCK, BLOCK_STEP, ProbeRunner, Question, block_step, heaviest_rank,
+from fsdp2bench.probes import (BATCH, BLOCK, BLOCK_STEP, LAYOUT, ProbeRunner, Question, block_step, heaviest_rank,
                                leaders_of, search_for)
 from fsdp2bench.runner import TrainConfig
 from fsdp2bench.series import PROBE_STEPS
@@ -70,9 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"{options.EACH} for every one of them (default: {','.join(options.PLUGIN_SETS)})")
     p.add_argument("--variants", default=DEFAULT_VARIANTS,
                    help=f"comma-separated variants ({', '.join(VARIANTS)}) (default: {DEFAULT_VARIANTS})")
-    p.add_argument("--find", choices=[BATCH, BLOCK], default=BATCH,
+    p.add_argument("--find", choices=[BATCH, BLOCK, LAYOUT], default=BATCH,
                    help=f"what to find the largest of: {BATCH} at each --block_size, or {BLOCK} at the fixed "
-                        f"--batch_size (default: {BATCH})")
+                        f"--batch_size; or {LAYOUT}: which layout and levers fit one N at --block_size and "
+                        f"--global_batch, ranked by projected speed (docs/plan.md) (default: {BATCH})")
     p.add_argument("--block_size", default="128", metavar="L[,L...]",
                    help=f"tokens per sequence L, a list allowed; with --find {BLOCK} the search's lower bound "
                         f"(default: 128)")
@@ -92,12 +94,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     arguments.add_checkpointing_options(arguments.add_lever_options(
         p, "Levers under every set (docs/levers.md): over the config's options; a set's own options win"))
     arguments.add_config_option(p, "the options each set is put over (a set's own options win)")
+    g = p.add_argument_group(f"The layout search (--find {LAYOUT}; docs/plan.md)")
+    g.add_argument("--global_batch", type=int, default=None, metavar="SEQUENCES",
+                   help="SEQUENCES per optimizer step over all ranks (default: none; this or --global_batch_tokens)")
+    g.add_argument("--global_batch_tokens", type=int, default=None, metavar="TOKENS",
+                   help="the same in TOKENS, a multiple of --block_size (default: none)")
+    g.add_argument("--levers", default=None, metavar="LEVERS",
+                   help=f"the LEVERS searched, comma-separated from {', '.join(LEVER_NAMES)} (default: every one "
+                        "that runs here)")
+    g.add_argument("--links", default=None, metavar="WITHIN,ACROSS|FILE",
+                   help="GB/s per direction per GPU WITHIN a node of 8 and ACROSS nodes, or a JSON FILE with "
+                        "node_size, within_gbps, across_gbps (default: 450,50: NVLink 4, 400 Gb/s RDMA)")
+    g.add_argument("--max_timings", type=int, default=6,
+                   help="timing launches at most, one per per-rank shape, most promising first (default: 6)")
     p.add_argument("--inject_oom_above", type=int, default=None, metavar="V",
                    help="test option: every probe above V runs out of memory at its first step (default: off)")
     return p.parse_args(argv)
 
 
-NUMBER_RANGES = {"batch_size": (1, 1 << 16), "upper_bound": (1, 1 << 20), "gpu_memory": (0.001, 1 << 20),
+NUMBER_RANGES = {"global_batch": (1, 1 << 24), "global_batch_tokens": (1, 1 << 40), "max_timings": (1, 1000),
+                 "batch_size": (1, 1 << 16), "upper_bound": (1, 1 << 20), "gpu_memory": (0.001, 1 << 20),
                  "inject_oom_above": (0, 1 << 20), "ac_every": arguments.NUMBER_RANGES["ac_every"]}
 
 
@@ -117,7 +133,7 @@ class Checked:
     config: accelerate_config.ConfigOptions | None
 
 
-def validate(argv: list[str] | None = None) -> Checked:
+def validate(argv: list[str] | None = None) -> Checked | layout_plan.CheckedSearch:
     """Everything plan.py refuses, in one line, before any probe runs; an option the user's config set is named by
     its field there."""
     launcher_keeps_to_one_thread()
@@ -128,11 +144,13 @@ def validate(argv: list[str] | None = None) -> Checked:
         raise accelerate_config.with_fields(error, getattr(args, "config_fields", {})) from None
 
 
-def checked_plan(args: argparse.Namespace) -> Checked:
+def checked_plan(args: argparse.Namespace) -> Checked | layout_plan.CheckedSearch:
     check_releases()
     if check_launcher_env()[1] != 1:
         raise UserError("plan.py is one process that plays every rank: run it with python3, not a launcher")
     check_ranges(args, NUMBER_RANGES)
+    if args.find == LAYOUT:
+        return layout_plan.checked(args)
     sets = options.parse_sets(args.sets, "--sets")
     sizes = parse_world_sizes(args.world_size, "--world_size")
     variants = parse_names(args.variants, "--variants", VARIANTS)
@@ -281,6 +299,8 @@ def questions_of(checked: Checked) -> tuple[dict, dict]:
 def run(argv: list[str] | None = None) -> int:
     started = time.time()
     checked = validate(argv)
+    if isinstance(checked, layout_plan.CheckedSearch):
+        return layout_plan.run(checked, started)
     args = checked.args
     session = open_session(checked.facts, args.device, args.output_dir, "plan.json")
     questions, searches = questions_of(checked)

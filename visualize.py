@@ -28,6 +28,7 @@ import warnings
 from fsdp2bench.cli import OneLineParser, UserError, cannot_create_in, check_ranges, exit_with, expect_path
 from fsdp2bench.matrix import SWEEP_DIR
 from fsdp2bench.names import VARIANTS, simulated_dir_name
+from fsdp2bench.layout_plot import plot_layout_search
 from fsdp2bench.plots import (InputError, latest_run, load_traces, loading_stems, plot_loading, plot_loading_sweep,
                               plot_matrix, plot_plan, plot_sequences, plot_summary_projection, plot_sweep,
                               plot_training, read_json, reading, sequence_runs)
@@ -66,8 +67,10 @@ def plot(args: argparse.Namespace) -> list[str]:
     plan_path = os.path.join(args.dir, "plan.json")
     if os.path.exists(plan_path):
         with reading(plan_path):
-            plot_plan(read_json(plan_path), os.path.join(args.dir, "plan.png"))
-        print(f"wrote {os.path.join(args.dir, 'plan.png')}")
+            plan = read_json(plan_path)
+            name = "layout.png" if plan["meta"].get("find") == "layout" else "plan.png"
+            (plot_layout_search if name == "layout.png" else plot_plan)(plan, os.path.join(args.dir, name))
+        print(f"wrote {os.path.join(args.dir, name)}")
         return []
     matrix_path = os.path.join(args.dir, "matrix.json")
     if os.path.exists(matrix_path):

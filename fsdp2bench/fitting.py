@@ -46,6 +46,11 @@ SHARED_MOST_MIB = 20 * 1024
 # A slope between two values where the smaller is below this share of the larger is bent by the optimizer's
 # transients (large beside a small batch's activations): the model's estimate aims instead.
 SHARED_NEAR = 0.25
+# Failures in a row after which a search steps down on its own (``Search.stepped_down``), the line's aim set aside.
+MISSES = 4
+FAR_STEP = 0.1  # of the way from a failure far beyond the shared values back towards them
+# A fresh fit at least this many times the shared process's largest value takes its slope from the two.
+FAR_BEYOND = 2
 SHARED_DOUBLINGS = 6  # without peaks (a CPU run) a shared process doubles from the lower bound this often
 
 
@@ -197,16 +202,43 @@ class Search:
     def aimed_value(self, lo: int | None, hi: int | None) -> int:
         """The line's edge at the share the search starts from; after one probe aimed by other searches' edges
         (most often off by one) the value beside it, after one aimed by the prior the edge at the share they have
-        found since; then the middle of the shares its probes still allow."""
+        found since; then the middle of the shares its probes still allow, unless the line keeps missing
+        (``stepped_down``)."""
         if not self.outcomes:
             self.first_learned = self.learned
             return self.aim(self.block_share)
         if len(self.outcomes) == 1 and self.learned:
             return (lo + 1 if lo is not None else hi - 1) if self.first_learned else self.aim(self.block_share)
+        if (value := self.stepped_down(lo, hi)) is not None:
+            return value
         low, high = self.share_bounds()
         if low >= high:  # the allocator's packing broke the line's order: halve the bracket
-            return lo + 1 if hi is None else (lo or self.lower) + (hi - (lo or self.lower)) // 2
+            return lo + 1 if hi is None else self.floor(lo, hi) + (hi - self.floor(lo, hi)) // 2
         return self.aim(math.sqrt(low * high))
+
+    def stepped_down(self, lo: int | None, hi: int | None) -> int | None:
+        """Where failures show the line misses the edge by more than its shares correct, a step down of its own.
+        Before any fit, a failure far beyond the shared process's values (a long sequence: its slope, measured
+        far below, was 9% low at 8192 tokens) steps ``FAR_STEP`` of the way back towards them, so that the next
+        probe likely fits and its peak gives the slope where the edge is; after ``MISSES`` failures in a row,
+        twice as far down as the last step (it walked down one value a probe, 13 probes for one answer); never
+        below the middle of what is left above the largest fit. None while the line still aims."""
+        if hi is None or self.outcomes[-1].fits:
+            return None
+        floor = self.floor(lo, hi)
+        middle = floor + (hi - floor) // 2
+        if lo is None and hi >= FAR_BEYOND * floor:
+            return max(middle, hi - math.ceil(FAR_STEP * (hi - floor)))
+        last = self.outcomes[-MISSES:]
+        if len(last) < MISSES or any(o.fits for o in last) or last[-2].value <= last[-1].value:
+            return None
+        return max(middle, hi - 2 * (last[-2].value - last[-1].value))
+
+    def floor(self, lo: int | None, hi: int) -> int:
+        """The largest value known to fit below ``hi``: a fresh fit, else the shared process's largest value (its
+        peaks are not a fresh run's, but they lie far under the cap), else the lower bound."""
+        return lo if lo is not None else max((o.value for o in self.shared if o.fits and o.value < hi),
+                                             default=self.lower)
 
     def unaimed_values(self, lo: int | None, hi: int | None) -> list[int]:
         """Without a line (no peaks: a CPU run): into the edge a shared process met, halving; else doubling from
@@ -235,7 +267,8 @@ class Search:
         """(value, peak, slope) of the line that aims: through the largest value that fits, with the
         slope between it and the next largest where that one is near it (further down, a step's peak
         is the optimizer's, not the activations', so the line bends), else the model's; the shared process's
-        slope before both. Before a probe fits, the line starts at the shared process's largest value."""
+        slope before both, or the slope from that value to a fresh fit far beyond it. Before a probe fits, the line
+        starts at the shared process's largest value."""
         lo, hi = self.largest_fit, self.smallest_failure
         points = sorted((o.value, o.peak_mib) for o in self.outcomes
                         if o.fits and o.peak_mib is not None and lo is not None and o.value <= lo)
@@ -244,9 +277,11 @@ class Search:
         x2, y2 = (points or shared or [(None, None)])[-1]
         if x2 is None:
             return None
-        # The shared process's values lie far apart: their slope is the surest; two probes' (often adjacent)
-        # only where there is none.
-        slope = _slope(shared, SHARED_NEAR) or _slope(points, 0.5) or self.slope_mib
+        # The shared process's values lie far apart: their slope is the surest, unless a fresh fit lies far beyond
+        # them (a long sequence's edge: the slope there is the one measured across the gap); two probes' (often
+        # adjacent) only where there is neither.
+        far = [shared[-1], points[-1]] if points and shared and points[-1][0] >= FAR_BEYOND * shared[-1][0] else []
+        slope = _slope(far, 0.0) or _slope(shared, SHARED_NEAR) or _slope(points, 0.5) or self.slope_mib
         return (x2, y2, slope) if slope else None
 
     def aim(self, share: float) -> int:

@@ -53,7 +53,7 @@ WAITING_AT_LEAST = 2  # fresh probes set up and waiting at their gates, at least
 BLOCK_SHARE = 0.7
 PHYSICAL_SLACK_MIB = 512  # free on the GPU beyond a refused allocation that says the cap refused it, not the GPU
 BLOCK_STEP = 64  # tokens: a searched block is a multiple of it (a finer edge is not a length people train at)
-BATCH, BLOCK = "batch_size", "block_size"
+BATCH, BLOCK, LAYOUT = "batch_size", "block_size", "layout"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,163 @@
+"""What a rank sends and receives in one optimizer step, and how long a link table says that takes: a projection.
+
+Modelled, per rank, as ring collectives (each rank receives (G-1)/G of an all-gather's or reduce-scatter's whole,
+and 2(G-1)/G of an all-reduce's), from the exact parameter shapes of the memory model:
+
+* FSDP2 (over dp_shard x cp): each block's parameters all-gathered in forward and again in backward (resharded
+  after forward), the root's (embeddings, final norm, head) once, each microbatch, in the gathered dtype (bf16, a
+  byte for a float8 weight, fp32 under fp32); the gradients reduce-scattered in the reduce dtype once a step, or
+  each microbatch under ``sync_each_batch``.
+* HSDP: the reduce-scattered shard all-reduced across the replicas, as often.
+* TP: per block and microbatch, the two all-reduces of the rowwise layers' outputs in forward and two in backward
+  (two more under full checkpointing's recomputed forward), bf16 activations of the rank's tokens.
+* CP (all-gather): per block and microbatch, the keys and values all-gathered in forward and in backward and
+  their gradients reduce-scattered (one more all-gather under full checkpointing).
+
+Left out: the embedding's and head's TP collectives, latency and the ring's start-up, overlap with compute (the
+caller combines by a stated rule), congestion, stragglers. No torch: the planner imports it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+from fsdp2bench.cli import UserError
+from fsdp2bench.layout import Degrees
+from fsdp2bench.memory_model import float8_weight, reduce_dtype_bytes, tp_local_shape
+from fsdp2bench.options import FP32, FULL_AC, FsdpOptions
+
+BF16 = 2
+
+
+@dataclass(frozen=True)
+class Links:
+    """GB/s (1e9 bytes) per direction per GPU within a node of ``node_size`` GPUs and across nodes. The defaults:
+    NVLink 4 (H100 and H200 SXM, 900 GB/s both ways) and 400 Gb/s RDMA per GPU."""
+    node_size: int = 8
+    within_gbps: float = 450.0
+    across_gbps: float = 50.0
+
+    def gbps(self, span: int) -> float:
+        """A group whose ranks lie within ``span`` consecutive ranks runs at the slowest link it crosses."""
+        return self.within_gbps if span <= self.node_size else self.across_gbps
+
+
+def parse_links(text: str | None) -> Links:
+    """``--links``: WITHIN,ACROSS in GB/s, or a JSON file with node_size, within_gbps and across_gbps."""
+    if text is None:
+        return Links()
+    if os.path.isfile(text):
+        return links_from_file(text)
+    try:
+        within, across = (float(part) for part in text.split(","))
+    except ValueError:
+        raise UserError(f"--links {text!r}: expected WITHIN,ACROSS in GB/s per direction (450,50) or a JSON "
+                        "file with node_size, within_gbps and across_gbps") from None
+    return checked_links(Links(within_gbps=within, across_gbps=across), "--links")
+
+
+def links_from_file(path: str) -> Links:
+    try:
+        with open(path) as f:
+            fields = json.load(f)
+        links = Links(**{k: fields[k] for k in fields})
+    except (OSError, ValueError, TypeError) as exc:
+        raise UserError(f"--links {path}: not a JSON object of node_size, within_gbps and across_gbps "
+                        f"({type(exc).__name__}: {exc})") from None
+    return checked_links(links, f"--links {path}")
+
+
+def checked_links(links: Links, said: str) -> Links:
+    good = [isinstance(links.node_size, int) and links.node_size >= 1,
+            *(isinstance(v, (int, float)) and 0 < v < math.inf for v in (links.within_gbps, links.across_gbps))]
+    if not all(good):
+        raise UserError(f"{said}: node_size must be a positive integer and each GB/s a positive number, got "
+                        f"{asdict(links)}")
+    return links
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective in a step: its group's size, the consecutive ranks the group spans (which says
+    whether it leaves a node), and the bytes one rank receives in the step."""
+    name: str
+    group: int
+    span: int
+    bytes: int
+
+    def seconds(self, links: Links) -> float:
+        return self.bytes / (links.gbps(self.span) * 1e9)
+
+    def as_dict(self, links: Links) -> dict:
+        return {**asdict(self), "gbps": links.gbps(self.span), "projected_s": self.seconds(links)}
+
+
+@functools.lru_cache(maxsize=4096)
+def gathered_bytes(shapes: tuple, fsdp: int, tp: int, float8: bool, param_bytes: int) -> tuple[int, int, int]:
+    """(blocks' bytes, root's bytes, elements) FSDP2 all-gathers on rank 0 over ``fsdp`` shards: each parameter's
+    tp part, its dim 0 padded to a multiple of ``fsdp``, in the dtype it gathers (a byte for a float8 weight)."""
+    blocks, root, elements = 0, 0, 0
+    for param in shapes:
+        shape = tp_local_shape(param, tp, 0)
+        count = math.ceil((shape[0] if shape else 1) / fsdp) * fsdp * math.prod(shape[1:])
+        size = count * (1 if float8 and float8_weight(param) else param_bytes)
+        blocks, root = (blocks + size, root) if param.block is not None else (blocks, root + size)
+        elements += count
+    return blocks, root, elements
+
+
+def ring(group: int) -> float:
+    """The share of a whole an all-gather or reduce-scatter moves into each rank of a ring of ``group``."""
+    return (group - 1) / group
+
+
+def fsdp_collectives(shapes, degrees: Degrees, options: FsdpOptions, microbatches: int) -> list[Collective]:
+    """FSDP2's all-gathers and reduce-scatters, and HSDP's all-reduce across replicas."""
+    blocks, root, elements = gathered_bytes(tuple(shapes), degrees.fsdp_degree, degrees.tp, options.float8,
+                                            4 if options.mixed_precision_policy == FP32 else BF16)
+    fsdp, span = degrees.fsdp_degree, degrees.fsdp_degree * degrees.tp
+    reduced = microbatches if options.sync_each_batch else 1
+    gathers = (2 if options.reshard_after_forward else 1) * blocks + root
+    out = [Collective("FSDP all-gather of parameters", fsdp, span, int(ring(fsdp) * gathers * microbatches)),
+           Collective("FSDP reduce-scatter of gradients", fsdp, span,
+                      int(ring(fsdp) * elements * reduce_dtype_bytes(options) * reduced))]
+    if degrees.replicate > 1:
+        shard = elements // fsdp * reduce_dtype_bytes(options)
+        out.append(Collective("HSDP all-reduce across replicas", degrees.replicate, degrees.world_size,
+                              int(2 * ring(degrees.replicate) * shard * reduced)))
+    return [c for c in out if c.bytes]
+
+
+def tensor_parallel_collectives(config, degrees: Degrees, options: FsdpOptions, batch: int, block: int,
+                                microbatches: int) -> list[Collective]:
+    if degrees.tp == 1:
+        return []
+    activation = batch * (block // degrees.cp) * config.hidden_size * BF16
+    per_block = 4 + (2 if options.activation_checkpointing == FULL_AC else 0)
+    moved = 2 * ring(degrees.tp) * activation * per_block * config.num_hidden_layers * microbatches
+    return [Collective("TP all-reduce of block outputs", degrees.tp, degrees.tp, int(moved))]
+
+
+def context_parallel_collectives(config, degrees: Degrees, options: FsdpOptions, batch: int, block: int,
+                                 microbatches: int) -> list[Collective]:
+    if degrees.cp == 1:
+        return []
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    local = batch * (block // degrees.cp) * (heads // degrees.tp) * head_dim * 2 * BF16  # keys and values
+    per_block = 3 + (1 if options.activation_checkpointing == FULL_AC else 0)
+    moved = (degrees.cp - 1) * local * per_block * config.num_hidden_layers * microbatches
+    return [Collective("CP all-gather of keys and values, reduce-scatter of their gradients", degrees.cp,
+                       degrees.cp * degrees.tp, int(moved))]
+
+
+def step_collectives(shapes, config, degrees: Degrees, options: FsdpOptions, batch: int, block: int,
+                     microbatches: int) -> list[Collective]:
+    """Every collective of one optimizer step of ``microbatches`` microbatches of ``batch`` x ``block`` on rank 0."""
+    return [*fsdp_collectives(shapes, degrees, options, microbatches),
+            *tensor_parallel_collectives(config, degrees, options, batch, block, microbatches),
+            *context_parallel_collectives(config, degrees, options, batch, block, microbatches)]
