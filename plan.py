@@ -344,11 +344,16 @@ def run(argv: list[str] | None = None) -> int:
         ended = save(interrupted=True)["meta"]["probes"]
         return say_interrupted(session, exc, f"; the {ended} probe(s) that ended are in {plan_path(args)}" if ended
                                else f"; no probe had ended ({plan_path(args)} says what was planned)")
-    plan = save()
+    return said_plan(save(), args)
+
+
+def said_plan(plan: dict, args: argparse.Namespace) -> int:
+    """The plan's table, where it is drawn, its findings and what failed; the exit code."""
     fitting.print_plan(plan)
     drawn = any(o["fits"] for a in plan["answers"] for o in a["outcomes"] + a.get("shared", []))
-    print(f"Wrote {plan_path(args)}; " + (f"draw it with:\n    python3 visualize.py --dir {shlex.quote(args.output_dir)}"
-                                          if drawn else "no probe fit, so there is nothing to draw"), flush=True)
+    hint = f"draw it with:\n    python3 visualize.py --dir {shlex.quote(args.output_dir)}" if drawn else \
+        "no probe fit, so there is nothing to draw"
+    print(f"Wrote {plan_path(args)}; {hint}", flush=True)
     findings = [a["error"] for a in plan["answers"] if fitting.unsupported(a)]  # each names its probe
     if findings:  # as main.py and matrix.py report the same layout: a finding, the run not failed
         say(f"unsupported by the installed libraries (a finding, not a failure of the plan): {len(findings)} "
