@@ -23,7 +23,7 @@ from fsdp2bench import simulation, throughput
 from fsdp2bench.arguments import build_threads, validate
 from fsdp2bench.cli import pick_device
 from fsdp2bench.model import build_model
-from fsdp2bench.runner import TrainStep, deterministic
+from fsdp2bench.runner import TrainStep, deterministic, steps_speed
 
 
 def time_steps(step: TrainStep, batches: torch.Tensor, device: torch.device) -> list[float]:
@@ -64,13 +64,8 @@ def bare_loop(argv: list[str]) -> dict:
     prep = utils.VARIANTS[name](model, ctx)
     step = TrainStep(prep, options.gradient_accumulation_steps, options.step.keeps_outputs)
     seconds = time_steps(step, checked.batches.pin_memory() if device.type == "cuda" else checked.batches, device)
-    _, sequences, block = checked.batches.shape
-    tokens = sequences * block / (options.layout.cp_size * options.layout.tp_size)
-    records = [{"step_time_s": s} for s in seconds]
-    flops = throughput.model_flops_per_token(sum(p.numel() for p in prep.model.parameters()), checked.facts.config,
-                                             block)
-    speed = throughput.speed(records, tokens, flops, torch.cuda.get_device_name(device) if device.type == "cuda"
-                             else None, options.compile, bool(args.simulate_world_size))
+    speed = steps_speed([{"step_time_s": s} for s in seconds], checked.batches.shape, options, prep.model,
+                        checked.facts.config, device, bool(args.simulate_world_size))
     return {"variant": name, "world_size": world, "step_times_s": seconds, "speed": speed,
             "median_all_steps_s": statistics.median(seconds)}
 

@@ -309,12 +309,17 @@ def train_busy(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: d
 
 
 def run_speed(job: Job, model: torch.nn.Module, steps: list[dict]) -> dict:
-    """Tokens per second per GPU and MFU of this run's clean steps (throughput.py)."""
-    options = job.train.options
-    _, sequences, block = job.batches.shape
+    return steps_speed(steps, job.batches.shape, job.train.options, model, job.config, job.device, job.simulated)
+
+
+def steps_speed(steps: list[dict], batches_shape, options: FsdpOptions, model: torch.nn.Module, config,
+                device: torch.device, simulated: bool) -> dict:
+    """Tokens per second per GPU and MFU of a run's clean steps (throughput.py), from its batches'
+    (steps, sequences, block) and its model (main.py's runs and the bare loop alike)."""
+    _, sequences, block = batches_shape
     tokens = sequences * block / (options.layout.cp_size * options.layout.tp_size)
-    flops = throughput.model_flops_per_token(sum(p.numel() for p in model.parameters()), job.config, block)
-    return throughput.speed(steps, tokens, flops, gpu_name(job.device), options.compile, job.simulated)
+    flops = throughput.model_flops_per_token(sum(p.numel() for p in model.parameters()), config, block)
+    return throughput.speed(steps, tokens, flops, gpu_name(device), options.compile, simulated)
 
 
 def gpu_name(device: torch.device) -> str | None:
