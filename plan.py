@@ -175,7 +175,7 @@ def checked_plan(args: argparse.Namespace) -> Checked | layout_plan.CheckedSearc
             f"needs a GPU: python3 plan.py --world_size 8,64 --gpu_memory 24")
     args.model = args.model or (GPU_DEFAULT_MODEL if device.type == "cuda" else CPU_DEFAULT_MODEL)
     config = accelerate_config.read(args.config_file)
-    levers_given = {name: getattr(args, name) for name in ("activation_checkpointing", "ac_every", "compile", "float8")
+    levers_given = {name: getattr(args, name) for name in ("activation_checkpointing", *options.LEVER_OPTIONS)
                     if getattr(args, name) is not None}
     sources = {**(dict.fromkeys(config.values, "config") if config else {}), **dict.fromkeys(levers_given, "flag")}
     args.config_fields = accelerate_config.fields_said(config, sources)

@@ -415,8 +415,9 @@ def checkpointing_by(variant: str, options: FsdpOptions) -> str | None:
     variants, and accelerate's for every K-th block or op-level checkpointing, before ``prepare``)."""
     if not options.checkpoints:
         return None
-    return "accelerate's plugin" if variant == names.ACCELERATE and checkpoints_whole_blocks(options) else \
-        "the suite, before prepare" if variant == names.ACCELERATE else "the suite"
+    if variant != names.ACCELERATE:
+        return "the suite"
+    return "accelerate's plugin" if checkpoints_whole_blocks(options) else "the suite, before prepare"
 
 
 def accelerate_levers(options: FsdpOptions, model: nn.Module | None, layer_classes: list[str]) -> dict:

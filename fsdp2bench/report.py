@@ -596,9 +596,10 @@ def print_sweep_table(summary: dict) -> None:
             print(f"{n:>4} {rank:>4} {name:38} {v['status']}")
             continue
         state = v["accounting"][0]["before_zero_grad"]
+        speed = v.get("speed")
         print(f"{n:>4} {rank:>4} {name:{NAME_WIDTH}} {_fmt(v['training_peak_allocated_mib']['max']):>8} "
-              f"{_fmt(v['peak_reserved_mib']['max'], '.0f'):>6} {throughput.rate_said(v['speed']):>8} "
-              f"{throughput.mfu_said(v['speed']):>6} {_mib(state['param_bytes']):>7} {_mib(state['grad_bytes']):>7} "
+              f"{_fmt(v['peak_reserved_mib']['max'], '.0f'):>6} {throughput.rate_said(speed):>8} "
+              f"{throughput.mfu_said(speed):>6} {_mib(state['param_bytes']):>7} {_mib(state['grad_bytes']):>7} "
               f"{_mib(state['optimizer_state_bytes']):>7} {_mib(state['stale_param_bytes']):>7} "
               f"{_fmt(v['training_peak_beyond_state_mib']['max']):>7}")
     say("MiB: train = the allocator's peak over the optimizer steps (summary.json has the whole run's, building the "

@@ -72,7 +72,7 @@ def speed(steps: list[dict], tokens_per_step: float, flops_per_token: int, gpu_n
     rate = tokens_per_step / median
     figures.update(median_step_time_s=median, tokens_per_s_per_gpu=rate,
                    mfu=None if peak is None else rate * flops_per_token / peak)
-    if compiled and len(steps) >= warm:
+    if compiled:  # the warm-up steps exist: clean steps came after them
         figures["compile_s"] = max(0.0, sum(s["step_time_s"] or 0 for s in steps[:warm]) - warm * median)
     return figures
 
