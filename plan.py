@@ -105,14 +105,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--links", default=None, metavar="WITHIN,ACROSS|FILE",
                    help="GB/s per direction per GPU WITHIN a node of 8 and ACROSS nodes, or a JSON FILE with "
                         "node_size, within_gbps, across_gbps (default: 450,50: NVLink 4, 400 Gb/s RDMA)")
-    g.add_argument("--max_timings", type=int, default=6,
-                   help="timing launches at most, one per per-rank shape, most promising first (default: 6)")
+    g.add_argument("--max_timings", type=int, default=12,
+                   help="timing launches at most (one simulated rank alone on the device each; default: 12)")
+    g.add_argument("--confirm", type=int, default=3, metavar="ROWS",
+                   help="time the ranked candidates on top until the first ROWS are measured, not estimated "
+                        "(default: 3)")
+    g.add_argument("--time_budget_s", type=float, default=420.0, metavar="SECONDS",
+                   help="no timing starts after SECONDS of timings; the first always runs (default: 420)")
     p.add_argument("--inject_oom_above", type=int, default=None, metavar="V",
                    help="test option: every probe above V runs out of memory at its first step (default: off)")
     return p.parse_args(argv)
 
 
 NUMBER_RANGES = {"global_batch": (1, 1 << 24), "global_batch_tokens": (1, 1 << 40), "max_timings": (1, 1000),
+                 "confirm": (1, 1000), "time_budget_s": (0, 1 << 20),
                  "batch_size": (1, 1 << 16), "upper_bound": (1, 1 << 20), "gpu_memory": (0.001, 1 << 20),
                  "inject_oom_above": (0, 1 << 20), "ac_every": arguments.NUMBER_RANGES["ac_every"]}
 

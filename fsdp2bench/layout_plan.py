@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import subprocess
 import sys
 import time
@@ -11,9 +12,11 @@ from dataclasses import dataclass
 
 from fsdp2bench import arguments, concurrency, levers as lever_checks
 from fsdp2bench.candidates import (COMPILE, FLOAT8, LEVER_NAMES, Levers, candidates_of, layouts_of, parse_levers)
-from fsdp2bench.cli import UserError, check_output_dir, pick_device, prepare_output_dir, refuse_foreign, say
-from fsdp2bench.layout_report import print_search, write_search
-from fsdp2bench.layout_search import Setup, assess, choose_and_time
+from fsdp2bench.cli import (UserError, check_output_dir, is_ours, pick_device, prepare_output_dir, refuse_foreign,
+                            say)
+from fsdp2bench.layout_report import CONFIG_NAME, print_search, winner_said, write_search
+from fsdp2bench.layout_search import Setup, assess
+from fsdp2bench.layout_timing import choose_and_time
 from fsdp2bench.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL
 from fsdp2bench.options import FsdpOptions
 from fsdp2bench.session import model_facts
@@ -43,6 +46,7 @@ def checked(args: argparse.Namespace) -> CheckedSearch:
         raise UserError("--gpu_memory needs a GPU (this run is on the CPU, where a probe has no cap)")
     check_output_dir(args.output_dir, "plan.json")
     refuse_foreign([f"{args.output_dir}/plan.json"], "--output_dir")
+    check_config_path(args.output_dir)
     model = args.model or (GPU_DEFAULT_MODEL if device.type == "cuda" else CPU_DEFAULT_MODEL)
     facts = model_facts(model, SEED, lambda config: arguments.check_positions(block, config))
     sequences = global_sequences(args, block)
@@ -56,8 +60,17 @@ def checked(args: argparse.Namespace) -> CheckedSearch:
     cap = concurrency.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
     setup = Setup(model, world_size, block, sequences, facts.shapes, facts.config, base, cap, parse_links(args.links),
                   device.type, gpu_name() if device.type == "cuda" else None, args.output_dir, args.max_timings,
-                  args.init_device, sum(_count(p.shape) for p in facts.shapes))
+                  args.init_device, sum(_count(p.shape) for p in facts.shapes), args.confirm, args.time_budget_s)
     return CheckedSearch(setup, candidates_of(layouts, chosen, sequences, device.type), notes + refused, args)
+
+
+def check_config_path(output_dir: str) -> None:
+    """accelerate_config.json carries no mark of this benchmark (accelerate's loader refuses an unknown key): one
+    already there is replaced only beside this benchmark's plan.json, as a file."""
+    path, plan = os.path.join(output_dir, CONFIG_NAME), os.path.join(output_dir, "plan.json")
+    if os.path.lexists(path) and (os.path.islink(path) or not os.path.isfile(path) or not is_ours(plan)):
+        raise UserError(f"--output_dir: {path} is there and this run would replace it (it is not beside a plan.json "
+                        "of this benchmark); it is left untouched: move it away or choose another --output_dir")
 
 
 def _count(shape: tuple) -> int:
@@ -140,11 +153,12 @@ def run(search: CheckedSearch, started: float) -> int:
         + ("near it" if setup.cap else "that a CPU run cannot place (no cap)")
         + f", {len(found) - out - near} well under it; timing the most promising one at a time...")
     timings = choose_and_time(found, setup, say)
-    winner = print_search(found, setup, search.notes, timings)
+    said = winner_said(found, setup)
+    print_search(found, setup, search.notes, timings, said)
     meta = {"command": " ".join(sys.argv), "model": setup.model, "world_size": setup.world_size,
             "block_size": setup.block, "global_batch": setup.global_sequences, "device": setup.device_type,
             "gpu_name": setup.gpu_name, "gpu_memory": setup.cap.as_dict() if setup.cap else None,
             "versions": arguments.versions(), "wall_s": time.time() - started}
-    path = write_search(found, setup, search.notes, timings, meta, winner)
+    path = write_search(found, setup, search.notes, timings, meta, said)
     print(f"Wrote {path}; draw it with:\n    python3 visualize.py --dir {setup.output_dir}", flush=True)
     return 0

@@ -5,32 +5,41 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
-from fsdp2bench.cli import save_summary, say
-from fsdp2bench.layout_search import Assessed, Setup, commands, ranked, record
+from fsdp2bench import accelerate_config
+from fsdp2bench.cli import UserError, save_summary, say, write_bytes
+from fsdp2bench.layout_search import Assessed, Setup, commands, decided, ranked, record, winner_of
 
+CONFIG_NAME = "accelerate_config.json"
 SHOWN = 15  # ranked rows on the console (plan.json holds every candidate)
 
 
 def table(found: list[Assessed], setup: Setup) -> list[str]:
-    """The fitting candidates, fastest first by projected tokens/s (no overlap), and the largest-memory ones
-    that do not fit."""
+    """The fitting candidates, fastest first by projected tokens/s (no overlap), each figure with its label."""
     lines = [f"{'#':>3} {'candidate':58} {'memory GiB':>17} {'compute s':>10} {'comm s':>8} "
              f"{'tok/s/GPU':>10} {'full overlap':>12}",
-             f"{'':>3} {'':58} {'':>17} {'measured':>10} {'project.':>8} {'projected':>10} {'projected':>12}"]
+             f"{'':>3} {'':58} {'':>17} {'':>10} {'project.':>8} {'projected':>10} {'projected':>12}"]
     for i, f in enumerate(ranked(found)[:SHOWN], 1):
         p = f.projected
-        clean = "" if p["compute_clean"] else "~"
-        lines.append(f"{i:>3} {f.candidate.name[:58]:58} {memory_said(f):>17} {p['compute_s']:>9.3f}{clean:1} "
-                     f"{p['comm_s']:>8.3f} {p['no_overlap_tokens_per_s']:>10,.0f} "
-                     f"{p['full_overlap_tokens_per_s']:>12,.0f}")
+        lines.append(f"{i:>3} {f.candidate.name[:58]:58} {memory_said(f):>17} {p['compute_s']:>9.3f}"
+                     f"{compute_mark(p):1} {p['comm_s']:>8.3f} {p['no_overlap_tokens_per_s']:>10,.0f} "
+                     f"{p['full_overlap_tokens_per_s']:>12,.0f}{'' if decided(f, setup) else '  (estimated)'}")
     return lines
+
+
+def compute_mark(projected: dict) -> str:
+    """Blank where measured on the candidate's own shapes alone on the device; ``~`` measured beside other runs;
+    ``e`` estimated from a like timing."""
+    if not projected["compute_measured"]:
+        return "e"
+    return "" if projected["compute_clean"] else "~"
 
 
 def memory_said(found: Assessed) -> str:
     m = found.memory
     if "measured_gib" in m:
-        return f"{m['measured_gib']:.1f} measured+"
+        return f"{m['measured_gib']:.1f} measured" + ("" if m.get("own_layout") else "+")
     return f"{m['estimated_gib']:.1f} estimated"
 
 
@@ -55,42 +64,86 @@ def not_fitting(found: list[Assessed]) -> list[str]:
     return lines
 
 
-def print_search(found: list[Assessed], setup: Setup, notes: list[str], timings: list[dict]) -> Assessed | None:
-    """The table, the misses, what was left out and the winner's commands; returns the winner."""
+def print_search(found: list[Assessed], setup: Setup, notes: list[str], timings: list[dict],
+                 said: dict | None) -> None:
+    """The table, the misses, what was left out and the winner's commands (``said``)."""
     for line in table(found, setup):
         print(line, flush=True)
-    cap = f"under {setup.cap.gib:g} GiB" if setup.cap else "(a CPU run: no cap, so it cannot tell what fits)"
-    say(f"Ranked by projected tokens per second per GPU {cap}: compute measured (one simulated rank alone on the "
-        f"device, {len(timings)} timings; ~ where other runs shared it), communication projected over "
-        f"{setup.links.within_gbps:g} GB/s within a node of {setup.links.node_size} and {setup.links.across_gbps:g} "
-        "GB/s across nodes, added (no overlap); 'full overlap' takes the larger of the two. Memory: measured+ is "
-        "rank 0's peak reserved measured on a like candidate, moved by the memory model's difference.")
-    for line in not_fitting(found) + [f"Left out: {note}" for note in notes]:
+    say(legend(found, setup, timings))
+    for line in not_fitting(found) + not_ranked(found) + [f"Left out: {note}" for note in notes]:
         say(line)
-    best = ranked(found)
-    if not best:
-        say("No timed candidate fits: nothing to rank (see plan.json for every candidate's estimate).")
+    if said is None:
+        say("No candidate is measured enough to name (see plan.json for every estimate): raise --max_timings or "
+            "--time_budget_s.")
+        return
+    place = said["place"]
+    above = f" (row {place}: the {place - 1} above it rest on estimates)" if place > 1 else ""
+    config = (f"accelerate config fields ({CONFIG_NAME}; the loss, selective checkpointing and the accumulation stay "
+              f"main.py flags):\n    {json.dumps(said['accelerate_config'])}" if not said["accelerate_refuses"] else
+              f"accelerate refuses this layout ({said['accelerate_refuses']}): train it with torchrun")
+    print(f"\nThe fastest measured by projection{above}: {said['name']}\n    {said['torchrun']}\nCheck it on one "
+          f"GPU first:\n    {said['one_gpu_check']}\n{config}", flush=True)
+
+
+def winner_said(found: list[Assessed], setup: Setup) -> dict | None:
+    """The winner's name, place and command lines, its accelerate config written and read back through accelerate's
+    own loader and objects (a layout accelerate refuses gets no config file, and its reason)."""
+    winner, place = winner_of(found, setup)
+    if winner is None:
         return None
-    said = commands(best[0].candidate, setup)
-    print(f"\nThe fastest by projection: {best[0].candidate.name}\n    {said['torchrun']}\nCheck it on one GPU "
-          f"first:\n    {said['one_gpu_check']}\naccelerate config fields (accelerate_config.json; the loss and "
-          f"selective checkpointing stay main.py flags):\n    {json.dumps(said['accelerate_config'])}", flush=True)
-    return best[0]
+    said = {"name": winner.candidate.name, "place": place, **commands(winner.candidate, setup)}
+    path = os.path.join(setup.output_dir, CONFIG_NAME)
+    said["accelerate_refuses"] = write_unmarked(path, said["accelerate_config"])
+    return said
+
+
+def legend(found: list[Assessed], setup: Setup, timings: list[dict]) -> str:
+    cap = f"under {setup.cap.gib:g} GiB" if setup.cap else "(a CPU run: no cap, so it cannot tell what fits)"
+    rows = ranked(found)
+    measured = sum(f.projected["compute_measured"] for f in rows)
+    return (f"Ranked by projected tokens per second per GPU {cap}, {len(rows)} candidates: compute measured on "
+            f"{measured} (one simulated rank alone on the device, {len(timings)} timings; ~ where other runs shared "
+            f"it) and estimated (e) on the rest from the nearest timing's FLOP/s and the levers' ratios; "
+            f"communication projected over {setup.links.within_gbps:g} GB/s within a node of "
+            f"{setup.links.node_size} and {setup.links.across_gbps:g} GB/s across nodes, added (no overlap); 'full "
+            "overlap' takes the larger of the two. Memory: measured is rank 0's peak reserved on the candidate's own "
+            "layout, measured+ on a like candidate, each moved by the memory model's difference (accumulation); "
+            "estimated is the memory model alone. Rows marked (estimated) are not measured enough to be named.")
+
+
+def not_ranked(found: list[Assessed]) -> list[str]:
+    failed = [f for f in found if f.failed]
+    return [f"{len(failed)} candidates not ranked: {failed[0].failed[:200]}"] if failed else []
 
 
 def write_search(found: list[Assessed], setup: Setup, notes: list[str], timings: list[dict], meta: dict,
-                 winner: Assessed | None) -> str:
+                 said: dict | None) -> str:
     """plan.json: every candidate (estimated, measured, projected, each labelled) and every timing."""
     path = os.path.join(setup.output_dir, "plan.json")
-    said = commands(winner.candidate, setup) if winner else None
     save_summary(path, {"meta": {**meta, "find": "layout", "candidates": len(found), "timings": len(timings),
                                  "links": vars(setup.links), "left_out": notes,
                                  "labels": {"memory.estimated_gib": "estimated (memory model)",
                                             "memory.measured_gib": "measured (+ the memory model's difference)",
-                                            "projected": "compute measured, communication projected",
+                                            "projected": "compute measured (compute_measured) or estimated, "
+                                                         "communication projected",
                                             "projected_comm_s": "projected"}},
-                        "winner": None if winner is None else {"name": winner.candidate.name, "commands": said},
+                        "winner": None if said is None else {"name": said["name"], "commands": said},
                         "candidates": [record(f, setup.links) for f in found], "timings": timings})
-    if said:
-        save_summary(os.path.join(setup.output_dir, "accelerate_config.json"), said["accelerate_config"])
     return path
+
+
+def write_unmarked(path: str, fields: dict) -> str | None:
+    """The accelerate config without the benchmark's mark, which accelerate's loader would refuse as an unknown
+    key (``layout_plan.check_config_path`` guards the name instead), read back as main.py's --config_file reads
+    it: None, or why accelerate refuses it (the file then removed)."""
+    try:
+        write_bytes(path, json.dumps(fields, indent=1).encode())
+    except OSError as exc:
+        print(f"warning: cannot write {path} ({exc.strerror or type(exc).__name__})", file=sys.stderr, flush=True)
+        return None
+    try:
+        accelerate_config.read(path)
+    except UserError as exc:
+        os.remove(path)
+        return str(exc).split(": accelerate refuses it: ", 1)[-1]
+    return None

@@ -2,37 +2,35 @@
 which of them trains fastest, by measured compute and projected communication.
 
 Every candidate (``candidates.py``) is first held against the memory model: those it puts well over the cap are
-left out with how far over, before anything runs. Then the candidates most likely to rank first are timed one at
-a time, each in one main.py launch of one simulated rank alone on the device (``TIMING_STEPS`` steps, one
-microbatch a step): that gives a clean compute speed (``throughput.py``) and a measured peak on rank 0. One timing
-serves every candidate of the same per-rank shapes (tp and cp sizes, local batch, sequence, levers): a rank's
-compute does not depend on how the others split into replicas and shards, nor on how many microbatches make a
-step; the memory of those others is the measured peak moved by what the memory model says they hold more or less.
-Communication is a projection over a link table (``traffic.py``). A step's projected time is compute plus
-communication (no overlap: a bound from below on speed) or the larger of the two (full overlap: from above);
-candidates rank by the first. Every figure is labelled measured, projected or estimated where it is written.
+left out with how far over, before anything runs. Timings (``layout_timing.py``: one simulated rank of a
+candidate's own layout alone on the device, a few steps of one microbatch) measure a clean compute speed and rank
+0's peak; one serves every candidate of the same per-rank shapes (tp and cp sizes, local batch, levers), their
+memory the measured peak moved by what the memory model says they hold more or less. Every other candidate's
+compute is estimated from the nearest timing's FLOP/s, so that all of them rank; the rows on top are then timed
+until the first few are measured. Communication is a projection over a link table (``traffic.py``). A step's
+projected time is compute plus communication (no overlap: a bound from below on speed) or the larger of the two
+(full overlap: from above); candidates rank by the first. Every figure is labelled measured, estimated or
+projected where it is written.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import shlex
-import subprocess
-import sys
 from dataclasses import dataclass, field
 
 from fsdp2bench.candidates import TRAINED, Candidate, estimated_bytes
-from fsdp2bench.names import GIB, MIB
+from fsdp2bench.names import GIB
 from fsdp2bench.throughput import model_flops_per_token, peak_flops
 from fsdp2bench.traffic import Links, step_collectives
 
 TIMING_STEPS = 4  # warm-up (two under compile) and at least two clean steps after it
 EDGE = 0.2  # an estimate this far over the cap is left out; within it of the cap a candidate is probed
-# For the order in which candidates are timed only (never a reported figure): the speed of each lever relative to
-# full checkpointing, from the Llama-3.1-8B shape on one H200 (docs/levers.md; no checkpointing taken as a third
-# faster than full, its recomputed forward), and an MFU to set compute beside communication.
+MOVED_MARGIN = 0.1  # a like candidate's measured peak, moved, this far under the limit needs no timing of its own
+# For estimates only (the order of the first timings, and the ratio between a timed candidate's levers and an
+# untimed one's): the speed of each lever relative to full checkpointing, from the Llama-3.1-8B shape on one H200
+# (docs/levers.md; no checkpointing taken as a third faster than full, its recomputed forward), and an MFU to set
+# compute beside communication before anything is timed.
 AC_PRIOR = {"full": 1.0, "selective": 1.10, "none": 1.33}
 COMPILE_PRIOR, FLOAT8_PRIOR, PRIOR_MFU, PRIOR_FLOPS = 1.18, 1.30, 0.4, 1e11
 
@@ -46,8 +44,9 @@ class Assessed:
     comm_s: float
     fits: bool | None = None  # None: cannot tell (no cap, or not measured where the estimate is near the cap)
     memory: dict = field(default_factory=dict)
-    compute: dict | None = None  # the timing it takes its compute from
+    compute: dict | None = None  # the timing of its per-rank shapes: its compute measured
     projected: dict | None = None
+    failed: str | None = None  # a timing of its shapes failed other than by running out of memory
 
     @property
     def key(self) -> tuple:
@@ -72,11 +71,17 @@ class Setup:
     max_timings: int
     init_device: str
     num_parameters: int
+    confirm: int = 3  # the ranked rows on top that the timings measure before the search ends
+    time_budget_s: float = 420.0  # no timing starts after this long
     held: dict = field(default_factory=dict, compare=False)  # estimated_bytes's, per layout and levers
 
     @property
     def tokens_per_step_per_gpu(self) -> float:
         return self.global_sequences * self.block / self.world_size
+
+    @property
+    def flops_per_token(self) -> int:
+        return model_flops_per_token(self.num_parameters, self.config, self.block)
 
 
 def assess(candidate: Candidate, setup: Setup) -> Assessed:
@@ -98,137 +103,84 @@ def assess(candidate: Candidate, setup: Setup) -> Assessed:
     return found
 
 
+def lever_factor(c: Candidate) -> float:
+    return AC_PRIOR[c.ac] * (COMPILE_PRIOR if c.compile else 1) * (FLOAT8_PRIOR if c.float8 else 1)
+
+
+def microbatch_flops(c: Candidate, setup: Setup) -> float:
+    """A rank's model FLOPs in one microbatch: its data rank's sequences, split over its cp and tp groups."""
+    return c.batch * setup.block * setup.flops_per_token / (c.degrees.cp * c.degrees.tp)
+
+
 def prior_speed(found: Assessed, setup: Setup) -> float:
-    """Tokens per second per GPU that orders the timings (a prior: never reported)."""
-    c = found.candidate
-    factor = AC_PRIOR[c.ac] * (COMPILE_PRIOR if c.compile else 1) * (FLOAT8_PRIOR if c.float8 else 1)
+    """Tokens per second per GPU that orders the first timings (a prior: never reported)."""
     flops = peak_flops(setup.gpu_name)
-    rate = (PRIOR_MFU * flops if flops else PRIOR_FLOPS) * factor / model_flops_per_token(
-        setup.num_parameters, setup.config, setup.block)
-    return setup.tokens_per_step_per_gpu / (setup.tokens_per_step_per_gpu / rate + found.comm_s)
+    rate = (PRIOR_MFU * flops if flops else PRIOR_FLOPS) * lever_factor(found.candidate)
+    compute = found.candidate.microbatches * microbatch_flops(found.candidate, setup) / rate
+    return setup.tokens_per_step_per_gpu / (compute + found.comm_s)
 
 
-def timing_command(candidate: Candidate, setup: Setup, output_dir: str) -> list[str]:
-    """main.py for one simulated rank of the candidate's layout, one microbatch a step, alone on the device."""
-    one = Candidate(candidate.degrees, candidate.ac, candidate.loss, candidate.compile, candidate.float8,
-                    candidate.batch, 1)
-    return [sys.executable, "main.py", *main_flags(one, setup), "--simulate_world_size", str(setup.world_size),
-            "--max_steps", str(TIMING_STEPS), "--concurrent_variants", "1", "--quiet", "--output_dir", output_dir,
-            *(["--gpu_memory", f"{setup.cap.gib:g}"] if setup.cap else []),
-            *(["--init_device", setup.init_device] if setup.device_type == "cuda" else ["--device", "cpu"])]
+def nearness(a: Candidate, b: Candidate) -> tuple:
+    """How unlike two candidates' per-rank work is: levers and split first, then the local batch."""
+    differ = (a.ac != b.ac) + (a.compile != b.compile) + (a.float8 != b.float8) + (a.loss != b.loss)
+    return differ + (a.degrees.tp != b.degrees.tp) + (a.degrees.cp != b.degrees.cp), abs(math.log2(a.batch / b.batch))
 
 
-def main_flags(candidate: Candidate, setup: Setup) -> list[str]:
-    """main.py's flags that train the candidate (its layout, levers, batch and accumulation)."""
-    return ["--model", setup.model, "--variants", TRAINED, "--batch_size", str(candidate.batch), "--block_size",
-            str(setup.block), *candidate.options(setup.base).flags()]
-
-
-def run_timing(found: Assessed, setup: Setup, index: int) -> dict:
-    """One timing: main.py's summary read back into the figures the ranking uses; an out-of-memory error (or
-    any other failure) is kept with its words."""
-    directory = os.path.join(setup.output_dir, "timings", f"t{index}")
-    command = timing_command(found.candidate, setup, directory)
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))))
-    record = {"candidate": found.candidate.name, "command": shlex.join(["python3", *command[1:]]),
-              "exit_code": proc.returncode}
-    entry = summary_entry(os.path.join(directory, "summary.json"), setup.world_size)
-    if entry is None or entry.get("status") != "ok":
-        why = (entry or {}).get("status") or (proc.stderr.strip().splitlines() or ["no summary"])[-1]
-        return {**record, "fits": False if "out of memory" in why else None, "error": why[:300]}
-    speed = entry.get("speed") or {}
-    clean = speed.get("tokens_per_s_per_gpu") is not None
-    return {**record, "fits": True, "clean": clean, "speed": speed,
-            "microbatch_s": speed["median_step_time_s"] if clean else entry.get("median_step_time_s"),
-            "peak_reserved_mib": entry["training_peak_reserved_mib"]["max"],
-            "peak_allocated_mib": entry["training_peak_allocated_mib"]["max"]}
-
-
-def summary_entry(path: str, world_size: int) -> dict | None:
-    try:
-        with open(path) as f:
-            summary = json.load(f)
-        return summary["simulated"][str(world_size)]["0"][TRAINED]
-    except (OSError, ValueError, KeyError):
+def estimated_microbatch(c: Candidate, references: list, setup: Setup) -> tuple[float, dict] | None:
+    """An untimed candidate's microbatch: its FLOPs at the FLOP/s the nearest timing reached, scaled by the levers'
+    prior ratio between the two (an estimate, labelled so; the confirm loop times the rows it puts on top)."""
+    if not references:
         return None
+    ref, timing = min(references, key=lambda r: nearness(c, r[0]))
+    achieved = microbatch_flops(ref, setup) / timing["microbatch_s"]
+    return microbatch_flops(c, setup) / (achieved * lever_factor(c) / lever_factor(ref)), timing
 
 
-def take_timing(timing: dict, probed: Assessed, everyone: list[Assessed], setup: Setup) -> None:
-    """A timing to every candidate of the same per-rank shapes: its compute, and its memory moved by what the
-    memory model says each holds beside the probed candidate at one microbatch."""
-    probed_one = estimated_bytes(Candidate(*_fields(probed.candidate)[:6], 1), setup.shapes, setup.config,
-                                 setup.block, setup.base, setup.held)
-    for found in (f for f in everyone if f.key == probed.key):
-        found.compute = timing
-        moved = found.estimated_bytes - probed_one
-        if timing["fits"] is False and moved >= 0:
-            found.fits, found.memory["how"] = False, f"out of memory where a like candidate ran: {timing['error']}"
-        if not timing["fits"] or timing["peak_reserved_mib"] is None:  # a CPU run has no allocator peaks
-            continue
-        measured = timing["peak_reserved_mib"] * MIB + moved
-        found.memory.update(measured_gib=measured / GIB, moved_gib=moved / GIB,
-                            how="measured on rank 0 (a like candidate at one microbatch) + the memory model's "
-                                "difference")
-        if setup.cap is not None:
-            found.fits = measured <= setup.cap.allocator_bytes
-
-
-def _fields(c: Candidate) -> tuple:
-    return c.degrees, c.ac, c.loss, c.compile, c.float8, c.batch, c.microbatches, c.sync_each_batch
-
-
-def project(found: Assessed, setup: Setup) -> None:
-    """Projected tokens per second per GPU from the measured compute of a microbatch times the microbatches,
-    and the projected communication, by both rules."""
+def project(found: Assessed, setup: Setup, references: list) -> None:
+    """Projected tokens per second per GPU: K microbatches of measured (else estimated) compute, plus the
+    projected communication (no overlap), and the larger of the two (full overlap)."""
+    found.projected = None
     timing = found.compute
-    if not timing or not timing.get("fits") or not timing.get("microbatch_s"):
+    if found.failed or found.fits is False:
         return
-    compute = timing["microbatch_s"] * found.candidate.microbatches
+    if timing is None:
+        estimate = estimated_microbatch(found.candidate, references, setup)
+        if estimate is None:
+            return
+        microbatch_s, timing = estimate
+    elif not timing.get("microbatch_s"):
+        return
+    else:
+        microbatch_s = timing["microbatch_s"]
+    compute = microbatch_s * found.candidate.microbatches
     tokens = setup.tokens_per_step_per_gpu
-    found.projected = {"compute_s": compute, "compute_measured": True, "compute_clean": timing["clean"],
-                       "comm_s": found.comm_s, "no_overlap_tokens_per_s": tokens / (compute + found.comm_s),
+    found.projected = {"compute_s": compute, "compute_measured": found.compute is not None,
+                       "compute_clean": timing["clean"], "compute_from": timing["candidate"], "comm_s": found.comm_s,
+                       "no_overlap_tokens_per_s": tokens / (compute + found.comm_s),
                        "full_overlap_tokens_per_s": tokens / max(compute, found.comm_s)}
 
 
-def choose_and_time(found: list[Assessed], setup: Setup, say) -> list[dict]:
-    """Time the candidates most likely to rank first (by ``prior_speed``, the least memory first among equals),
-    one per per-rank shape (and one loss of each: the least memory's), until ``max_timings`` ran; each timing
-    serves every candidate of its shape."""
-    timings, timed = [], set()
-    for each in sorted((f for f in found if f.fits is not False),
-                       key=lambda f: (-prior_speed(f, setup), f.estimated_bytes)):
-        if len(timings) >= setup.max_timings:
-            break
-        if without_loss(each.key) in timed or each.fits is False:
-            continue  # the loss changes little of a step's time: another shape is timed first
-        timed.add(without_loss(each.key))
-        timing = run_timing(each, setup, len(timings))
-        timings.append(timing)
-        take_timing(timing, each, found, setup)
-        say(f"[timing {len(timings)}/{setup.max_timings}] {each.candidate.name}: " + timing_said(timing))
-    for each in found:
-        project(each, setup)
-    return timings
-
-
-def without_loss(key: tuple) -> tuple:
-    return key[:4] + key[5:]
-
-
-def timing_said(timing: dict) -> str:
-    if not timing["fits"]:
-        return f"did not run through ({timing.get('error', '')[:120]})"
-    clean = "" if timing["clean"] else " (beside other runs: not a clean speed)"
-    peak = timing["peak_reserved_mib"]
-    return f"{timing['microbatch_s']:.3f} s a microbatch measured{clean}" + \
-        (f", {peak:,.0f} MiB reserved measured" if peak is not None else "")
+def decided(found: Assessed, setup: Setup) -> bool:
+    """Measured enough to be named: its own compute timed and, under a cap, its memory measured on its own layout
+    or on a like one with room the memory model's difference cannot eat (``MOVED_MARGIN`` under the limit)."""
+    if not found.projected or not found.projected["compute_measured"]:
+        return False
+    if setup.cap is None:
+        return True
+    measured = found.memory.get("measured_gib")
+    return found.fits is True and measured is not None and (
+        found.memory.get("own_layout") or measured * GIB <= setup.cap.allocator_bytes * (1 - MOVED_MARGIN))
 
 
 def ranked(found: list[Assessed]) -> list[Assessed]:
-    """The candidates that fit (or, without a cap, may) with a projection, fastest first by the no-overlap rule."""
+    """Every candidate that fits (or may) with a projection, fastest first by the no-overlap rule."""
     return sorted((f for f in found if f.fits is not False and f.projected),
                   key=lambda f: (-f.projected["no_overlap_tokens_per_s"], f.comm_s))
+
+
+def winner_of(found: list[Assessed], setup: Setup) -> tuple[Assessed | None, int]:
+    """The fastest decided candidate and its place in the ranking (rows above it rest on estimates)."""
+    return next(((f, i) for i, f in enumerate(ranked(found), 1) if decided(f, setup)), (None, 0))
 
 
 def record(found: Assessed, links: Links) -> dict:
@@ -238,7 +190,14 @@ def record(found: Assessed, links: Links) -> dict:
             "sync_each_batch": c.sync_each_batch, "fits": found.fits, "memory": found.memory,
             "projected_comm_s": found.comm_s,
             "collectives": [x.as_dict(links) for x in found.collectives] if found.projected else None,
-            "timing": found.compute.get("candidate") if found.compute else None, "projected": found.projected}
+            "timing": found.compute.get("candidate") if found.compute else None, "failed": found.failed,
+            "projected": found.projected}
+
+
+def main_flags(candidate: Candidate, setup: Setup) -> list[str]:
+    """main.py's flags that train the candidate (its layout, levers, batch and accumulation)."""
+    return ["--model", setup.model, "--variants", TRAINED, "--batch_size", str(candidate.batch), "--block_size",
+            str(setup.block), *candidate.options(setup.base).flags()]
 
 
 def commands(winner: Candidate, setup: Setup) -> dict:
@@ -259,11 +218,11 @@ def commands(winner: Candidate, setup: Setup) -> dict:
 
 def accelerate_fields(winner: Candidate, setup: Setup) -> dict:
     """The accelerate config that trains the winner under ``accelerate launch`` (main.py's flags beside it: the
-    loss, and selective checkpointing, which accelerate's plugin has no field for)."""
+    loss, selective checkpointing and the accumulation, which accelerate's config file has no field for; its
+    loader refuses a key it does not know)."""
     d, chosen = winner.degrees, winner.options(setup.base)
     fields = {"distributed_type": "FSDP", "num_machines": math.ceil(d.world_size / setup.links.node_size),
               "num_processes": d.world_size, "mixed_precision": "fp8" if winner.float8 else "bf16",
-              "gradient_accumulation_steps": winner.microbatches,
               "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": chosen.reshard_after_forward,
                               "fsdp_activation_checkpointing": winner.ac == "full",
                               "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"},

@@ -3,6 +3,7 @@ the refusals, and one CPU search whose winner's command lines run as given."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 
@@ -10,7 +11,7 @@ import pytest
 from conftest import load, refusal, run_script
 
 import plan
-from fsdp2bench import arguments, layout_search
+from fsdp2bench import accelerate_config, arguments, layout_report, layout_search, layout_timing
 from fsdp2bench.candidates import Candidate, Levers, candidates_of, layouts_of, parse_levers
 from fsdp2bench.cli import UserError
 from fsdp2bench.concurrency import GpuCap
@@ -83,19 +84,84 @@ def test_the_projections_bytes_are_the_tiny_models_counted_by_hand():
     assert parse_links("100,10") == Links(within_gbps=100.0, across_gbps=10.0)
 
 
+def flat(batch: int, ac: str = "none", **levers) -> Candidate:
+    return Candidate(Degrees(replicate=1, shard=8), ac, levers.get("loss", "model"), levers.get("compile", False),
+                     levers.get("float8", False), batch, 16 // 8 // batch)
+
+
+def timed(microbatch_s: float, peak_mib: float | None = None, name: str = "timed") -> dict:
+    return {"candidate": name, "fits": True, "microbatch_s": microbatch_s, "clean": True,
+            "peak_reserved_mib": peak_mib, "wall_s": 1.0}
+
+
 def test_the_ranking_takes_compute_plus_communication_and_leaves_out_what_does_not_fit():
     setup = setup_of()
     found = []
     for batch, microbatch_s, fits in ((1, 0.10, True), (2, 0.15, True), (4, 0.20, False)):
-        each = layout_search.assess(Candidate(Degrees(replicate=1, shard=8), "none", "model", False, False, batch,
-                                              16 // 8 // batch), setup)
-        each.comm_s, each.fits = 0.05, fits
-        each.compute = {"fits": True, "microbatch_s": microbatch_s, "clean": True}
-        layout_search.project(each, setup)
+        each = layout_search.assess(flat(batch), setup)
+        each.comm_s, each.fits, each.compute = 0.05, fits, timed(microbatch_s)
+        layout_search.project(each, setup, [])
         found.append(each)
     assert found[0].projected["no_overlap_tokens_per_s"] == pytest.approx(2 * 128 / (2 * 0.10 + 0.05))
     assert found[0].projected["full_overlap_tokens_per_s"] == pytest.approx(2 * 128 / 0.20)
     assert [f.candidate.batch for f in layout_search.ranked(found)] == [2, 1]  # 0.20 s a step beats 0.25; 4 out
+
+
+def test_an_untimed_candidate_is_estimated_from_the_nearest_timing_flops_and_the_levers_ratio():
+    """B2 does twice B1's FLOPs at B1's FLOP/s; full checkpointing's prior is 1/1.33 of none's; tp 2 halves a rank's
+    share. The nearest timing is the one with the same levers, whatever the batch."""
+    setup = setup_of()
+    references = [(flat(1), timed(0.10, name="B1 none")), (flat(1, "full"), timed(0.30, name="B1 full"))]
+    cases = {flat(2): 0.20, flat(2, "full"): 0.60, flat(2, "selective"): 0.20 * 1.33 / 1.10,
+             Candidate(Degrees(replicate=1, shard=4, tp=2), "none", "model", False, False, 2, 1): 0.10}
+    for candidate, microbatch_s in cases.items():
+        each = layout_search.assess(candidate, setup)
+        layout_search.project(each, setup, references)
+        assert each.projected["compute_s"] == pytest.approx(microbatch_s * candidate.microbatches)
+        assert each.projected["compute_measured"] is False
+    assert layout_search.estimated_microbatch(flat(2, "full"), references, setup)[1]["candidate"] == "B1 full"
+
+
+def test_the_timings_confirm_the_rows_on_top_and_stop_once_they_are_measured(monkeypatch):
+    """A made-up device where a microbatch takes 0.1 s a sequence (1.33x under full checkpointing) and a rank holds
+    10 GiB plus 1 GiB a sequence, under 12 GiB: B1 fits, B2 does not. A step's compute is the same at B2x1 and
+    B1x2; B2x1 gathers the parameters once, not twice, so it ranks first by the prior and by projection. Its
+    timing runs out of memory; B1x2 ran through, and then every candidate ranks: the rows on top are timed until
+    three are measured (B1x2 and B1x2 sync share one timing; B2x1 with full checkpointing is out too)."""
+    setup = dataclasses.replace(setup_of(GpuCap(12.0, 140 * GIB, 0)), confirm=3, max_timings=10)
+    found = [layout_search.assess(c, setup) for c in candidates_of([Degrees(replicate=1, shard=8)],
+                                                                   parse_levers("none,full,model"), 16, "cuda")]
+    order = []
+
+    def fake_timing(each, setup, index):
+        order.append((each.candidate.batch, each.candidate.ac))
+        if each.candidate.batch > 1:
+            return {"candidate": each.candidate.name, "fits": False, "error": "CUDA out of memory"}
+        slower = 1.33 if each.candidate.ac == "full" else 1.0
+        return timed(0.1 * slower, (10 + each.candidate.batch) * 1024, each.candidate.name)
+
+    monkeypatch.setattr(layout_timing, "run_timing", fake_timing)
+    timings = layout_timing.choose_and_time(found, setup, lambda line: None)
+    assert order == [(2, "none"), (1, "none"), (2, "full"), (1, "full")] and len(timings) == 4
+    rows = layout_search.ranked(found)
+    assert [r.candidate.name for r in rows] == ["R1xS8xC1xT1 B1x2 ac=none loss=model",
+                                                 "R1xS8xC1xT1 B1x2 sync ac=none loss=model",
+                                                 "R1xS8xC1xT1 B1x2 ac=full loss=model",
+                                                 "R1xS8xC1xT1 B1x2 sync ac=full loss=model"]
+    assert all(layout_search.decided(r, setup) for r in rows)
+    assert layout_search.winner_of(found, setup) == (rows[0], 1)
+
+
+def test_the_timings_stop_at_max_timings_and_at_the_time_budget(monkeypatch):
+    setup = dataclasses.replace(setup_of(), confirm=100, max_timings=2)
+    found = [layout_search.assess(c, setup) for c in candidates_of([Degrees(replicate=1, shard=8)],
+                                                                   parse_levers("none,full,model"), 16, "cpu")]
+    monkeypatch.setattr(layout_timing, "run_timing", lambda each, setup, index: timed(0.1, None, each.candidate.name))
+    assert len(layout_timing.choose_and_time(found, setup, lambda line: None)) == 2
+    said = []
+    spent = dataclasses.replace(setup, time_budget_s=0.0, max_timings=10)
+    assert len(layout_timing.choose_and_time(found, spent, said.append)) == 1  # the budget is read before each
+    assert said[-1] == "--time_budget_s 0 s spent: no further timing starts"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -105,6 +171,11 @@ def test_the_ranking_takes_compute_plus_communication_and_leaves_out_what_does_n
     (["--world_size", "4", "--global_batch_tokens", "1000"], "not a whole number of --block_size 128 sequences"),
     (["--world_size", "4"], "needs one of --global_batch"),
     (["--world_size", "4", "--global_batch", "4", "--levers", "float8"], "--levers float8: --float8 needs a GPU"),
+    (["--world_size", "4", "--global_batch", "4", "--confirm", "0"], "--confirm must be in [1, 1000], got 0"),
+    (["--world_size", "4", "--global_batch", "4", "--max_timings", "0"], "--max_timings must be in [1, 1000]"),
+    (["--world_size", "4", "--global_batch", "4", "--time_budget_s", "nan"], "--time_budget_s must be in [0, "),
+    (["--world_size", "4", "--global_batch", "4", "--time_budget_s", "inf"], "--time_budget_s must be in [0, "),
+    (["--world_size", "4", "--global_batch", "4", "--time_budget_s", "-1"], "--time_budget_s must be in [0, "),
 ])
 def test_bad_input_is_one_line_before_anything_runs(argv, message, tmp_path):
     said = refusal(plan.validate, ["--find", "layout", "--device", "cpu", "--output_dir", str(tmp_path / "o"), *argv])
@@ -112,25 +183,63 @@ def test_bad_input_is_one_line_before_anything_runs(argv, message, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_a_cpu_search_cannot_tell_what_fits_ranks_by_measured_compute_and_its_commands_run(tmp_path):
+def test_a_cpu_search_cannot_tell_what_fits_ranks_every_candidate_and_its_commands_run(tmp_path):
     out = tmp_path / "search"
     proc = run_script(["plan.py", "--find", "layout", "--device", "cpu", "--world_size", "4", "--block_size", "64",
-                       "--global_batch", "4", "--levers", "none,model", "--max_timings", "1", "--output_dir",
+                       "--global_batch", "4", "--levers", "none,full,model", "--max_timings", "2", "--output_dir",
                        str(out)], nproc=None, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     said = " ".join(proc.stdout.split())
-    assert "a CPU run: no cap, so it cannot tell what fits" in said and "compute measured" in said
+    assert "a CPU run: no cap, so it cannot tell what fits" in said and "estimated (e) on the rest" in said
     result = load(out / "plan.json")
-    assert result["meta"]["timings"] == 1 and all(c["fits"] is None for c in result["candidates"])
+    assert result["meta"]["timings"] == 2 and all(c["fits"] is None for c in result["candidates"])
     ranked = [c for c in result["candidates"] if c["projected"]]
-    assert ranked and all(c["projected"]["compute_measured"] for c in ranked)
-    winner = result["winner"]["commands"]
+    assert len(ranked) == len(result["candidates"]) == 18  # every candidate ranks, measured or estimated
+    measured = {c["name"] for c in ranked if c["projected"]["compute_measured"]}
+    assert 0 < len(measured) < 18 and result["winner"]["name"] in measured
+    check_the_winners_commands(result["winner"]["commands"], out, tmp_path)
+    drawn = run_script(["visualize.py", "--dir", str(out)], nproc=None)
+    assert drawn.returncode == 0 and (out / "layout.png").stat().st_size > 10_000, drawn.stderr
+
+
+def check_the_winners_commands(winner: dict, out, tmp_path) -> None:
+    """The one-GPU check runs as given (on the CPU), torchrun's main.py flags pass main.py's checks, and the
+    accelerate config reads back through accelerate's own loader to the winner's layout."""
     check = shlex.split(winner["one_gpu_check"])
     ran = run_script([*check[1:], "--device", "cpu", "--output_dir", str(tmp_path / "check")], nproc=None)
     assert ran.returncode == 0, ran.stderr[-2000:]
     torchrun = shlex.split(winner["torchrun"])
     main_args = torchrun[torchrun.index("main.py") + 1:]
     assert arguments.validate([*main_args, "--device", "cpu", "--output_dir", str(tmp_path / "real")], 4)
-    assert json.loads((out / "accelerate_config.json").read_text())["num_processes"] == 4
-    drawn = run_script(["visualize.py", "--dir", str(out)], nproc=None)
-    assert drawn.returncode == 0 and (out / "layout.png").stat().st_size > 10_000, drawn.stderr
+    if winner["accelerate_refuses"]:
+        assert not (out / "accelerate_config.json").exists()
+        return
+    config = accelerate_config.read(str(out / "accelerate_config.json"))
+    assert config.num_processes == 4 and not config.not_measured
+    for flag, value in config.values.items():
+        given = f"--{flag}" in main_args and main_args[main_args.index(f"--{flag}") + 1]
+        assert given in (str(value), False) and (given or value in (1, None, False, "autocast")), (flag, value)
+
+
+@pytest.mark.parametrize("degrees, refused", [
+    (Degrees(replicate=2, shard=2), None), (Degrees(replicate=1, shard=2, tp=2), None),
+    (Degrees(replicate=2, shard=1, tp=2), "cannot be used with pure data parallelism")])
+def test_the_accelerate_config_reads_back_through_accelerate_or_says_why_not(degrees, refused, tmp_path):
+    setup = dataclasses.replace(setup_of(), world_size=4)
+    fields = layout_search.accelerate_fields(Candidate(degrees, "full", "model", True, False, 1, 2), setup)
+    said = layout_report.write_unmarked(str(tmp_path / "accelerate_config.json"), fields)
+    if refused:
+        assert refused in said and not (tmp_path / "accelerate_config.json").exists()
+        return
+    config = accelerate_config.read(str(tmp_path / "accelerate_config.json"))
+    assert said is None and config.num_processes == 4 and config.values["activation_checkpointing"] == "full"
+    assert config.values["compile"] is True and config.values.get("tp_size", 1) == degrees.tp
+    assert config.values.get("dp_replicate_size", 1) == degrees.replicate
+
+
+def test_an_accelerate_config_not_beside_our_plan_is_left_untouched(tmp_path):
+    (tmp_path / "accelerate_config.json").write_text("{}")
+    said = refusal(plan.validate, ["--find", "layout", "--device", "cpu", "--world_size", "4", "--global_batch", "4",
+                                   "--output_dir", str(tmp_path)])
+    assert said is not None and "accelerate_config.json is there and this run would replace it" in said
+    assert (tmp_path / "accelerate_config.json").read_text() == "{}"

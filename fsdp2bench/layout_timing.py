@@ -1,0 +1,149 @@
+"""The layout search's timings: which candidate to time next, one main.py launch of it, and what it tells every
+candidate of the same per-rank shapes.
+
+Before any timing has run, the candidates go in the order of a prior (``layout_search.prior_speed``), one per
+per-rank shape, until one runs through. From then on every candidate ranks (untimed ones by an estimated
+compute), and the next timing is the first row on top whose compute is estimated or whose memory is not yet
+measured closely enough to name it: the loop ends when the first ``confirm`` rows are all measured, or at
+``max_timings`` launches, or past ``time_budget_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+from fsdp2bench.candidates import TRAINED, Candidate, estimated_bytes
+from fsdp2bench.layout_search import (TIMING_STEPS, Assessed, Setup, decided, main_flags, prior_speed, project,
+                                      ranked)
+from fsdp2bench.names import GIB, MIB
+
+
+def exact_key(found: Assessed) -> tuple:
+    """What one timing measures exactly: a layout and its per-rank shapes."""
+    return found.candidate.degrees, found.key
+
+
+def next_to_time(found: list[Assessed], setup: Setup, tried: set, references: list) -> Assessed | None:
+    """The most promising untimed shape by the prior until one timing ran through; then the first row on top that
+    is not yet decided (None once ``confirm`` rows are)."""
+    if not references:
+        shapes = {key for _, key in tried}
+        pool = [f for f in found if f.fits is not False and not f.failed and f.key not in shapes]
+        return min(pool, key=lambda f: (-prior_speed(f, setup), f.estimated_bytes), default=None)
+    confirmed = 0
+    for row in ranked(found):
+        if decided(row, setup):
+            confirmed += 1
+            if confirmed >= setup.confirm:
+                return None
+        elif exact_key(row) not in tried:
+            return row
+    return None
+
+
+def choose_and_time(found: list[Assessed], setup: Setup, say) -> list[dict]:
+    """Time candidates one at a time (``next_to_time``) and project every candidate after each timing."""
+    timings, tried, references = [], set(), []
+    started = time.monotonic()
+    while len(timings) < setup.max_timings:
+        if timings and time.monotonic() - started > setup.time_budget_s:  # the first runs: it names a reference
+            say(f"--time_budget_s {setup.time_budget_s:g} s spent: no further timing starts")
+            break
+        each = next_to_time(found, setup, tried, references)
+        if each is None:
+            break
+        tried.add(exact_key(each))
+        timing = run_timing(each, setup, len(timings))
+        timings.append(timing)
+        take_timing(timing, each, found, setup)
+        if timing["fits"] and timing.get("microbatch_s"):
+            references.append((each.candidate, timing))
+        for f in found:
+            project(f, setup, references)
+        say(f"[timing {len(timings)}/{setup.max_timings}] {each.candidate.name}: " + timing_said(timing))
+    return timings
+
+
+def timing_command(candidate: Candidate, setup: Setup, output_dir: str) -> list[str]:
+    """main.py for one simulated rank of the candidate's layout, one microbatch a step, alone on the device."""
+    one = dataclasses.replace(candidate, microbatches=1, sync_each_batch=False)
+    return [sys.executable, "main.py", *main_flags(one, setup), "--simulate_world_size", str(setup.world_size),
+            "--max_steps", str(TIMING_STEPS), "--concurrent_variants", "1", "--quiet", "--output_dir", output_dir,
+            *(["--gpu_memory", f"{setup.cap.gib:g}"] if setup.cap else []),
+            *(["--init_device", setup.init_device] if setup.device_type == "cuda" else ["--device", "cpu"])]
+
+
+def run_timing(found: Assessed, setup: Setup, index: int) -> dict:
+    """One timing: main.py's summary read back into the figures the ranking uses; an out-of-memory error (or
+    any other failure) is kept with its words."""
+    directory = os.path.join(setup.output_dir, "timings", f"t{index}")
+    command = timing_command(found.candidate, setup, directory)
+    began = time.monotonic()
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
+    record = {"candidate": found.candidate.name, "command": shlex.join(["python3", *command[1:]]),
+              "exit_code": proc.returncode, "wall_s": round(time.monotonic() - began, 1)}
+    entry = summary_entry(os.path.join(directory, "summary.json"), setup.world_size)
+    if entry is None or entry.get("status") != "ok":
+        why = (entry or {}).get("status") or (proc.stderr.strip().splitlines() or ["no summary"])[-1]
+        return {**record, "fits": False if "out of memory" in why else None, "error": why[:300]}
+    speed = entry.get("speed") or {}
+    clean = speed.get("tokens_per_s_per_gpu") is not None
+    return {**record, "fits": True, "clean": clean, "speed": speed,
+            "microbatch_s": speed["median_step_time_s"] if clean else entry.get("median_step_time_s"),
+            "peak_reserved_mib": entry["training_peak_reserved_mib"]["max"],
+            "peak_allocated_mib": entry["training_peak_allocated_mib"]["max"]}
+
+
+def summary_entry(path: str, world_size: int) -> dict | None:
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+        return summary["simulated"][str(world_size)]["0"][TRAINED]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def take_timing(timing: dict, probed: Assessed, everyone: list[Assessed], setup: Setup) -> None:
+    """A timing to every candidate of the same per-rank shapes: its compute, and its memory moved by what the
+    memory model says each holds beside the timed launch (a measurement on a candidate's own layout is kept over
+    one on a like layout)."""
+    one = dataclasses.replace(probed.candidate, microbatches=1, sync_each_batch=False)
+    probed_one = estimated_bytes(one, setup.shapes, setup.config, setup.block, setup.base, setup.held)
+    for found in (f for f in everyone if f.key == probed.key):
+        moved = found.estimated_bytes - probed_one
+        if timing["fits"] is None:
+            found.failed = f"a timing of its shapes failed: {timing['error']}"
+        elif timing["fits"] is False:
+            if moved >= 0:
+                found.fits, found.memory["how"] = False, f"out of memory where a like candidate ran: {timing['error']}"
+        else:
+            take_measured(found, timing, moved, found.candidate.degrees == probed.candidate.degrees, setup)
+
+
+def take_measured(found: Assessed, timing: dict, moved: int, own: bool, setup: Setup) -> None:
+    if found.compute is None or not found.compute.get("clean"):
+        found.compute = timing
+    if timing["peak_reserved_mib"] is None or (found.memory.get("own_layout") and not own):
+        return  # a CPU run has no allocator peaks
+    measured = timing["peak_reserved_mib"] * MIB + moved
+    found.memory.update(measured_gib=measured / GIB, moved_gib=moved / GIB, own_layout=own,
+                        how=f"measured on rank 0 ({'its own layout' if own else 'a like candidate'} at one "
+                            "microbatch) + the memory model's difference")
+    if setup.cap is not None:
+        found.fits = measured <= setup.cap.allocator_bytes
+
+
+def timing_said(timing: dict) -> str:
+    if not timing["fits"]:
+        return f"did not run through ({timing.get('error', '')[:120]})"
+    clean = "" if timing["clean"] else " (beside other runs: not a clean speed)"
+    peak = timing["peak_reserved_mib"]
+    return f"{timing['microbatch_s']:.3f} s a microbatch measured{clean}" + \
+        (f", {peak:,.0f} MiB reserved measured" if peak is not None else "") + f" ({timing['wall_s']:.0f} s)"
