@@ -2,7 +2,8 @@
 # The layout search for the Qwen2.5-7B shape (the qwen2.5-7b preset): N = 8 GPUs of 80 GiB, sequences of 32768 tokens,
 # 8 sequences a step (262,144 tokens), every lever that runs on the machine (float8 where torchao imports, liger
 # where installed).
-# One timing launch (one simulated rank alone on the GPU, 4 steps), the most promising. Run from the
+# Timing launches (one simulated rank alone on the GPU, 4 steps each) by the defaults: the most promising first,
+# then the ranked rows on top until three are measured (--max_timings 12, --time_budget_s 420). Run from the
 # repository root:   bash results/h200/layout_7b/run.sh OUT
 # Writes OUT/console.txt, OUT/plan.json.gz (every candidate), OUT/accelerate_config.json and OUT/layout.png
 # (the timings stay in /tmp).
@@ -12,7 +13,7 @@ mkdir -p "$out"
 rm -rf /tmp/layout_7b
 start=$SECONDS
 python3 plan.py --find layout --model qwen2.5-7b --world_size 8 --gpu_memory 80 \
-    --block_size 32768 --global_batch 8 --init_device cuda --max_timings 1 --output_dir /tmp/layout_7b \
+    --block_size 32768 --global_batch 8 --init_device cuda --output_dir /tmp/layout_7b \
     > "$out/console.txt" 2>&1
 echo "plan.py: exit $? in $((SECONDS - start)) s" | tee -a "$out/console.txt"
 python3 visualize.py --dir /tmp/layout_7b >> "$out/console.txt" 2>&1
