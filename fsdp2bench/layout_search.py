@@ -24,7 +24,7 @@ from fsdp2bench.names import GIB
 from fsdp2bench.throughput import model_flops_per_token, peak_flops
 from fsdp2bench.traffic import Links, step_collectives
 
-TIMING_STEPS = 4  # warm-up (two under compile) and at least two clean steps after it
+TIMING_STEPS = 6  # warm-up (two under compile) and at least four clean steps after it, for a steady median
 EDGE = 0.2  # an estimate this far over the cap is left out; within it of the cap a candidate is probed
 MOVED_MARGIN = 0.1  # a like candidate's measured peak, moved, this far under the limit needs no timing of its own
 # For estimates only (the order of the first timings, and the ratio between a timed candidate's levers and an
@@ -126,35 +126,45 @@ def nearness(a: Candidate, b: Candidate) -> tuple:
     return differ + (a.degrees.tp != b.degrees.tp) + (a.degrees.cp != b.degrees.cp), abs(math.log2(a.batch / b.batch))
 
 
-def estimated_microbatch(c: Candidate, references: list, setup: Setup) -> tuple[float, dict] | None:
-    """An untimed candidate's microbatch: its FLOPs at the FLOP/s the nearest timing reached, scaled by the levers'
-    prior ratio between the two (an estimate, labelled so; the confirm loop times the rows it puts on top)."""
+def local_share(c: Candidate) -> float:
+    """The share of the parameters (and so of the optimizer's work) a rank holds: FSDP2 shards over shard x cp."""
+    return 1 / (c.degrees.shard * c.degrees.cp * c.degrees.tp)
+
+
+def forward_backward_s(timing: dict) -> float:
+    return timing["microbatch_s"] - (timing.get("optimizer_s") or 0.0)
+
+
+def estimated_forward_backward(c: Candidate, references: list, setup: Setup) -> tuple[float, dict] | None:
+    """An untimed candidate's forward and backward: its FLOPs at the FLOP/s the nearest timing reached, scaled by
+    the levers' prior ratio between the two (an estimate, labelled so; the confirm loop times the rows it puts on
+    top)."""
     if not references:
         return None
     ref, timing = min(references, key=lambda r: nearness(c, r[0]))
-    achieved = microbatch_flops(ref, setup) / timing["microbatch_s"]
+    achieved = microbatch_flops(ref, setup) / forward_backward_s(timing)
     return microbatch_flops(c, setup) / (achieved * lever_factor(c) / lever_factor(ref)), timing
 
 
 def project(found: Assessed, setup: Setup, references: list) -> None:
-    """Projected tokens per second per GPU: K microbatches of measured (else estimated) compute, plus the
-    projected communication (no overlap), and the larger of the two (full overlap)."""
+    """Projected tokens per second per GPU: K forwards and backwards and one optimizer step (measured on the
+    candidate's shapes, else estimated; the optimizer's time scaled to the candidate's share of the parameters),
+    plus the projected communication (no overlap), and the larger of the two (full overlap)."""
     found.projected = None
     timing = found.compute
-    if found.failed or found.fits is False:
+    if found.failed or found.fits is False or (timing is not None and not timing.get("microbatch_s")):
         return
     if timing is None:
-        estimate = estimated_microbatch(found.candidate, references, setup)
+        estimate = estimated_forward_backward(found.candidate, references, setup)
         if estimate is None:
             return
-        microbatch_s, timing = estimate
-    elif not timing.get("microbatch_s"):
-        return
+        forward_backward, timing = estimate
     else:
-        microbatch_s = timing["microbatch_s"]
-    compute = microbatch_s * found.candidate.microbatches
+        forward_backward = forward_backward_s(timing)
+    optimizer = (timing.get("optimizer_s") or 0.0) * local_share(found.candidate) / timing["local_share"]
+    compute = forward_backward * found.candidate.microbatches + optimizer
     tokens = setup.tokens_per_step_per_gpu
-    found.projected = {"compute_s": compute, "compute_measured": found.compute is not None,
+    found.projected = {"compute_s": compute, "optimizer_s": optimizer, "compute_measured": found.compute is not None,
                        "compute_clean": timing["clean"], "compute_from": timing["candidate"], "comm_s": found.comm_s,
                        "no_overlap_tokens_per_s": tokens / (compute + found.comm_s),
                        "full_overlap_tokens_per_s": tokens / max(compute, found.comm_s)}

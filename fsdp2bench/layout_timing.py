@@ -19,8 +19,8 @@ import sys
 import time
 
 from fsdp2bench.candidates import TRAINED, Candidate, estimated_bytes
-from fsdp2bench.layout_search import (TIMING_STEPS, Assessed, Setup, decided, main_flags, prior_speed, project,
-                                      ranked)
+from fsdp2bench.layout_search import (TIMING_STEPS, Assessed, Setup, decided, local_share, main_flags, prior_speed,
+                                      project, ranked)
 from fsdp2bench.names import GIB, MIB
 
 
@@ -88,7 +88,8 @@ def run_timing(found: Assessed, setup: Setup, index: int) -> dict:
     proc = subprocess.run(command, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))))
     record = {"candidate": found.candidate.name, "command": shlex.join(["python3", *command[1:]]),
-              "exit_code": proc.returncode, "wall_s": round(time.monotonic() - began, 1)}
+              "exit_code": proc.returncode, "wall_s": round(time.monotonic() - began, 1),
+              "local_share": local_share(found.candidate)}
     entry = summary_entry(os.path.join(directory, "summary.json"), setup.world_size)
     if entry is None or entry.get("status") != "ok":
         why = (entry or {}).get("status") or (proc.stderr.strip().splitlines() or ["no summary"])[-1]
@@ -97,6 +98,7 @@ def run_timing(found: Assessed, setup: Setup, index: int) -> dict:
     clean = speed.get("tokens_per_s_per_gpu") is not None
     return {**record, "fits": True, "clean": clean, "speed": speed,
             "microbatch_s": speed["median_step_time_s"] if clean else entry.get("median_step_time_s"),
+            "optimizer_s": speed.get("median_optimizer_s"),
             "peak_reserved_mib": entry["training_peak_reserved_mib"]["max"],
             "peak_allocated_mib": entry["training_peak_allocated_mib"]["max"]}
 

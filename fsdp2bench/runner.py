@@ -114,7 +114,8 @@ class TrainStep:
         return loss.detach()
 
     def __call__(self, input_ids: torch.Tensor, before_zero_grad: Callable[[], None] | None = None,
-                 between_microbatches: Callable[[], None] | None = None) -> torch.Tensor:
+                 between_microbatches: Callable[[], None] | None = None,
+                 before_optimizer: Callable[[], None] | None = None) -> torch.Tensor:
         prep, k = self.prep, self.microbatches
         if k == 1:
             loss = self.forward_backward(input_ids)
@@ -126,6 +127,8 @@ class TrainStep:
                 if i == 0 and between_microbatches is not None:
                     between_microbatches()
             loss = torch.stack(losses).mean()
+        if before_optimizer is not None:
+            before_optimizer()
         prep.optimizer.step()
         if before_zero_grad is not None:
             before_zero_grad()
@@ -134,14 +137,15 @@ class TrainStep:
 
 
 class StepReadback:
-    """Each step's loss and time, read one step late on a GPU.
+    """Each step's loss and time (and the optimizer step's share of it), read one step late on a GPU.
 
     A step is bound by the host (docs/performance.md): reading its loss at once would make the host wait
     for the GPU's tail of the step before queueing the next one. Instead the loss is copied to pinned
     host memory behind the step, with an event, and the step's time is the device's time between two
     such events. Nothing here allocates device memory, so the memory figures do not change. The
     events block: a process waiting on one sleeps instead of spinning on a core, which the processes
-    of the variants running beside it need.
+    of the variants running beside it need. The optimizer's share (from the event before its step to the step's
+    end) lets a layout search price K microbatches and one optimizer step from a run of one microbatch.
     """
 
     def __init__(self, device: torch.device, steps: int):
@@ -149,10 +153,18 @@ class StepReadback:
         self.pinned: torch.Tensor | None = None
         self.losses: list[float] = []  # on the CPU, read at once: there is nothing to wait for
         self.clock: list[float] = [time.perf_counter()]
+        self.optimizer_clock: list[float] = []
         self.events = [torch.cuda.Event(enable_timing=True, blocking=True)
                        for _ in range(steps + 1)] if self.cuda else []
+        self.optimizer_events = [torch.cuda.Event(enable_timing=True) for _ in range(steps)] if self.cuda else []
         if self.cuda:
             self.events[0].record()
+
+    def optimizer_starts(self, step: int) -> None:
+        if self.cuda:
+            self.optimizer_events[step].record()
+        else:
+            self.optimizer_clock.append(time.perf_counter())
 
     def queued(self, step: int, loss: torch.Tensor) -> None:
         if not self.cuda:
@@ -164,12 +176,14 @@ class StepReadback:
         self.pinned[step].copy_(loss, non_blocking=True)
         self.events[step + 1].record()
 
-    def result(self, step: int) -> tuple[float, float]:
-        """(loss, seconds) of ``step``, once the device has finished it."""
+    def result(self, step: int) -> tuple[float, float, float]:
+        """(loss, seconds, the optimizer's seconds) of ``step``, once the device has finished it."""
         if not self.cuda:
-            return self.losses[step], self.clock[step + 1] - self.clock[step]
+            return self.losses[step], self.clock[step + 1] - self.clock[step], \
+                self.clock[step + 1] - self.optimizer_clock[step]
         self.events[step + 1].synchronize()
-        return self.pinned[step].item(), self.events[step].elapsed_time(self.events[step + 1]) / 1000
+        return (self.pinned[step].item(), self.events[step].elapsed_time(self.events[step + 1]) / 1000,
+                self.optimizer_events[step].elapsed_time(self.events[step + 1]) / 1000)
 
 
 def injected_failure(job: Job, step: int, tracker: MemoryTracker, model: torch.nn.Module) -> None:
@@ -271,11 +285,11 @@ def train_busy(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: d
         return account(prep.model, prep.optimizer, train_step.outputs)
 
     def read_back(step: int) -> None:
-        loss, seconds = readback.result(step)
+        loss, seconds, optimizer_s = readback.result(step)
         # Under a fake group no collective moves data, so the loss of a simulated rank means nothing.
         record = tracker.steps[step]
         # Other runs busy on the device when the step was queued, or when the device had finished it.
-        record.update(loss=None if job.simulated else loss, step_time_s=seconds,
+        record.update(loss=None if job.simulated else loss, step_time_s=seconds, optimizer_s=optimizer_s,
                       runs_beside=max(record["runs_beside"], share.others()))
         progress.update(step, record["loss"], record["peak_allocated_mib"], seconds)
 
@@ -285,7 +299,8 @@ def train_busy(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: d
             tracker.polling = not (job.train.tracker_overhead and step % 2)
             hooks = [(lambda phase=phase: accounting.update({phase: held()}))
                      if step == last else None for phase in ("before_zero_grad", MICROBATCH_PHASE)]
-            readback.queued(step, train_step(batch.to(job.device, non_blocking=True), *hooks))
+            readback.queued(step, train_step(batch.to(job.device, non_blocking=True), *hooks,
+                                             before_optimizer=lambda step=step: readback.optimizer_starts(step)))
             tracker.record_step(step)["runs_beside"] = share.others()
             if step > 0:
                 read_back(step - 1)  # the previous step, while the device runs this one

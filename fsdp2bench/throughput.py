@@ -58,19 +58,22 @@ def speed(steps: list[dict], tokens_per_step: float, flops_per_token: int, gpu_n
     """One run's speed figures from its step records (``step_time_s``, ``runs_beside``)."""
     warm = warmup_steps(compiled)
     timed = [s for s in steps[warm:] if s.get("step_time_s") is not None]
-    clean = [s["step_time_s"] for s in timed if not s.get("runs_beside")]
+    clean_steps = [s for s in timed if not s.get("runs_beside")]
+    clean = [s["step_time_s"] for s in clean_steps]
     peak = peak_flops(gpu_name)
     figures = {"tokens_per_step_per_gpu": tokens_per_step, "model_flops_per_token": flops_per_token,
                "warmup_steps": warm, "timed_steps": len(clean), "shared_steps": len(timed) - len(clean),
                "compute_only": simulated, "peak_bf16_tflops": None if peak is None else peak / 1e12,
-               "median_step_time_s": None, "tokens_per_s_per_gpu": None, "mfu": None, "compile_s": None,
-               "not_measured": None}
+               "median_step_time_s": None, "median_optimizer_s": None, "tokens_per_s_per_gpu": None, "mfu": None,
+               "compile_s": None, "not_measured": None}
     if len(clean) < MIN_TIMED_STEPS:
         figures["not_measured"] = unmeasured_reason(len(steps), warm, len(timed) - len(clean))
         return figures
     median = statistics.median(clean)
     rate = tokens_per_step / median
+    optimizer = [s["optimizer_s"] for s in clean_steps if s.get("optimizer_s") is not None]
     figures.update(median_step_time_s=median, tokens_per_s_per_gpu=rate,
+                   median_optimizer_s=statistics.median(optimizer) if optimizer else None,
                    mfu=None if peak is None else rate * flops_per_token / peak)
     if compiled:  # the warm-up steps exist: clean steps came after them
         figures["compile_s"] = max(0.0, sum(s["step_time_s"] or 0 for s in steps[:warm]) - warm * median)

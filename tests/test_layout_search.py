@@ -89,9 +89,9 @@ def flat(batch: int, ac: str = "none", **levers) -> Candidate:
                      levers.get("float8", False), batch, 16 // 8 // batch)
 
 
-def timed(microbatch_s: float, peak_mib: float | None = None, name: str = "timed") -> dict:
-    return {"candidate": name, "fits": True, "microbatch_s": microbatch_s, "clean": True,
-            "peak_reserved_mib": peak_mib, "wall_s": 1.0}
+def timed(microbatch_s: float, peak_mib: float | None = None, name: str = "timed", optimizer_s: float = 0.0) -> dict:
+    return {"candidate": name, "fits": True, "microbatch_s": microbatch_s, "optimizer_s": optimizer_s, "clean": True,
+            "peak_reserved_mib": peak_mib, "wall_s": 1.0, "local_share": 1 / 8}
 
 
 def test_the_ranking_takes_compute_plus_communication_and_leaves_out_what_does_not_fit():
@@ -119,7 +119,25 @@ def test_an_untimed_candidate_is_estimated_from_the_nearest_timing_flops_and_the
         layout_search.project(each, setup, references)
         assert each.projected["compute_s"] == pytest.approx(microbatch_s * candidate.microbatches)
         assert each.projected["compute_measured"] is False
-    assert layout_search.estimated_microbatch(flat(2, "full"), references, setup)[1]["candidate"] == "B1 full"
+    assert layout_search.estimated_forward_backward(flat(2, "full"), references, setup)[1]["candidate"] == "B1 full"
+
+
+def test_a_step_is_k_forwards_and_backwards_and_one_optimizer_step_its_share_scaled_to_the_layout():
+    """Timed at one microbatch over 8 shards: 0.10 s, 0.02 s of it the optimizer. B1x2 over 8 shards: twice 0.08
+    and 0.02 once; over 4 shards (R2xS4) the rank holds twice the parameters: 0.04; estimated at B2 (R1xS8, K=1):
+    twice the FLOPs, 0.16, and the optimizer's 0.02."""
+    setup = setup_of()
+    timing = timed(0.10, optimizer_s=0.02)
+    cases = {flat(1): 2 * 0.08 + 0.02, Candidate(Degrees(replicate=2, shard=4), "none", "model", False, False, 1, 1):
+             0.08 + 0.04}
+    for candidate, compute_s in cases.items():
+        each = layout_search.assess(candidate, setup)
+        each.compute = timing
+        layout_search.project(each, setup, [])
+        assert each.projected["compute_s"] == pytest.approx(compute_s) and each.projected["compute_measured"]
+    estimated = layout_search.assess(flat(2), setup)
+    layout_search.project(estimated, setup, [(flat(1), timing)])
+    assert estimated.projected["compute_s"] == pytest.approx(0.16 + 0.02)
 
 
 def test_the_timings_confirm_the_rows_on_top_and_stop_once_they_are_measured(monkeypatch):
@@ -204,7 +222,7 @@ def test_a_cpu_search_cannot_tell_what_fits_ranks_every_candidate_and_its_comman
 
 def check_the_winners_commands(winner: dict, out, tmp_path) -> None:
     """The one-GPU check runs as given (on the CPU), torchrun's main.py flags pass main.py's checks, and the
-    accelerate config reads back through accelerate's own loader to the winner's layout."""
+    accelerate config reads back through accelerate's own loader to the winner's layout and levers."""
     check = shlex.split(winner["one_gpu_check"])
     ran = run_script([*check[1:], "--device", "cpu", "--output_dir", str(tmp_path / "check")], nproc=None)
     assert ran.returncode == 0, ran.stderr[-2000:]
@@ -215,10 +233,12 @@ def check_the_winners_commands(winner: dict, out, tmp_path) -> None:
         assert not (out / "accelerate_config.json").exists()
         return
     config = accelerate_config.read(str(out / "accelerate_config.json"))
+    record = next(c for c in load(out / "plan.json")["candidates"] if c["name"] == winner["name"])
     assert config.num_processes == 4 and not config.not_measured
-    for flag, value in config.values.items():
-        given = f"--{flag}" in main_args and main_args[main_args.index(f"--{flag}") + 1]
-        assert given in (str(value), False) and (given or value in (1, None, False, "autocast")), (flag, value)
+    assert {axis: config.values.get(f"{axis}_size", 1) for axis in ("dp_replicate", "dp_shard", "cp", "tp")} == \
+        {axis: record[axis] for axis in ("dp_replicate", "dp_shard", "cp", "tp")}
+    assert config.values.get("compile", False) == record["compile"]
+    assert (config.values["activation_checkpointing"] == "full") == (record["activation_checkpointing"] == "full")
 
 
 @pytest.mark.parametrize("degrees, refused", [
