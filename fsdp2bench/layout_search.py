@@ -45,6 +45,7 @@ class Assessed:
     fits: bool | None = None  # None: cannot tell (no cap, or not measured where the estimate is near the cap)
     memory: dict = field(default_factory=dict)
     compute: dict | None = None  # the timing of its per-rank shapes: its compute measured
+    compute_own: bool = False  # that timing ran its own layout
     projected: dict | None = None
     failed: str | None = None  # a timing of its shapes failed other than by running out of memory
 

@@ -130,8 +130,10 @@ def take_timing(timing: dict, probed: Assessed, everyone: list[Assessed], setup:
 
 
 def take_measured(found: Assessed, timing: dict, moved: int, own: bool, setup: Setup) -> None:
-    if found.compute is None or not found.compute.get("clean"):
-        found.compute = timing
+    """A timing on the candidate's own layout wins over one on a like layout, for its compute (a rank holding
+    more state can run slower than its FLOPs say, its allocator nearer the cap) as for its memory."""
+    if own or found.compute is None or not (found.compute_own or found.compute.get("clean")):
+        found.compute, found.compute_own = timing, own
     if timing["peak_reserved_mib"] is None or (found.memory.get("own_layout") and not own):
         return  # a CPU run has no allocator peaks
     measured = timing["peak_reserved_mib"] * MIB + moved

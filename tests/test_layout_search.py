@@ -170,6 +170,20 @@ def test_the_timings_confirm_the_rows_on_top_and_stop_once_they_are_measured(mon
     assert layout_search.winner_of(found, setup) == (rows[0], 1)
 
 
+def test_a_timing_on_a_candidates_own_layout_wins_over_one_on_a_like_layout():
+    """R1xS8 and R2xS4 at B1 share their per-rank shapes: the first timing (R1xS8) serves both; R2xS4's own timing
+    then replaces it for R2xS4 alone, compute and memory, and a later like timing does not undo that."""
+    setup = setup_of(GpuCap(12.0, 140 * GIB, 0))
+    flat8, hsdp = (layout_search.assess(Candidate(d, "none", "model", False, False, 1, 1), setup)
+                   for d in (Degrees(replicate=1, shard=8), Degrees(replicate=2, shard=4)))
+    first, own = timed(0.10, 1024, flat8.candidate.name), timed(0.13, 2048, hsdp.candidate.name)
+    for timing, probed in ((first, flat8), (own, hsdp), (first, flat8)):
+        layout_timing.take_timing(timing, probed, [flat8, hsdp], setup)
+    assert flat8.compute is first and hsdp.compute is own and hsdp.memory["own_layout"]
+    moved = hsdp.estimated_bytes - flat8.estimated_bytes  # R2xS4 holds twice the shard R1xS8 does
+    assert moved > 0 and hsdp.memory["measured_gib"] == pytest.approx(2.0) and flat8.memory["measured_gib"] == 1.0
+
+
 def test_the_timings_stop_at_max_timings_and_at_the_time_budget(monkeypatch):
     setup = dataclasses.replace(setup_of(), confirm=100, max_timings=2)
     found = [layout_search.assess(c, setup) for c in candidates_of([Degrees(replicate=1, shard=8)],
