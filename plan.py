@@ -106,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="GB/s per direction per GPU WITHIN a node of 8 and ACROSS nodes, or a JSON FILE with "
                         "node_size, within_gbps, across_gbps (default: 450,50: NVLink 4, 400 Gb/s RDMA)")
     g.add_argument("--max_timings", type=int, default=12,
-                   help="timing launches at most (one simulated rank alone on the device each; default: 12)")
+                   help="timing launches at most, one simulated rank alone on the device each (default: 12)")
     g.add_argument("--confirm", type=int, default=3, metavar="ROWS",
                    help="time the ranked candidates on top until the first ROWS are measured, not estimated "
                         "(default: 3)")
