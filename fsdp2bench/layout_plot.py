@@ -13,9 +13,10 @@ GIB_PER_MIB = 1 / 1024
 
 
 def memory_gib(candidate: dict) -> float:
-    """Measured (moved by the memory model's difference) where its shapes ran, else the estimate."""
+    """Measured (moved by the memory model's difference) where its shapes ran, else the estimate (calibrated where
+    a timing of the same levers measured the memory model's error)."""
     memory = candidate["memory"]
-    return memory.get("measured_gib", memory["estimated_gib"])
+    return memory.get("measured_gib", memory.get("calibrated_gib", memory["estimated_gib"]))
 
 
 GROUPS = (  # (fits, compute measured), marker, label
@@ -45,7 +46,7 @@ def plot_layout_search(plan: dict, path: str) -> None:
         ax.axvline(cap * MIB / (1 << 30), color="grey", linestyle="--", label="the allocator's limit")
     meta = plan["meta"]
     ax.set_xlabel("rank 0's peak reserved, GiB (measured + the memory model's difference where its shapes ran, "
-                  "else estimated)", fontsize=8)
+                  "else estimated, calibrated where its levers were timed)", fontsize=8)
     ax.set_ylabel("tokens/s per GPU, projected (compute + communication, no overlap)", fontsize=8)
     ax.set_title(f"{meta['model']}: N = {meta['world_size']}, {meta['global_batch']} x {meta['block_size']} tokens "
                  f"a step", fontsize=10)

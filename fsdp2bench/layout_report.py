@@ -40,6 +40,8 @@ def memory_said(found: Assessed) -> str:
     m = found.memory
     if "measured_gib" in m:
         return f"{m['measured_gib']:.1f} measured" + ("" if m.get("own_layout") else "+")
+    if "calibrated_gib" in m:
+        return f"{m['calibrated_gib']:.1f} calibrated"
     return f"{m['estimated_gib']:.1f} estimated"
 
 
@@ -54,9 +56,10 @@ def not_fitting(found: list[Assessed]) -> list[str]:
         over = f.memory.get("over_gib")
         if over is not None and (key not in closest or over < closest[key].memory["over_gib"]):
             closest[key] = f
-    lines = [f"{len(out)} of {len(found)} candidates do not fit; the closest of each layout, by the memory "
-             "model's estimate over the cap (not run):"]
-    lines += [f"    {f.candidate.name}: {f.memory['over_gib']:.1f} GiB over (estimated)"
+    lines = [f"{len(out)} of {len(found)} candidates do not fit; the closest of each layout, by the estimate over "
+             "the cap (not run; the memory model's, calibrated where a timing of the same levers measured it):"]
+    lines += [f"    {f.candidate.name}: {f.memory['over_gib']:.1f} GiB over "
+              f"({'calibrated' if 'calibrated_gib' in f.memory else 'estimated'})"
               for f in sorted(closest.values(), key=lambda f: f.memory["over_gib"])[:8]]
     measured = [f for f in out if "over_gib" not in f.memory]
     if measured:
@@ -108,6 +111,7 @@ def legend(found: list[Assessed], setup: Setup, timings: list[dict]) -> str:
             f"{setup.links.node_size} and {setup.links.across_gbps:g} GB/s across nodes, added (no overlap); 'full "
             "overlap' takes the larger of the two. Memory: measured is rank 0's peak reserved on the candidate's own "
             "layout, measured+ on a like candidate, each moved by the memory model's difference (accumulation); "
+            "calibrated is the memory model's estimate times the ratio of measured to estimated under the same levers; "
             "estimated is the memory model alone. Rows marked (estimated) are not measured enough to be named.")
 
 

@@ -19,8 +19,8 @@ import sys
 import time
 
 from fsdp2bench.candidates import TRAINED, Candidate, estimated_bytes
-from fsdp2bench.layout_search import (TIMING_STEPS, Assessed, Setup, decided, local_share, main_flags, prior_speed,
-                                      project, ranked)
+from fsdp2bench.layout_search import (TIMING_STEPS, Assessed, Setup, calibrate, decided, local_share, main_flags,
+                                      prior_speed, project, ranked)
 from fsdp2bench.names import GIB, MIB
 
 
@@ -49,7 +49,7 @@ def next_to_time(found: list[Assessed], setup: Setup, tried: set, references: li
 
 def choose_and_time(found: list[Assessed], setup: Setup, say) -> list[dict]:
     """Time candidates one at a time (``next_to_time``) and project every candidate after each timing."""
-    timings, tried, references = [], set(), []
+    timings, tried, references, ratios = [], set(), [], {}
     started = time.monotonic()
     while len(timings) < setup.max_timings:
         if timings and time.monotonic() - started > setup.time_budget_s:  # the first runs: it names a reference
@@ -64,10 +64,21 @@ def choose_and_time(found: list[Assessed], setup: Setup, say) -> list[dict]:
         take_timing(timing, each, found, setup)
         if timing["fits"] and timing.get("microbatch_s"):
             references.append((each.candidate, timing))
+        if timing["fits"] and timing.get("peak_reserved_mib") is not None:
+            learn_ratio(each, ratios)
+            calibrate(found, setup, ratios)
         for f in found:
             project(f, setup, references)
         say(f"[timing {len(timings)}/{setup.max_timings}] {each.candidate.name}: " + timing_said(timing))
     return timings
+
+
+def learn_ratio(timed: Assessed, ratios: dict) -> None:
+    """What the timed candidate's measured memory is of the memory model's estimate, for its levers (with and
+    without its loss; the first timing of a kind sets it)."""
+    c, ratio = timed.candidate, timed.memory["measured_gib"] * GIB / timed.estimated_bytes
+    ratios.setdefault((c.ac, c.loss, c.compile, c.float8), ratio)
+    ratios.setdefault((c.ac, c.compile, c.float8), ratio)
 
 
 def timing_command(candidate: Candidate, setup: Setup, output_dir: str) -> list[str]:
@@ -124,7 +135,8 @@ def take_timing(timing: dict, probed: Assessed, everyone: list[Assessed], setup:
             found.failed = f"a timing of its shapes failed: {timing['error']}"
         elif timing["fits"] is False:
             if moved >= 0:
-                found.fits, found.memory["how"] = False, f"out of memory where a like candidate ran: {timing['error']}"
+                found.fits, found.out_of_memory = False, True
+                found.memory["how"] = f"out of memory where a like candidate ran: {timing['error']}"
         else:
             take_measured(found, timing, moved, found.candidate.degrees == probed.candidate.degrees, setup)
 
@@ -137,6 +149,7 @@ def take_measured(found: Assessed, timing: dict, moved: int, own: bool, setup: S
     if timing["peak_reserved_mib"] is None or (found.memory.get("own_layout") and not own):
         return  # a CPU run has no allocator peaks
     measured = timing["peak_reserved_mib"] * MIB + moved
+    found.memory.pop("over_gib", None)
     found.memory.update(measured_gib=measured / GIB, moved_gib=moved / GIB, own_layout=own,
                         how=f"measured on rank 0 ({'its own layout' if own else 'a like candidate'} at one "
                             "microbatch) + the memory model's difference")

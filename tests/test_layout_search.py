@@ -184,6 +184,23 @@ def test_a_timing_on_a_candidates_own_layout_wins_over_one_on_a_like_layout():
     assert moved > 0 and hsdp.memory["measured_gib"] == pytest.approx(2.0) and flat8.memory["measured_gib"] == 1.0
 
 
+def test_a_timing_calibrates_the_memory_models_estimate_for_candidates_of_its_levers():
+    """The model says 100 GiB where the timed candidate held 70: every candidate of the same levers is placed again
+    at 0.7 of its estimate, those of other levers keep theirs, and one that ran out of memory stays out."""
+    setup = setup_of(GpuCap(80.0, 140 * GIB, 0))
+    same, other, failed = (layout_search.assess(flat(1, ac), setup) for ac in ("none", "full", "none"))
+    for f in (same, other, failed):
+        f.estimated_bytes = 110 * GIB
+        layout_search.place(f, setup, 1.0, "estimated")
+    failed.out_of_memory = True
+    assert [f.fits for f in (same, other, failed)] == [False, False, False]
+    layout_search.calibrate([same, other, failed], setup, {("none", "model", False, False): 0.7})
+    assert same.fits is None and same.memory["calibrated_gib"] == pytest.approx(77) and "over_gib" not in same.memory
+    assert other.fits is False and other.memory["over_gib"] == pytest.approx(30) and failed.fits is False
+    layout_search.calibrate([same], setup, {("none", False, False): 0.5})  # levers without the loss: 55 GiB
+    assert same.fits is True and "well under the cap" in same.memory["how"]
+
+
 def test_the_timings_stop_at_max_timings_and_at_the_time_budget(monkeypatch):
     setup = dataclasses.replace(setup_of(), confirm=100, max_timings=2)
     found = [layout_search.assess(c, setup) for c in candidates_of([Degrees(replicate=1, shard=8)],
