@@ -2,7 +2,7 @@
 # The layout search for the Qwen2.5-7B shape (the qwen2.5-7b preset): N = 8 GPUs of 80 GiB, sequences of 32768 tokens,
 # 8 sequences a step (262,144 tokens), every lever that runs on the machine (float8 where torchao imports, liger
 # where installed).
-# Timing launches (one simulated rank alone on the GPU, 4 steps each) by the defaults: the most promising first,
+# Timing launches (one simulated rank alone on the GPU, 6 steps each) by the defaults: the most promising first,
 # then the ranked rows on top until three are measured (--max_timings 12, --time_budget_s 420). Run from the
 # repository root:   bash results/h200/layout_7b/run.sh OUT
 # Writes OUT/console.txt, OUT/plan.json.gz (every candidate), OUT/accelerate_config.json and OUT/layout.png

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The layout search for the Llama-3.1-8B shape (../long_context_8b/model): N = 64 GPUs of 80 GiB, sequences of 8192,
 # 1024 sequences a step, every lever that runs on the machine (float8 where torchao imports, liger where installed).
-# Timing launches (one simulated rank alone on the GPU, 4 steps each) by the defaults: the most promising first,
+# Timing launches (one simulated rank alone on the GPU, 6 steps each) by the defaults: the most promising first,
 # then the ranked rows on top until three are measured (--max_timings 12), no timing started after 150 s of them
 # (the session's device time left; the default is 420). Run from the
 # repository root:   bash results/h200/layout_8b/run.sh OUT
