@@ -116,7 +116,8 @@ def place(found: Assessed, setup: Setup, ratio: float, how: str) -> None:
 def calibrate(found: list[Assessed], setup: Setup, ratios: dict) -> None:
     """Each candidate not yet measured placed again by the memory model's estimate times the ratio a timing of the
     same levers measured (rank 0's peak over the estimate): the model knows no compile, float8 or fused loss, and
-    ran 27-32% high under them on the Llama-3.1-8B and Qwen2.5-7B shapes, which left out candidates that fit."""
+    ran high under them (the Llama-3.1-8B and Qwen2.5-7B shapes measured 62-73% of its estimate), which left out
+    candidates that fit."""
     for f in found:
         c = f.candidate
         ratio = ratios.get((c.ac, c.loss, c.compile, c.float8)) or ratios.get((c.ac, c.compile, c.float8))
