@@ -88,17 +88,11 @@ class Ladder:
         return value if value > x else None
 
 
-class Search:
-    """The largest value in [lower, upper] whose probe fits, assuming a larger value never fits where a
-    smaller one does not (near the cap the allocator's luck can break that: ``largest_fit``).
-
-    ``limit_mib``: the allocator's limit; ``slope_mib``: the memory model's estimate of what one more
-    unit of the searched value adds to a step's peak allocated; ``block_mib``: what it adds to the
-    step's largest allocation (the logits; under a chunked or fused loss the MLP's widest activation). Near the cap a step fails once its peak leaves no free
-    stretch of the largest block's size: the first aim is a peak of the limit less ``block_share`` of that
-    block, and each probe after it bounds that share (``share_bounds``). Without them the search doubles and
-    halves; ``follow`` starts it at another search's edge instead.
-    """
+class SearchState:
+    """What a search knows: the bounds, the limit and the memory model's figures it aims with, its fresh probes'
+    outcomes and its shared process's values, and the edge they put where (``largest_fit``, ``smallest_failure``).
+    A larger value is assumed never to fit where a smaller one does not (near the cap the allocator's luck can
+    break that: ``largest_fit``)."""
 
     def __init__(self, lower: int, upper: int, limit_mib: float | None = None, slope_mib: float | None = None,
                  block_mib: float = 0.0, block_share: float = 0.0):
@@ -112,20 +106,6 @@ class Search:
         self.learned = False  # block_share is what finished searches left free (share_edges), not the prior
         self.first_learned = False  # the first probe was aimed with a learned share
         self.seed: int | None = None  # where a search like this one found its edge (``follow``)
-
-    def share_bounds(self) -> tuple[float, float]:
-        """The shares this search's own probes allow, within ``SHARE_BOUNDS``: a value that fit left at most the
-        share its peak left free, one that failed at least the share the line leaves free there."""
-        low, high = SHARE_BOUNDS
-        if not self.block_mib:
-            return low, high
-        for o in self.outcomes:
-            peak = o.peak_mib if o.fits else self.predicted_peak(o.value)
-            if peak is None:
-                continue
-            free = (self.limit_mib - peak) / (self.block_mib * o.value)
-            low, high = (low, min(high, free)) if o.fits else (max(low, free), high)
-        return low, high
 
     def record(self, outcome: Outcome) -> None:
         self.outcomes.append(outcome)
@@ -173,6 +153,46 @@ class Search:
             ends.append(self.done)
             self.outcomes.pop()
         return ends[0], ends[1]
+
+    def answer(self) -> dict:
+        """The largest value that fits and what happened just above it, for plan.json and the table."""
+        lo, hi = self.largest_fit, self.smallest_failure
+        above = next((o for o in self.outcomes if o.value == hi), None)
+        best = next((o for o in self.outcomes if o.value == lo and o.fits), None)
+        # Unfinished (interrupted), the edge is only known to lie in [at_least, below): no largest value.
+        bounds = {} if self.done else {"at_least": lo, "below": hi}
+        return {"largest": lo if self.done else None, **bounds, "finished": self.done, "fit": _said(best),
+                "above": _said(above),
+                "fits_above_edge": self.fits_above_edge,
+                "at_upper_bound": lo == self.upper, "probes": len(self.outcomes), "error": self.error,
+                "started_at": self.seed,
+                "smallest_peak_mib": min((o.peak_mib for o in self.outcomes if o.peak_mib is not None), default=None)}
+
+
+class Search(SearchState):
+    """The largest value in [lower, upper] whose probe fits: where each next probe goes.
+
+    ``limit_mib``: the allocator's limit; ``slope_mib``: the memory model's estimate of what one more
+    unit of the searched value adds to a step's peak allocated; ``block_mib``: what it adds to the
+    step's largest allocation (the logits; under a chunked or fused loss the MLP's widest activation). Near the
+    cap a step fails once its peak leaves no free stretch of the largest block's size: the first aim is a peak of
+    the limit less ``block_share`` of that block, and each probe after it bounds that share (``share_bounds``).
+    Without them the search doubles and halves; ``follow`` starts it at another search's edge instead.
+    """
+
+    def share_bounds(self) -> tuple[float, float]:
+        """The shares this search's own probes allow, within ``SHARE_BOUNDS``: a value that fit left at most the
+        share its peak left free, one that failed at least the share the line leaves free there."""
+        low, high = SHARE_BOUNDS
+        if not self.block_mib:
+            return low, high
+        for o in self.outcomes:
+            peak = o.peak_mib if o.fits else self.predicted_peak(o.value)
+            if peak is None:
+                continue
+            free = (self.limit_mib - peak) / (self.block_mib * o.value)
+            low, high = (low, min(high, free)) if o.fits else (max(low, free), high)
+        return low, high
 
     def next_values(self) -> list[int]:
         """The value to probe next (the edge's both sides at once only where a shared process without peaks met
@@ -297,20 +317,6 @@ class Search:
             return None
         x, y, slope = line
         return y + slope * (value - x)
-
-    def answer(self) -> dict:
-        """The largest value that fits and what happened just above it, for plan.json and the table."""
-        lo, hi = self.largest_fit, self.smallest_failure
-        above = next((o for o in self.outcomes if o.value == hi), None)
-        best = next((o for o in self.outcomes if o.value == lo and o.fits), None)
-        # Unfinished (interrupted), the edge is only known to lie in [at_least, below): no largest value.
-        bounds = {} if self.done else {"at_least": lo, "below": hi}
-        return {"largest": lo if self.done else None, **bounds, "finished": self.done, "fit": _said(best),
-                "above": _said(above),
-                "fits_above_edge": self.fits_above_edge,
-                "at_upper_bound": lo == self.upper, "probes": len(self.outcomes), "error": self.error,
-                "started_at": self.seed,
-                "smallest_peak_mib": min((o.peak_mib for o in self.outcomes if o.peak_mib is not None), default=None)}
 
 
 def _meets(target: float, x: int, y: float, slope: float, free_per_unit: float) -> int:

@@ -28,30 +28,23 @@ from typing import Callable
 import torch
 
 from fsdp2bench import report
-from fsdp2bench.concurrency import (GpuCap, activation_bytes_per_token, host_bytes, host_memory_for_launch,
-                                    step_bytes, variant_need)
-from fsdp2bench.fitting import SHARED_LIMIT, SHARED_MOST_MIB, Ladder, Outcome, Planner, Search
+from fsdp2bench.concurrency import GpuCap, activation_bytes_per_token, variant_need
+from fsdp2bench.fitting import Ladder, Outcome, Planner, Search
 from fsdp2bench.isolation import STAND_DOWN, Piece, StoreKeys, gather_records, has_keys, run_queue
-from fsdp2bench.memory_model import expected_device_bytes, expected_state, model_bytes
+from fsdp2bench.memory_model import expected_state
 from fsdp2bench.names import MIB, PEAK_PHASES, phases
 from fsdp2bench.options import OPTION_SETS, FsdpOptions
 from fsdp2bench.step import largest_block_per_token
 from fsdp2bench.runner import Job, TrainConfig, probe_process
 from fsdp2bench.series import AtValue, SeriesJob, point_key, series_process
 from fsdp2bench.session import Session
-from measure import HELD_AT_FAILURE, failed_allocation_mib, gpu_free_mib
+from fsdp2bench.probe_room import GpuRoom, Probe, Shared
+from measure import HELD_AT_FAILURE
 
-ROOM_MARGIN = 1.15  # on the line's peak, for a probe that shares the GPU
-# Near the cap the allocator reserved up to 28% above the allocated peak (one H200, 80 GiB): a probe whose line
-# puts it within that of the cap is given the whole cap, not the line's room.
-NEAR_CAP_RESERVED = 1.3
-SETUP_MARGIN, SETUP_SLACK_MIB = 1.5, 512  # on the memory model's state of a probe before its steps
-WAITING_AT_LEAST = 2  # fresh probes set up and waiting at their gates, at least (a set-up takes about as long as the steps)
 # The share of a step's largest block (the fp32 logits) a search's first aim leaves free under the limit: the
 # middle of what the 1.5B model's edges left on one H200 (fitting.SHARE_BOUNDS; a plan's finished answers then aim
 # the others of their option set with what they found).
 BLOCK_SHARE = 0.7
-PHYSICAL_SLACK_MIB = 512  # free on the GPU beyond a refused allocation that says the cap refused it, not the GPU
 BLOCK_STEP = 64  # tokens: a searched block is a multiple of it (a finer edge is not a length people train at)
 BATCH, BLOCK, LAYOUT = "batch_size", "block_size", "layout"
 
@@ -148,46 +141,6 @@ def leaders_of(questions: dict, searches: dict[object, Search], shapes) -> dict[
 
 
 @dataclass
-class Probe:
-    question_key: object
-    question: Question
-    value: int | None  # None until its search names it: a probe set up ahead, whose go will carry it
-    attempt: int  # 0, or 1 when run again alone
-    room: int  # bytes of GPU it was given for its steps beside others (0 on a CPU run)
-    started: float = 0.0
-    ended: float = 0.0
-    found: Outcome | str | None = None
-    setup: int = 0  # bytes of GPU it holds before its steps: estimated, then what it said at its gate
-    ready: float = 0.0  # when its parent saw it at its gate
-    went: float = 0.0  # when its parent let it go on to its steps
-    ahead: bool = False  # started before its value was known (``PlanQueue``)
-
-    def overlaps(self, other: Probe | Shared) -> bool:
-        return other is not self and self.started < other.ended and other.started < self.ended
-
-
-@dataclass
-class Shared:
-    """One answer's shared process (series.py): the values it measured, and how it ended."""
-    question_key: object
-    question: Question
-    ladder: Ladder
-    room: int  # bytes of GPU it was given (its allocator limit and the context; 0 on a CPU run)
-    started: float = 0.0
-    ended: float = 0.0
-    points: list[dict] = dataclasses.field(default_factory=list)
-    error: str | None = None  # its out-of-memory error (the value after its points) or another failure
-    setup_s: float | None = None
-
-    overlaps = Probe.overlaps
-
-    def as_dict(self, t0: float) -> dict:
-        return {"room_mib": self.room / MIB, "started_s": self.started - t0, "wall_s": self.ended - self.started,
-                "setup_s": self.setup_s,
-                "values": [p["value"] for p in self.points], "error": self.error}
-
-
-@dataclass
 class ProbeRunner:
     """Runs plan.py's shared processes and probes on this process's device (``run_plan``).
     ``inject_oom_above``: a test option, every value above it raises torch's out-of-memory error at once."""
@@ -205,6 +158,10 @@ class ProbeRunner:
     t0: float = dataclasses.field(default_factory=time.monotonic)  # the plan's start, for each piece's start time
     stood_down: list[Probe] = dataclasses.field(default_factory=list)  # set up ahead, and no value came
     ahead_count: itertools.count = dataclasses.field(default_factory=itertools.count)
+    gpu: GpuRoom = dataclasses.field(init=False)  # the room each piece is given and holds
+
+    def __post_init__(self) -> None:
+        self.gpu = GpuRoom(self.session, self.train, self.cap, self.questions, self.searches, self.leaders)
 
     def run_plan(self, planner: Planner, after: Callable[[], None]) -> None:
         """A shared process per answer that leads (the followers start at its edge), then the fresh probes the
@@ -213,7 +170,7 @@ class ProbeRunner:
         queue = PlanQueue(self, planner, after)
         for key in sorted(self.searches, key=lambda key: slow_first(self.questions[key].options)):
             if key not in self.leaders:
-                room = self.shared_room(key)
+                room = self.gpu.shared(key)
                 queue.add(Shared(key, self.questions[key], self.ladder(key, room), room))
         run_queue(queue.pieces, queue.next_piece, 0, self.session.store, self.session.device, queue.started,
                   queue.ended, queue.let_go)
@@ -232,12 +189,12 @@ class ProbeRunner:
     def took_probe(self, probe: Probe, job: Job, failure: str | None, beside: list) -> bool:
         """A probe's outcome, kept and said; False where it ran out of memory beside others that may have
         crowded it out (it is then run again alone)."""
-        probe.found = self.outcome(probe, job, failure)
+        probe.found = probe_outcome(probe, job, failure, self.session, self.t0)
         if isinstance(probe.found, Outcome):
             probe.found.detail["ran_beside"] = len(beside)
         self.probes.append(probe)
         self.say(probe)
-        return not self.crowded_out(probe, beside)
+        return not self.gpu.crowded_out(probe, beside)
 
     # ----------------------------------------------------------------- the shared processes
 
@@ -247,20 +204,6 @@ class ProbeRunner:
         limit = (room - self.cap.context) / MIB if room else None
         return Ladder(search.lower, search.upper, limit, search.slope_mib, self.inject_oom_above,
                       search.block_mib * search.block_share)
-
-    def shared_room(self, key) -> int:
-        """A shared process's allocator limit is ``SHARED_LIMIT`` of a probe's (at most ``SHARED_MOST_MIB``), or
-        what the memory model says its first value needs where that is more (the state of a rank of a small world);
-        its room is that and the context."""
-        if self.cap is None or self.session.device.type != "cuda":
-            return 0
-        question, search = self.questions[key], self.searches[key]
-        first = variant_need(self.session.shapes, question.world_size, question.variant, question.options,
-                             step_bytes(*question.batch_and_block(search.lower), self.session.config,
-                                        question.options))
-        share = min(self.cap.allocator_bytes * SHARED_LIMIT, SHARED_MOST_MIB * MIB)
-        limit = max(int(share), first - self.cap.context)
-        return min(self.cap.allocator_bytes, limit) + self.cap.context
 
     def series_job(self, shared: Shared) -> SeriesJob:
         q, s = shared.question, self.session
@@ -301,94 +244,6 @@ class ProbeRunner:
         print(f"[shared] {shared.question.title}: {values or 'nothing measured'}"
               + (f"; {failure}" if failure else ""), flush=True)
 
-    # ----------------------------------------------------------------- room on the GPU and the host
-
-    def room(self, key, value: int) -> int:
-        """Bytes of GPU a probe is given: the cap, or less where its search expects it to stay well
-        under (the line's peak with a margin, its leader's for a follower, or the calibrated estimate for a first
-        probe)."""
-        if self.cap is None or self.session.device.type != "cuda":
-            return 0
-        question, search = self.questions[key], self.searches[key]
-        predicted = search.predicted_peak(value)
-        if predicted is None and key in self.leaders:  # a follower: its probes are near its leader's edge
-            predicted = self.searches[self.leaders[key][0]].predicted_peak(value)
-        if predicted is not None:
-            near_cap = predicted * MIB * NEAR_CAP_RESERVED + self.cap.context >= self.cap.process_bytes
-            expected = self.cap.process_bytes if near_cap else int(predicted * MIB * ROOM_MARGIN) + self.cap.context
-        else:
-            expected = variant_need(self.session.shapes, question.world_size, question.variant, question.options,
-                                    step_bytes(*question.batch_and_block(value), self.session.config,
-                                               question.options))
-        return min(self.cap.process_bytes, expected)
-
-    def setup_room(self, key) -> int:
-        """Bytes of GPU a fresh probe holds before its steps, as the memory model has it with a margin (its
-        sharded parameters, the model itself while it is built there, the context): what it says at its gate
-        replaces it."""
-        if self.cap is None or self.session.device.type != "cuda":
-            return 0
-        q, shapes = self.questions[key], self.session.shapes
-        state = expected_device_bytes(shapes, q.world_size, q.rank, q.variant, "end_of_setup", q.options, "cuda")
-        built = int(model_bytes(shapes) * 1.2) if self.train.init_device == "cuda" else 0
-        return max(built, int(state * SETUP_MARGIN)) + SETUP_SLACK_MIB * MIB + self.cap.context
-
-    @staticmethod
-    def holding(item: Probe | Shared) -> int:
-        """What a piece may hold on the GPU now: a fresh probe before its go its set-up, after it its room."""
-        return item.room if isinstance(item, Shared) or item.went else item.setup
-
-    def may_start(self, item: Probe | Shared, live: list[Probe | Shared]) -> bool:
-        """Whether ``item`` can start beside the pieces ``live``: the GPU holds its set-up (a shared process's
-        whole room), the host its process, and the fresh probes set up and waiting could all go on to their
-        steps, one at a time, once the others have ended (so that none waits for ever); as many wait as
-        could step at once on the whole GPU, or ``WAITING_AT_LEAST`` where that is fewer."""
-        if self.session.device.type != "cuda" or self.cap is None:
-            # A CPU run: one piece at a time (beside one another they would only share the cores), and beside
-            # it the probe set up ahead of its value
-            return isinstance(item, Probe) and item.value is None and len(live) == 1
-        held = sum(self.holding(o) for o in live)
-        gpu = held + self.holding(item) <= self.cap.total
-        if isinstance(item, Probe):
-            pending = [o for o in live if isinstance(o, Probe) and not o.went] + [item]
-            gpu = gpu and sum(o.setup for o in pending) + max(o.room - o.setup for o in pending) <= self.cap.total \
-                and (len(pending) <= WAITING_AT_LEAST or sum(o.room for o in pending) <= self.cap.total)
-        host = (len(live) + 1) * host_bytes(self.session.shapes, item.question.world_size, [item.question.variant],
-                                            self.train.init_device, item.question.options, "cuda")
-        return gpu and host <= host_memory_for_launch() and len(live) < self.train.build_threads
-
-    def may_go(self, probe: Probe, live: list[Probe | Shared]) -> bool:
-        """Whether a probe at its gate can go on to its steps: the GPU holds its room beside what the others
-        hold (one run again alone started with the GPU to itself)."""
-        if self.session.device.type != "cuda" or self.cap is None:
-            return not any(isinstance(o, Shared) or o.went for o in live if o is not probe)  # one steps at a time
-        if probe.attempt:
-            return True
-        return sum(self.holding(o) for o in live if o is not probe) + probe.room <= self.cap.total
-
-    def crowded_out(self, probe: Probe, beside: list[Probe | Shared]) -> bool:
-        """Ran out of memory beside others where it may have found the GPU full before its cap: torch's message
-        says the GPU had less free than the allocation (more free: its own limit refused it); without that
-        figure, its room was less than the cap, or a probe beside it may have held more than its own room."""
-        if not isinstance(probe.found, Outcome) or probe.found.fits or probe.attempt:
-            return False
-        error = probe.found.detail.get("error", "")
-        free, tried = gpu_free_mib(error), failed_allocation_mib(error)
-        if free is not None and tried is not None:
-            return free < tried + PHYSICAL_SLACK_MIB
-        if not beside or (self.cap and (len(beside) + 1) * self.cap.process_bytes <= self.cap.total):
-            return False  # each held to its cap, they could not all reach it and fill the GPU
-        return not self.kept_to_room(probe) or not all(self.kept_to_room(o) for o in beside)
-
-    def kept_to_room(self, probe: Probe | Shared) -> bool:
-        if self.cap is None or isinstance(probe, Shared):
-            return True  # a shared process's allocator limit is its room
-        if probe.room >= self.cap.process_bytes:
-            return True  # the cap itself holds it there
-        found = probe.found
-        return isinstance(found, Outcome) and found.fits and found.detail.get("peak_reserved_mib") is not None and \
-            found.detail["peak_reserved_mib"] * MIB + self.cap.context <= probe.room
-
     # ----------------------------------------------------------------- running
 
     def job(self, probe: Probe) -> Job:
@@ -421,37 +276,6 @@ class ProbeRunner:
         named = os.path.join(self.output_dir, "probes", self.probe_name(probe))
         if named != job.output_dir and not os.path.exists(named):
             os.rename(job.output_dir, named)
-
-    def outcome(self, probe: Probe, job: Job, failure: str | None) -> Outcome | str:
-        """Fits, with its peaks; out of memory, with where it stood; or the other failure, as a string."""
-        q, store = probe.question, self.session.store
-        common = {"kind": "fresh", "attempt": probe.attempt, "room_mib": probe.room / MIB,
-                  "started_s": probe.started - self.t0, "wall_s": probe.ended - probe.started,
-                  "set_up_s": probe.ready - probe.started if probe.ready else None,
-                  "waited_s": probe.went - probe.ready if probe.went else None, "set_up_mib": probe.setup / MIB,
-                  "set_up_ahead": probe.ahead}
-        if failure is None:
-            record, = gather_records(store, job.keys, [q.rank])
-            summary = report.memory_summary(q.variant, [record], self.session.shapes, q.world_size, [q.rank],
-                                            q.options, self.session.device.type)
-            return Outcome(probe.value, True, summary["peak_allocated_mib"]["max"], {
-                **common, "peak_reserved_mib": summary["peak_reserved_mib"]["max"],
-                "peak_allocated_mib": summary["peak_allocated_mib"]["max"],
-                "training_peak_reserved_mib": summary["training_peak_reserved_mib"]["max"],
-                "training_peak_allocated_mib": summary["training_peak_allocated_mib"]["max"],
-                "peak_rss_mib": summary["peak_rss_mib"]["max"], "median_step_time_s": summary["median_step_time_s"],
-                "speed": summary["speed"],  # a probe beside another on the GPU has none: speed.not_measured says so
-                "accounting_matches_expected": summary["accounting_matches_expected"],
-                "kept_output_bytes": summary["kept_output_bytes"][0]["before_zero_grad"],
-                "train_wall_s": record["wall_s"], "build_s": _event(record, "model_built").get("build_s")})
-        if "out of memory" not in failure:
-            return f"{q.label(probe.value)}: {failure}"
-        where = {}
-        if has_keys(store, [job.keys.record(q.rank)]):
-            where = gather_records(store, job.keys, [q.rank])[0].get("failure", {})
-        return Outcome(probe.value, False, where.get("peak_allocated_mib_so_far"), {
-            **common, "error": failure, "phase": where.get("last_event"), "steps_done": where.get("steps_done"),
-            **{k: where.get(k) for k in ("failed_allocation_mib", *HELD_AT_FAILURE)}})
 
     def say(self, probe: Probe) -> None:
         found = probe.found
@@ -512,7 +336,7 @@ class PlanQueue:
         alone = [i for i in self.waiting if isinstance(self.items[i], Probe) and self.items[i].attempt]
         if alone:  # nothing else starts before it
             return None if live else self.start(alone[0])
-        i = next((i for i in self.waiting if not live or self.runner.may_start(self.items[i], live)), None)
+        i = next((i for i in self.waiting if not live or self.runner.gpu.may_start(self.items[i], live)), None)
         return None if i is None else self.start(i)
 
     def start(self, i: int) -> int:
@@ -528,10 +352,10 @@ class PlanQueue:
         for key, value in self.planner.wanted():
             i = self.ahead.pop(key, None)
             if i is None:
-                self.add(Probe(key, self.runner.questions[key], value, 0, self.runner.room(key, value),
-                               setup=self.runner.setup_room(key)))
+                self.add(Probe(key, self.runner.questions[key], value, 0, self.runner.gpu.probe(key, value),
+                               setup=self.runner.gpu.setup(key)))
                 continue
-            self.items[i].value, self.items[i].room = value, self.runner.room(key, value)
+            self.items[i].value, self.items[i].room = value, self.runner.gpu.probe(key, value)
             if i in self.waiting:
                 self.waiting.remove(i)
                 self.enqueue(i)
@@ -546,12 +370,12 @@ class PlanQueue:
         runner = self.runner
         for key in awaited - set(self.ahead):
             room = runner.cap.process_bytes if runner.cap and runner.session.device.type == "cuda" else 0
-            self.ahead[key] = self.add(Probe(key, runner.questions[key], None, 0, room, setup=runner.setup_room(key),
+            self.ahead[key] = self.add(Probe(key, runner.questions[key], None, 0, room, setup=runner.gpu.setup(key),
                                              ahead=True))
 
     def awaited(self, running: list[int]) -> set:
         """The searches whose next probe may be wanted once a piece running now ends: a leader's while its shared
-        process runs, and those a stepping probe may move (``after_probe``); none while a probe waits to run
+        process runs, and those a stepping probe may move (``moved_by``); none while a probe waits to run
         again alone."""
         items = [self.items[i] for i in [*running, *self.waiting]]
         if any(isinstance(o, Probe) and o.attempt for o in items):
@@ -561,18 +385,8 @@ class PlanQueue:
             if isinstance(item, Shared):
                 keys.add(item.question_key)
             elif item.went and item.value is not None:
-                keys |= self.after_probe(item)
+                keys |= moved_by(item, self.runner.searches, self.runner.leaders)
         return {key for key in keys if not self.runner.searches[key].done}
-
-    def after_probe(self, probe: Probe) -> set:
-        """Its own search, unless either outcome ends it; the followers not yet started of a search it may end."""
-        key, searches = probe.question_key, self.runner.searches
-        ends_if_fits, ends_if_not = searches[key].settled_by(probe.value)
-        keys = set() if ends_if_fits and ends_if_not else {key}
-        if ends_if_fits or ends_if_not:
-            keys |= {f for f, (leader, _) in self.runner.leaders.items()
-                     if leader == key and not searches[f].outcomes}
-        return keys
 
     def started(self, i: int) -> None:
         self.items[i].started, self.items[i].ended = time.monotonic(), math.inf
@@ -589,7 +403,7 @@ class PlanQueue:
             if self.ahead.get(probe.question_key) == i:
                 del self.ahead[probe.question_key]
             return STAND_DOWN
-        if not runner.may_go(probe, [self.items[r] for r in running]):
+        if not runner.gpu.may_go(probe, [self.items[r] for r in running]):
             return None
         probe.went = time.monotonic()
         return str(probe.value)
@@ -623,6 +437,49 @@ class PlanQueue:
         search = self.runner.searches[probe.question_key]
         if failure is not None and "out of memory" not in failure and not search.done:
             search.stop(f"{probe.question.title} (set up ahead): {failure}")
+
+
+def moved_by(probe: Probe, searches: dict[object, Search], leaders: dict[object, tuple[object, int]]) -> set:
+    """The searches whose next probe a stepping probe may call for: its own, unless either outcome ends it; the
+    followers not yet started of a search it may end."""
+    key = probe.question_key
+    ends_if_fits, ends_if_not = searches[key].settled_by(probe.value)
+    keys = set() if ends_if_fits and ends_if_not else {key}
+    if ends_if_fits or ends_if_not:
+        keys |= {f for f, (leader, _) in leaders.items() if leader == key and not searches[f].outcomes}
+    return keys
+
+
+def probe_outcome(probe: Probe, job: Job, failure: str | None, session: Session, t0: float) -> Outcome | str:
+    """Fits, with its peaks; out of memory, with where it stood; or the other failure, as a string."""
+    q, store = probe.question, session.store
+    common = {"kind": "fresh", "attempt": probe.attempt, "room_mib": probe.room / MIB,
+              "started_s": probe.started - t0, "wall_s": probe.ended - probe.started,
+              "set_up_s": probe.ready - probe.started if probe.ready else None,
+              "waited_s": probe.went - probe.ready if probe.went else None, "set_up_mib": probe.setup / MIB,
+              "set_up_ahead": probe.ahead}
+    if failure is None:
+        record, = gather_records(store, job.keys, [q.rank])
+        summary = report.memory_summary(q.variant, [record], session.shapes, q.world_size, [q.rank],
+                                        q.options, session.device.type)
+        return Outcome(probe.value, True, summary["peak_allocated_mib"]["max"], {
+            **common, "peak_reserved_mib": summary["peak_reserved_mib"]["max"],
+            "peak_allocated_mib": summary["peak_allocated_mib"]["max"],
+            "training_peak_reserved_mib": summary["training_peak_reserved_mib"]["max"],
+            "training_peak_allocated_mib": summary["training_peak_allocated_mib"]["max"],
+            "peak_rss_mib": summary["peak_rss_mib"]["max"], "median_step_time_s": summary["median_step_time_s"],
+            "speed": summary["speed"],  # a probe beside another on the GPU has none: speed.not_measured says so
+            "accounting_matches_expected": summary["accounting_matches_expected"],
+            "kept_output_bytes": summary["kept_output_bytes"][0]["before_zero_grad"],
+            "train_wall_s": record["wall_s"], "build_s": _event(record, "model_built").get("build_s")})
+    if "out of memory" not in failure:
+        return f"{q.label(probe.value)}: {failure}"
+    where = {}
+    if has_keys(store, [job.keys.record(q.rank)]):
+        where = gather_records(store, job.keys, [q.rank])[0].get("failure", {})
+    return Outcome(probe.value, False, where.get("peak_allocated_mib_so_far"), {
+        **common, "error": failure, "phase": where.get("last_event"), "steps_done": where.get("steps_done"),
+        **{k: where.get(k) for k in ("failed_allocation_mib", *HELD_AT_FAILURE)}})
 
 
 def _event(record: dict, name: str) -> dict:

@@ -18,7 +18,8 @@ from fsdp2bench import concurrency, fitting
 from fsdp2bench.cli import UserError
 from fsdp2bench.fitting import Outcome, Search, run_searches
 from fsdp2bench.names import MIB
-from fsdp2bench.probes import BLOCK_SHARE, ROOM_MARGIN, ProbeRunner, Question
+from fsdp2bench.probe_room import ROOM_MARGIN
+from fsdp2bench.probes import BLOCK_SHARE, ProbeRunner, Question
 
 LIMIT = 24049.0  # MiB: a 24 GiB cap less the CUDA context, as on one H200
 STATE, PER_SEQUENCE = 4800.0, 640.0  # MiB: a 1.5B rank's peak at batch 0 and what a sequence adds
@@ -177,9 +178,9 @@ def test_a_followers_probe_gets_the_room_its_leaders_line_predicts():
     questions = {key: Question(key[0], key[1], 0, key[2], "batch_size", key[3]) for key in keys}
     runner = ProbeRunner(session, None, None, questions, searches, cap, "unused", leaders={keys[1]: (keys[0], 0)})
     expected = int((STATE + PER_SEQUENCE * 15) * MIB * ROOM_MARGIN) + cap.context
-    assert runner.room(keys[1], 15) == runner.room(keys[0], 15) == expected < cap.process_bytes
+    assert runner.gpu.probe(keys[1], 15) == runner.gpu.probe(keys[0], 15) == expected < cap.process_bytes
     # Within NEAR_CAP_RESERVED of the cap (25: 20,800 MiB on the line), reserved may reach it: the whole cap
-    assert runner.room(keys[1], 25) == runner.room(keys[0], 25) == cap.process_bytes
+    assert runner.gpu.probe(keys[1], 25) == runner.gpu.probe(keys[0], 25) == cap.process_bytes
 
 
 def test_a_fit_above_the_edge_of_a_shared_line_is_listed_and_the_edge_is_a_fresh_pair():
@@ -496,9 +497,9 @@ def test_a_probe_out_of_memory_beside_others_runs_again_alone_only_where_the_gpu
     probe = Probe("k", question, 30, 0, cap.process_bytes, 0.5, 2.0, Outcome(30, False, None, {
         "error": f"rank 0: out of memory (CUDA out of memory. Tried to allocate 2.03 GiB. GPU 0 has a total "
                  f"capacity of 139.80 GiB of which {free} is free."}))
-    assert runner.crowded_out(probe, beside) is again
+    assert runner.gpu.crowded_out(probe, beside) is again
     probe.attempt = 1  # run again alone: what it found is its answer
-    assert runner.crowded_out(probe, beside) is False
+    assert runner.gpu.crowded_out(probe, beside) is False
 
 
 def test_a_shared_process_whose_first_value_fills_its_room_measures_only_that():
@@ -514,10 +515,10 @@ def test_a_shared_process_whose_first_value_fills_its_room_measures_only_that():
 def test_probes_set_up_ahead_and_step_only_where_the_gpu_holds_their_room(monkeypatch, gib, stepping):
     """A probe holds its set-up until it is let go on to its steps, then its room: on a 140 GiB GPU one probe at an
     80 GiB cap steps at a time (two more set up behind it), five at a 24 GiB cap; none waits for ever."""
-    from fsdp2bench import probes
+    from fsdp2bench import probe_room
     from fsdp2bench.probes import BATCH, Probe, ProbeRunner, Question
 
-    monkeypatch.setattr(probes, "host_bytes", lambda *args: 1 << 30)
+    monkeypatch.setattr(probe_room, "host_bytes", lambda *args: 1 << 30)
     cap = concurrency.GpuCap(gib, 140 * 1024 * MIB, 527 * MIB)
     session = types.SimpleNamespace(device=torch.device("cuda", 0), shapes=None)
     runner = ProbeRunner(session, types.SimpleNamespace(init_device="cpu", build_threads=32), None, {}, {}, cap, "")
@@ -525,26 +526,26 @@ def test_probes_set_up_ahead_and_step_only_where_the_gpu_holds_their_room(monkey
     live: list = []
     for _ in range(12):
         probe = Probe("k", question, 30, 0, cap.process_bytes, setup=1500 * MIB)
-        if not runner.may_start(probe, live):
+        if not runner.gpu.may_start(probe, live):
             break
         live.append(probe)
-        if runner.may_go(probe, live):
+        if runner.gpu.may_go(probe, live):
             probe.went = 1.0
     going = [p for p in live if p.went]
     assert len(going) == stepping and len(live) - stepping == max(2, stepping)
-    assert not runner.may_go(live[-1], live)  # its room is not there while the others step
+    assert not runner.gpu.may_go(live[-1], live)  # its room is not there while the others step
     for probe in going:
         live.remove(probe)
-    assert all(runner.may_go(p, live) for p in live[:stepping])
+    assert all(runner.gpu.may_go(p, live) for p in live[:stepping])
 
 
 def queue_of(monkeypatch, gib: float, shares: list[float], limit: float):
     """A plan's queue on a simulated 140 GiB GPU: an option set per share, each answered for two variants (the
     second follows the first); a probe's outcome and a shared process's values come from ``gpu_rank``."""
-    from fsdp2bench import probes
+    from fsdp2bench import probe_room, probes
     from fsdp2bench.probes import BATCH, PlanQueue
 
-    monkeypatch.setattr(probes, "host_bytes", lambda *args: 1 << 30)
+    monkeypatch.setattr(probe_room, "host_bytes", lambda *args: 1 << 30)
     cap = concurrency.GpuCap(gib, 140 * 1024 * MIB, 527 * MIB)
     variants = ("torch_optimizer_after_fsdp", "accelerate")
     keys = [(f"set{s}", 8, variant, 128) for s in range(len(shares)) for variant in variants]
@@ -567,7 +568,7 @@ def queue_of(monkeypatch, gib: float, shares: list[float], limit: float):
         searches[shared.question_key].take_shared([Outcome(v, True, peak(v)) for v in (1, 8, 20)])
 
     monkeypatch.setattr(runner, "piece", lambda item: types.SimpleNamespace(args=(None,)))
-    monkeypatch.setattr(runner, "setup_room", lambda key: 1500 * MIB)
+    monkeypatch.setattr(runner.gpu, "setup", lambda key: 1500 * MIB)
     for name, fake in [("took_probe", took), ("take_series", take_series), ("file_probe", lambda *args: None)]:
         monkeypatch.setattr(runner, name, fake)
     planner = fitting.Planner(searches, group=lambda key: key[0], unready={k for k in keys if k not in leaders},
@@ -601,7 +602,7 @@ def drive(queue, setup: float = 3.0, step: float = 4.0, shared_s: float = 10.0) 
             else:
                 at_gate.append(i)
                 ready_at[i] = now + setup
-        assert sum(queue.runner.holding(queue.items[r]) for r in running) <= queue.runner.cap.total
+        assert sum(queue.runner.gpu.holding(queue.items[r]) for r in running) <= queue.runner.cap.total
         if not running:
             return now
         times = [ends_at[i] for i in running if i in ends_at] + [ready_at[i] for i in at_gate if ready_at[i] > now]
