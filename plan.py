@@ -94,6 +94,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     arguments.add_checkpointing_options(arguments.add_lever_options(
         p, "Levers under every set (docs/levers.md): over the config's options; a set's own options win"))
     arguments.add_config_option(p, "the options each set is put over (a set's own options win)")
+    add_layout_options(p)
+    p.add_argument("--inject_oom_above", type=int, default=None, metavar="V",
+                   help="test option: every probe above V runs out of memory at its first step (default: off)")
+    return p.parse_args(argv)
+
+
+def add_layout_options(p: argparse.ArgumentParser) -> None:
+    """The options only the layout search reads."""
     g = p.add_argument_group(f"The layout search (--find {LAYOUT}; docs/plan.md)")
     g.add_argument("--global_batch", type=int, default=None, metavar="SEQUENCES",
                    help="SEQUENCES per optimizer step over all ranks (default: none; this or --global_batch_tokens)")
@@ -112,9 +120,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: 3)")
     g.add_argument("--time_budget_s", type=float, default=420.0, metavar="SECONDS",
                    help="no timing starts after SECONDS of timings; the first always runs (default: 420)")
-    p.add_argument("--inject_oom_above", type=int, default=None, metavar="V",
-                   help="test option: every probe above V runs out of memory at its first step (default: off)")
-    return p.parse_args(argv)
 
 
 NUMBER_RANGES = {"global_batch": (1, 1 << 24), "global_batch_tokens": (1, 1 << 40), "max_timings": (1, 1000),

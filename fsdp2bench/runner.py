@@ -95,8 +95,10 @@ class TrainStep:
     context (which decides whether its gradients are reduced), then one optimizer step.
     """
 
-    def __init__(self, prep: utils.Prepared, microbatches: int = 1, keeps_outputs: bool = True):
+    def __init__(self, prep: utils.Prepared, microbatches: int = 1, keeps_outputs: bool = True,
+                 before_optimizer: Callable[[], None] | None = None):
         self.prep = prep
+        self.before_optimizer = before_optimizer  # marks where the optimizer's share of a step starts
         self.microbatches = microbatches
         self.keeps_outputs = keeps_outputs
         self.outputs = None  # what the upstream loop keeps (the memory accounting counts it)
@@ -114,8 +116,7 @@ class TrainStep:
         return loss.detach()
 
     def __call__(self, input_ids: torch.Tensor, before_zero_grad: Callable[[], None] | None = None,
-                 between_microbatches: Callable[[], None] | None = None,
-                 before_optimizer: Callable[[], None] | None = None) -> torch.Tensor:
+                 between_microbatches: Callable[[], None] | None = None) -> torch.Tensor:
         prep, k = self.prep, self.microbatches
         if k == 1:
             loss = self.forward_backward(input_ids)
@@ -127,8 +128,8 @@ class TrainStep:
                 if i == 0 and between_microbatches is not None:
                     between_microbatches()
             loss = torch.stack(losses).mean()
-        if before_optimizer is not None:
-            before_optimizer()
+        if self.before_optimizer is not None:
+            self.before_optimizer()
         prep.optimizer.step()
         if before_zero_grad is not None:
             before_zero_grad()
@@ -154,17 +155,20 @@ class StepReadback:
         self.losses: list[float] = []  # on the CPU, read at once: there is nothing to wait for
         self.clock: list[float] = [time.perf_counter()]
         self.optimizer_clock: list[float] = []
+        self.optimizer_marks = 0
         self.events = [torch.cuda.Event(enable_timing=True, blocking=True)
                        for _ in range(steps + 1)] if self.cuda else []
         self.optimizer_events = [torch.cuda.Event(enable_timing=True) for _ in range(steps)] if self.cuda else []
         if self.cuda:
             self.events[0].record()
 
-    def optimizer_starts(self, step: int) -> None:
+    def optimizer_starts(self) -> None:
+        """Called by the step queued next, before its optimizer step."""
         if self.cuda:
-            self.optimizer_events[step].record()
+            self.optimizer_events[self.optimizer_marks].record()
         else:
             self.optimizer_clock.append(time.perf_counter())
+        self.optimizer_marks += 1
 
     def queued(self, step: int, loss: torch.Tensor) -> None:
         if not self.cuda:
@@ -279,7 +283,8 @@ def train_busy(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: d
                         enabled=job.rank == 0 and not job.simulated and not job.train.quiet)
     readback = StepReadback(job.device, len(job.batches))
     options = job.train.options
-    train_step = TrainStep(prep, options.gradient_accumulation_steps, options.step.keeps_outputs)
+    train_step = TrainStep(prep, options.gradient_accumulation_steps, options.step.keeps_outputs,
+                           readback.optimizer_starts)
 
     def held() -> dict:
         return account(prep.model, prep.optimizer, train_step.outputs)
@@ -299,8 +304,7 @@ def train_busy(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: d
             tracker.polling = not (job.train.tracker_overhead and step % 2)
             hooks = [(lambda phase=phase: accounting.update({phase: held()}))
                      if step == last else None for phase in ("before_zero_grad", MICROBATCH_PHASE)]
-            readback.queued(step, train_step(batch.to(job.device, non_blocking=True), *hooks,
-                                             before_optimizer=lambda step=step: readback.optimizer_starts(step)))
+            readback.queued(step, train_step(batch.to(job.device, non_blocking=True), *hooks))
             tracker.record_step(step)["runs_beside"] = share.others()
             if step > 0:
                 read_back(step - 1)  # the previous step, while the device runs this one
@@ -309,8 +313,7 @@ def train_busy(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: d
         read_back(last)
     progress.close()
     tracker.mark("training_finished")
-    accounting["end_of_training"] = held()
-    found = {"wall_s": time.perf_counter() - start, "accounting": accounting,
+    found = {"wall_s": time.perf_counter() - start, "accounting": {**accounting, "end_of_training": held()},
              "expected_kept_output_bytes": expected_kept_outputs(job), "applied": applied,
              "gathered_block_bytes": gathered_block_bytes(prep.model, job.layer_classes),
              "speed": run_speed(job, prep.model, tracker.steps),
