@@ -211,13 +211,14 @@ class Search(SearchState):
         return [min(top, max(bottom, value))]
 
     def seeded_value(self, lo: int | None, hi: int | None) -> int:
-        """The seed, then a step of 1 to its side, another of 1 (most often the edge is one away), then twice as
-        far each time; once bracketed, halves."""
+        """One above the seed (a follower's edge lies at its seed or one above: either is then found in two
+        probes), then steps of 1 outward from that pair, another of 1, then twice as far each time; once bracketed,
+        halves."""
         if lo is None and hi is None:
-            return self.seed
+            return self.seed + 1
         if lo is not None and hi is not None:
             return (lo + hi) // 2
-        return lo + max(1, lo - self.seed) if hi is None else hi - max(1, self.seed - hi)
+        return lo + max(1, lo - self.seed - 1) if hi is None else hi - max(1, self.seed - hi)
 
     def aimed_value(self, lo: int | None, hi: int | None) -> int:
         """The line's edge at the share the search starts from; after one probe aimed by other searches' edges
@@ -298,10 +299,12 @@ class Search(SearchState):
         if x2 is None:
             return None
         # The shared process's values lie far apart: their slope is the surest, unless a fresh fit lies far beyond
-        # them (a long sequence's edge: the slope there is the one measured across the gap); two probes' (often
-        # adjacent) only where there is neither.
-        far = [shared[-1], points[-1]] if points and shared and points[-1][0] >= FAR_BEYOND * shared[-1][0] else []
-        slope = _slope(far, 0.0) or _slope(shared, SHARED_NEAR) or _slope(points, 0.5) or self.slope_mib
+        # them (a long sequence's edge: the slope there is the one measured across the gap, where the shared values'
+        # own slope says activations already make their peaks; a single shared value at N = 1 is the optimizer's
+        # transients, not the line); two probes' (often adjacent) only where there is neither.
+        own = _slope(shared, SHARED_NEAR)
+        far = [shared[-1], points[-1]] if own and points and points[-1][0] >= FAR_BEYOND * shared[-1][0] else []
+        slope = _slope(far, 0.0) or own or _slope(points, 0.5) or self.slope_mib
         return (x2, y2, slope) if slope else None
 
     def aim(self, share: float) -> int:

@@ -144,10 +144,11 @@ def test_a_shared_line_aims_the_fresh_probes_at_the_edge(limit):
     assert sum(counts) / len(counts) <= 3, counts
 
 
-@pytest.mark.parametrize("offset, probes", [(0, 2), (-1, 2), (1, 3), (-2, 3), (3, 5), (-3, 5)])
+@pytest.mark.parametrize("offset, probes", [(0, 2), (1, 2), (-1, 3), (2, 3), (-2, 4), (3, 5), (-3, 6)])
 def test_a_follower_searches_outward_from_its_leaders_edge(offset, probes):
-    """Another variant starts where the first found its edge: a step of one, another of one, then twice as far
-    each time, then halves."""
+    """Another variant starts one above where the first found its edge (its own edge lay there or one above in
+    the committed plans: either takes two probes), then steps outward from that pair: one, another of one, then
+    twice as far each time, then halves."""
     edge = 40
     leader, follower = Search(1, 4096), Search(1, 4096)
     for value, fits in [(edge, True), (edge + 1, False)]:
