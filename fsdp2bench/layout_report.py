@@ -61,9 +61,13 @@ def not_fitting(found: list[Assessed]) -> list[str]:
     lines += [f"    {f.candidate.name}: {f.memory['over_gib']:.1f} GiB over "
               f"({'calibrated' if 'calibrated_gib' in f.memory else 'estimated'})"
               for f in sorted(closest.values(), key=lambda f: f.memory["over_gib"])[:8]]
-    measured = [f for f in out if "over_gib" not in f.memory]
+    failed = sum(f.out_of_memory for f in out)
+    measured = sum("measured_gib" in f.memory and not f.out_of_memory for f in out)
+    if failed:
+        lines.append(f"    {failed} more did not fit where a like candidate ran out of memory (measured)")
     if measured:
-        lines.append(f"    {len(measured)} more did not fit where a like candidate ran out of memory (measured)")
+        lines.append(f"    {measured} more did not fit by rank 0's measured peak, moved by the memory model's "
+                     "difference (accumulation, a larger shard), over the allocator's limit")
     return lines
 
 

@@ -201,6 +201,21 @@ def test_a_timing_calibrates_the_memory_models_estimate_for_candidates_of_its_le
     assert same.fits is True and "well under the cap" in same.memory["how"]
 
 
+def test_what_does_not_fit_is_said_by_what_decided_it():
+    """Over the cap by the estimate (with how far), by a measurement moved by the memory model, or out of memory
+    where a like candidate ran: three different lines."""
+    setup = setup_of(GpuCap(80.0, 140 * GIB, 0))
+    estimated, measured, failed = (layout_search.assess(flat(1, ac), setup) for ac in ("none", "full", "selective"))
+    estimated.estimated_bytes = 110 * GIB
+    layout_search.place(estimated, setup, 1.0, "estimated")
+    measured.fits, measured.memory["measured_gib"] = False, 84.0
+    failed.fits, failed.out_of_memory = False, True
+    said = layout_report.not_fitting([estimated, measured, failed])
+    assert said[0].startswith("3 of 3 candidates do not fit") and "30.0 GiB over (estimated)" in said[1]
+    assert said[2] == "    1 more did not fit where a like candidate ran out of memory (measured)"
+    assert said[3].startswith("    1 more did not fit by rank 0's measured peak")
+
+
 def test_the_timings_stop_at_max_timings_and_at_the_time_budget(monkeypatch):
     setup = dataclasses.replace(setup_of(), confirm=100, max_timings=2)
     found = [layout_search.assess(c, setup) for c in candidates_of([Degrees(replicate=1, shard=8)],
