@@ -9,8 +9,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from fsdp2bench.names import MIB  # noqa: E402
 
-GIB_PER_MIB = 1 / 1024
-
 
 def memory_gib(candidate: dict) -> float:
     """Measured (moved by the memory model's difference) where its shapes ran, else the estimate (calibrated where

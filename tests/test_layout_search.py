@@ -4,7 +4,6 @@ the refusals, and one CPU search whose winner's command lines run as given."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import shlex
 
 import pytest
@@ -13,7 +12,6 @@ from conftest import load, refusal, run_script
 import plan
 from fsdp2bench import accelerate_config, arguments, layout_report, layout_search, layout_timing
 from fsdp2bench.candidates import Candidate, Levers, candidates_of, layouts_of, parse_levers
-from fsdp2bench.cli import UserError
 from fsdp2bench.concurrency import GpuCap
 from fsdp2bench.layout import Degrees
 from fsdp2bench.names import GIB, MIB
