@@ -21,6 +21,7 @@ from fsdp2bench.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL
 from fsdp2bench.options import FsdpOptions
 from fsdp2bench.session import model_facts
 from fsdp2bench.simulation import check_fake_group_available, parse_world_sizes
+from fsdp2bench.starting import interrupts_raise
 from fsdp2bench.step import LIGER, Step, check_liger
 from fsdp2bench.traffic import parse_links
 
@@ -143,6 +144,7 @@ def gpu_name() -> str | None:
 
 def run(search: CheckedSearch, started: float) -> int:
     """Assess every candidate, time the most promising, rank, print and write plan.json."""
+    interrupts_raise()  # a Ctrl-C or SIGTERM raises: during the timings what they measured is still written
     setup = search.setup
     prepare_output_dir(setup.output_dir)
     found = [assess(c, setup) for c in search.candidates]
@@ -152,13 +154,24 @@ def run(search: CheckedSearch, started: float) -> int:
         f"step: {out} over the cap by the memory model's estimate (not run), {near} "
         + ("near it" if setup.cap else "that a CPU run cannot place (no cap)")
         + f", {len(found) - out - near} well under it; timing the most promising one at a time...")
-    timings = choose_and_time(found, setup, say)
+    timings: list[dict] = []
+    try:
+        choose_and_time(found, setup, say, timings)
+    except KeyboardInterrupt as exc:
+        meta = run_meta(setup, started, interrupted=True)
+        path = write_search(found, setup, search.notes, timings, meta, winner_said(found, setup))
+        print(f"Interrupted ({str(exc) or 'SIGINT'}); the {len(timings)} timing(s) that ended are ranked in {path}",
+              file=sys.stderr, flush=True)
+        return 130
     said = winner_said(found, setup)
     print_search(found, setup, search.notes, timings, said)
-    meta = {"command": " ".join(sys.argv), "model": setup.model, "world_size": setup.world_size,
-            "block_size": setup.block, "global_batch": setup.global_sequences, "device": setup.device_type,
-            "gpu_name": setup.gpu_name, "gpu_memory": setup.cap.as_dict() if setup.cap else None,
-            "versions": arguments.versions(), "wall_s": time.time() - started}
-    path = write_search(found, setup, search.notes, timings, meta, said)
+    path = write_search(found, setup, search.notes, timings, run_meta(setup, started, interrupted=False), said)
     print(f"Wrote {path}; draw it with:\n    python3 visualize.py --dir {setup.output_dir}", flush=True)
     return 0
+
+
+def run_meta(setup: Setup, started: float, interrupted: bool) -> dict:
+    return {"command": " ".join(sys.argv), "model": setup.model, "world_size": setup.world_size,
+            "block_size": setup.block, "global_batch": setup.global_sequences, "device": setup.device_type,
+            "gpu_name": setup.gpu_name, "gpu_memory": setup.cap.as_dict() if setup.cap else None,
+            "versions": arguments.versions(), "wall_s": time.time() - started, "interrupted": interrupted}

@@ -47,9 +47,10 @@ def next_to_time(found: list[Assessed], setup: Setup, tried: set, references: li
     return None
 
 
-def choose_and_time(found: list[Assessed], setup: Setup, say) -> list[dict]:
-    """Time candidates one at a time (``next_to_time``) and project every candidate after each timing."""
-    timings, tried, references, ratios = [], set(), [], {}
+def choose_and_time(found: list[Assessed], setup: Setup, say, timings: list[dict]) -> None:
+    """Time candidates one at a time (``next_to_time``) and project every candidate after each timing, each
+    timing into ``timings`` as it ends (an interrupt keeps those)."""
+    tried, references, ratios = set(), [], {}
     started = time.monotonic()
     while len(timings) < setup.max_timings:
         if timings and time.monotonic() - started > setup.time_budget_s:  # the first runs: it names a reference
@@ -70,7 +71,6 @@ def choose_and_time(found: list[Assessed], setup: Setup, say) -> list[dict]:
         for f in found:
             project(f, setup, references)
         say(f"[timing {len(timings)}/{setup.max_timings}] {each.candidate.name}: " + timing_said(timing))
-    return timings
 
 
 def learn_ratio(timed: Assessed, ratios: dict) -> None:

@@ -4,10 +4,12 @@ the refusals, and one CPU search whose winner's command lines run as given."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
+import signal
 
 import pytest
-from conftest import load, refusal, run_script
+from conftest import load, refusal, run_script, start_script
 
 import plan
 from fsdp2bench import accelerate_config, arguments, layout_report, layout_search, layout_timing
@@ -157,7 +159,8 @@ def test_the_timings_confirm_the_rows_on_top_and_stop_once_they_are_measured(mon
         return timed(0.1 * slower, (10 + each.candidate.batch) * 1024, each.candidate.name)
 
     monkeypatch.setattr(layout_timing, "run_timing", fake_timing)
-    timings = layout_timing.choose_and_time(found, setup, lambda line: None)
+    timings = []
+    layout_timing.choose_and_time(found, setup, lambda line: None, timings)
     assert order == [(2, "none"), (1, "none"), (2, "full"), (1, "full")] and len(timings) == 4
     rows = layout_search.ranked(found)
     assert [r.candidate.name for r in rows] == ["R1xS8xC1xT1 B1x2 ac=none loss=model",
@@ -219,10 +222,13 @@ def test_the_timings_stop_at_max_timings_and_at_the_time_budget(monkeypatch):
     found = [layout_search.assess(c, setup) for c in candidates_of([Degrees(replicate=1, shard=8)],
                                                                    parse_levers("none,full,model"), 16, "cpu")]
     monkeypatch.setattr(layout_timing, "run_timing", lambda each, setup, index: timed(0.1, None, each.candidate.name))
-    assert len(layout_timing.choose_and_time(found, setup, lambda line: None)) == 2
-    said = []
-    spent = dataclasses.replace(setup, time_budget_s=0.0, max_timings=10)
-    assert len(layout_timing.choose_and_time(found, spent, said.append)) == 1  # the budget is read before each
+    timings, said = [], []
+    layout_timing.choose_and_time(found, setup, lambda line: None, timings)
+    assert len(timings) == 2
+    timings = []
+    layout_timing.choose_and_time(found, dataclasses.replace(setup, time_budget_s=0.0, max_timings=10), said.append,
+                                  timings)
+    assert len(timings) == 1  # the budget is read before each
     assert said[-1] == "--time_budget_s 0 s spent: no further timing starts"
 
 
@@ -299,6 +305,28 @@ def test_the_accelerate_config_reads_back_through_accelerate_or_says_why_not(deg
     assert said is None and config.num_processes == 4 and config.values["activation_checkpointing"] == "full"
     assert config.values["compile"] is True and config.values.get("tp_size", 1) == degrees.tp
     assert config.values.get("dp_replicate_size", 1) == degrees.replicate
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_the_timings_ends_in_one_line_and_ranks_what_they_measured(tmp_path, signum):
+    """A terminal's Ctrl-C (or a SIGTERM) reaches plan.py and the timing it waits for: the timings that ended are
+    ranked in plan.json, marked interrupted, and one line says so."""
+    out = tmp_path / "search"
+    proc = start_script(["plan.py", "--find", "layout", "--device", "cpu", "--world_size", "4", "--block_size", "64",
+                         "--global_batch", "4", "--levers", "none,full,model", "--output_dir", str(out)],
+                        nproc=None, own_group=True)
+    for line in proc.stdout:
+        if line.startswith("[timing 1/"):
+            break
+    os.killpg(proc.pid, signum)
+    _, stderr = proc.communicate(timeout=120)
+    result = load(out / "plan.json")
+    ended = result["meta"]["timings"]
+    assert proc.returncode == 130 and stderr.strip().splitlines() == [
+        f"Interrupted ({signal.Signals(signum).name}); the {ended} timing(s) that ended are ranked in "
+        f"{out / 'plan.json'}"], stderr
+    assert result["meta"]["interrupted"] is True and ended >= 1
+    assert any(c["projected"] and c["projected"]["compute_measured"] for c in result["candidates"])
 
 
 def test_an_accelerate_config_not_beside_our_plan_is_left_untouched(tmp_path):
