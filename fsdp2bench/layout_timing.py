@@ -19,6 +19,7 @@ import sys
 import time
 
 from fsdp2bench.candidates import TRAINED, Candidate, estimated_bytes
+from fsdp2bench.cli import is_ours
 from fsdp2bench.layout_search import (TIMING_STEPS, Assessed, Setup, calibrate, decided, local_share, main_flags,
                                       prior_speed, project, ranked)
 from fsdp2bench.names import GIB, MIB
@@ -94,6 +95,9 @@ def run_timing(found: Assessed, setup: Setup, index: int) -> dict:
     """One timing: main.py's summary read back into the figures the ranking uses; an out-of-memory error (or
     any other failure) is kept with its words."""
     directory = os.path.join(setup.output_dir, "timings", f"t{index}")
+    summary = os.path.join(directory, "summary.json")
+    if is_ours(summary):  # an earlier search's, in a directory run again: never read as this launch's
+        os.remove(summary)
     command = timing_command(found.candidate, setup, directory)
     began = time.monotonic()
     proc = subprocess.run(command, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
@@ -101,7 +105,7 @@ def run_timing(found: Assessed, setup: Setup, index: int) -> dict:
     record = {"candidate": found.candidate.name, "command": shlex.join(["python3", *command[1:]]),
               "exit_code": proc.returncode, "wall_s": round(time.monotonic() - began, 1),
               "local_share": local_share(found.candidate)}
-    entry = summary_entry(os.path.join(directory, "summary.json"), setup.world_size)
+    entry = summary_entry(summary, setup.world_size)
     if entry is None or entry.get("status") != "ok":
         why = (entry or {}).get("status") or (proc.stderr.strip().splitlines() or ["no summary"])[-1]
         return {**record, "fits": False if "out of memory" in why else None, "error": why[:300]}

@@ -7,13 +7,14 @@ import dataclasses
 import os
 import shlex
 import signal
+import types
 
 import pytest
 from conftest import load, refusal, run_script, start_script
 
 import plan
 from fsdp2bench import accelerate_config, arguments, layout_report, layout_search, layout_timing
-from fsdp2bench.candidates import Candidate, Levers, candidates_of, layouts_of, parse_levers
+from fsdp2bench.candidates import TRAINED, Candidate, Levers, candidates_of, layouts_of, parse_levers
 from fsdp2bench.concurrency import GpuCap
 from fsdp2bench.layout import Degrees
 from fsdp2bench.names import GIB, MIB
@@ -215,6 +216,22 @@ def test_what_does_not_fit_is_said_by_what_decided_it():
     assert said[0].startswith("3 of 3 candidates do not fit") and "30.0 GiB over (estimated)" in said[1]
     assert said[2] == "    1 more did not fit where a like candidate ran out of memory (measured)"
     assert said[3].startswith("    1 more did not fit by rank 0's measured peak")
+
+
+def test_a_timing_never_reads_an_earlier_searchs_summary_as_its_own(tmp_path, monkeypatch):
+    """Run again into the same directory, a launch that dies before writing its summary is a failure, not the
+    figures the earlier search's launch left there."""
+    from fsdp2bench.cli import write_json
+
+    setup = dataclasses.replace(setup_of(), output_dir=str(tmp_path))
+    old = {"simulated": {"8": {"0": {TRAINED: {"status": "ok", "speed": {"tokens_per_s_per_gpu": 1.0,
+                                                                         "median_step_time_s": 0.1}}}}}}
+    (tmp_path / "timings" / "t0").mkdir(parents=True)
+    write_json(str(tmp_path / "timings" / "t0" / "summary.json"), old)
+    monkeypatch.setattr(layout_timing.subprocess, "run", lambda *a, **k: types.SimpleNamespace(
+        returncode=1, stderr="error: killed before its summary\n"))
+    timing = layout_timing.run_timing(layout_search.assess(flat(1), setup), setup, 0)
+    assert timing["fits"] is None and timing["error"] == "error: killed before its summary"
 
 
 def test_the_timings_stop_at_max_timings_and_at_the_time_budget(monkeypatch):
