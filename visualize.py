@@ -28,7 +28,7 @@ import warnings
 from fsdp2bench.cli import OneLineParser, UserError, cannot_create_in, check_ranges, exit_with, expect_path
 from fsdp2bench.matrix import SWEEP_DIR
 from fsdp2bench.names import VARIANTS, simulated_dir_name
-from fsdp2bench.layout_plot import plot_layout_search
+from fsdp2bench.plan.layout.plot import plot_layout_search
 from fsdp2bench.plots import (InputError, latest_run, load_traces, loading_stems, plot_loading, plot_loading_sweep,
                               plot_matrix, plot_plan, plot_sequences, plot_summary_projection, plot_sweep,
                               plot_training, read_json, reading, sequence_runs)

@@ -21,6 +21,10 @@ import time
 from typing import Callable, Iterator, NoReturn
 
 
+# Where the entry scripts are: a launch this package starts (main.py, a timing) runs from there.
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 class UserError(Exception):
     """A problem the user can fix (bad flag, missing file); reported in one line, once per launch."""
 
@@ -57,6 +61,38 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):
         print(f"error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
+
+    def parse_known_args(self, args=None, namespace=None):
+        return super().parse_known_args(self.dash_values_joined(sys.argv[1:] if args is None else list(args)),
+                                        namespace)
+
+    def dash_values_joined(self, argv: list[str]) -> list[str]:
+        """An option's value that starts with a dash (``--links -1,50``) is its value, not a missing one: joined
+        as ``--links=-1,50``, so that the option's own check says what is wrong with it."""
+        out, i = [], 0
+        while i < len(argv):
+            action = self._option_string_actions.get(argv[i])
+            after = argv[i + 1] if i + 1 < len(argv) else None
+            if action is not None and action.nargs is None and action.option_strings and after is not None \
+                    and after.startswith("-") and after != "--" \
+                    and after.split("=", 1)[0] not in self._option_string_actions:
+                out.append(f"{argv[i]}={after}")
+                i += 2
+                continue
+            out.append(argv[i])
+            i += 1
+        return out
+
+
+NOT_GIVEN = object()
+
+
+def given_options(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The options the command line gave, a default given again included: argparse fills in a default only where
+    the namespace has no value yet."""
+    blank = argparse.Namespace(**{a.dest: NOT_GIVEN for a in parser._actions if a.dest != argparse.SUPPRESS})
+    parsed, _ = parser.parse_known_args(argv, blank)
+    return {name for name, value in vars(parsed).items() if value is not NOT_GIVEN}
 
 
 class SurvivingStream:

@@ -267,6 +267,11 @@ def model_bytes(shapes) -> int:
     return sum(math.prod(p[0]) * p[1] for p in shapes)
 
 
+def parameter_count(shapes) -> int:
+    """The unsharded model's parameters, from ``param_shapes``."""
+    return sum(math.prod(p[0]) for p in shapes)
+
+
 def shard_rows(d0: int, world_size: int, rank: int) -> tuple[int, int]:
     """[start, stop) of the dim-0 rows ``rank`` holds under FSDP2's Shard(0): chunks of ceil(d0 / N)."""
     chunk = math.ceil(d0 / world_size)

@@ -18,7 +18,7 @@ from fsdp2bench.cli import (RankError, UserError, check_replaceable, is_ours, lo
                             pick_device, prepare_output_dir)
 from fsdp2bench.isolation import (STORE_TIMEOUT, StoreKeys, StoreLost, catch_interrupts, launcher_env, set_first,
                                   wait_for_keys)
-from fsdp2bench.memory_model import model_bytes, param_shapes
+from fsdp2bench.memory_model import model_bytes, param_shapes, parameter_count
 from fsdp2bench.model import build_meta_model, check_units_own_their_parameters, layer_class_names, load_config
 from fsdp2bench.starting import start_child_server
 
@@ -37,7 +37,7 @@ class Session:
 
     @property
     def num_parameters(self) -> int:
-        return sum(torch.Size(param[0]).numel() for param in self.shapes)
+        return parameter_count(self.shapes)
 
     @property
     def model_bytes(self) -> int:
@@ -52,6 +52,10 @@ class ModelFacts:
     shapes: list  # (shape, bytes per element) of each unique parameter
     layer_classes: list[str]  # the transformer blocks to shard one by one
     named_shapes: list  # (name, shape) of each unique parameter, as a checkpoint names it
+
+    @property
+    def num_parameters(self) -> int:
+        return parameter_count(self.shapes)
 
 
 def model_facts(model: str, seed: int, check_config: Callable[[object], None] = lambda config: None) -> ModelFacts:

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fsdp2bench.concurrency import GpuCap  # noqa: E402
-from fsdp2bench.fitting import Outcome, run_searches  # noqa: E402
+from fsdp2bench.plan.search import Outcome, run_searches  # noqa: E402
 from fsdp2bench.names import MIB  # noqa: E402
 from fsdp2bench.options import FsdpOptions  # noqa: E402
-from fsdp2bench.probes import BLOCK, Question, leaders_of, search_for  # noqa: E402
+from fsdp2bench.plan.probes import BLOCK, Question, leaders_of, search_for  # noqa: E402
 from fsdp2bench.session import model_facts  # noqa: E402
 from fsdp2bench.step import Step  # noqa: E402
 

@@ -13,14 +13,15 @@ import pytest
 from conftest import load, refusal, run_script, start_script
 
 import plan
-from fsdp2bench import accelerate_config, arguments, layout_report, layout_search, layout_timing
-from fsdp2bench.candidates import TRAINED, Candidate, Levers, candidates_of, layouts_of, parse_levers
+from fsdp2bench import accelerate_config, arguments
+from fsdp2bench.plan.layout import report, search as layout_search, timing as layout_timing
+from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, Levers, candidates_of, layouts_of, parse_levers
 from fsdp2bench.concurrency import GpuCap
 from fsdp2bench.layout import Degrees
 from fsdp2bench.names import GIB, MIB
 from fsdp2bench.options import FsdpOptions
 from fsdp2bench.session import model_facts
-from fsdp2bench.traffic import Links, parse_links, step_collectives
+from fsdp2bench.plan.layout.traffic import Links, parse_links, step_collectives
 
 TINY = model_facts("tiny", 421)  # hidden 64, MLP 170, 2 blocks, 4 heads, 2 key/value heads, vocabulary 509, tied
 
@@ -59,8 +60,10 @@ def test_the_memory_model_prunes_what_cannot_fit_and_says_by_how_much():
 
 
 def setup_of(cap=None, links=Links()) -> layout_search.Setup:
-    return layout_search.Setup("tiny", 8, 128, 16, TINY.shapes, TINY.config, FsdpOptions(), cap, links, "cpu", None,
-                               "unused", 2, "cpu", 123008)
+    return layout_search.Setup(model="tiny", world_size=8, block=128, global_sequences=16, shapes=TINY.shapes,
+                               config=TINY.config, base=FsdpOptions(), cap=cap, links=links, device_type="cpu",
+                               gpu_name=None, output_dir="unused", max_timings=2, init_device="cpu",
+                               num_parameters=123008)
 
 
 def test_the_projections_bytes_are_the_tiny_models_counted_by_hand():
@@ -212,7 +215,7 @@ def test_what_does_not_fit_is_said_by_what_decided_it():
     layout_search.place(estimated, setup, 1.0, "estimated")
     measured.fits, measured.memory["measured_gib"] = False, 84.0
     failed.fits, failed.out_of_memory = False, True
-    said = layout_report.not_fitting([estimated, measured, failed])
+    said = report.not_fitting([estimated, measured, failed])
     assert said[0].startswith("3 of 3 candidates do not fit") and "30.0 GiB over (estimated)" in said[1]
     assert said[2] == "    1 more did not fit where a like candidate ran out of memory (measured)"
     assert said[3].startswith("    1 more did not fit by rank 0's measured peak")
@@ -250,7 +253,7 @@ def test_the_timings_stop_at_max_timings_and_at_the_time_budget(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--world_size", "4,8"], "--world_size 4,8: the layout search plans one value"),
+    (["--world_size", "4,8"], "--world_size 4,8: --find layout plans one N"),
     (["--world_size", "4", "--global_batch", "5"], "no layout of N = 4 splits it evenly"),
     (["--world_size", "4", "--global_batch", "4", "--levers", "none,turbo"], "unknown lever turbo"),
     (["--world_size", "4", "--global_batch_tokens", "1000"], "not a whole number of --block_size 128 sequences"),
@@ -314,7 +317,7 @@ def check_the_winners_commands(winner: dict, out, tmp_path) -> None:
 def test_the_accelerate_config_reads_back_through_accelerate_or_says_why_not(degrees, refused, tmp_path):
     setup = dataclasses.replace(setup_of(), world_size=4)
     fields = layout_search.accelerate_fields(Candidate(degrees, "full", "model", True, False, 1, 2), setup)
-    said = layout_report.write_unmarked(str(tmp_path / "accelerate_config.json"), fields)
+    said = report.write_unmarked(str(tmp_path / "accelerate_config.json"), fields)
     if refused:
         assert refused in said and not (tmp_path / "accelerate_config.json").exists()
         return

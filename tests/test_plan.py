@@ -11,15 +11,17 @@ import types
 
 import pytest
 import torch
-from conftest import child_running, load, run_script, start_script
+from conftest import child_running, load, refusal, run_script, start_script
 
 import plan
-from fsdp2bench import concurrency, fitting
-from fsdp2bench.cli import UserError
-from fsdp2bench.fitting import Outcome, Search, run_searches
+from fsdp2bench import concurrency
+from fsdp2bench.plan import checks
+from fsdp2bench.plan import search as fitting
+from fsdp2bench.cli import OneLineParser, UserError
+from fsdp2bench.plan.search import Outcome, Search, run_searches
 from fsdp2bench.names import MIB
-from fsdp2bench.probe_room import ROOM_MARGIN
-from fsdp2bench.probes import BLOCK_SHARE, ProbeRunner, Question
+from fsdp2bench.plan.room import ROOM_MARGIN
+from fsdp2bench.plan.probes import BLOCK_SHARE, ProbeRunner, Question
 
 LIMIT = 24049.0  # MiB: a 24 GiB cap less the CUDA context, as on one H200
 STATE, PER_SEQUENCE = 4800.0, 640.0  # MiB: a 1.5B rank's peak at batch 0 and what a sequence adds
@@ -214,7 +216,7 @@ def test_without_peaks_the_fresh_probes_start_inside_the_edge_a_shared_process_m
 
 @pytest.mark.parametrize("argv, message", [
     (["--sets", "nonesuch"], "--sets: unknown option set"),
-    (["--find", "block_size", "--block_size", "128,256"], "with --find block_size it is the search's lower bound"),
+    (["--find", "block_size", "--block_size", "128,256"], "--find block_size takes one value"),
     (["--world_size", "0"], "--world_size: every N must be at least 1"),
     (["--world_size", "8,x"], "--world_size: expected comma-separated integers"),
     (["--world_size", "70000"], "more than the 65536 ranks"),
@@ -224,7 +226,7 @@ def test_without_peaks_the_fresh_probes_start_inside_the_edge_a_shared_process_m
     (["--gpu_memory", "inf"], "--gpu_memory must be in"),
     (["--gpu_memory", "-1"], "--gpu_memory must be in"),
     (["--variants", "nonesuch"], "--variants"),
-    (["--batch_size", "4"], "--batch_size is the fixed batch of --find block_size"),
+    (["--batch_size", "4"], "--batch_size is not read by --find batch_size: the fixed batch of --find block_size"),
     (["--find", "block_size", "--block_size", "128", "--upper_bound", "64"], "below --block_size 128"),
     (["--find", "block_size", "--upper_bound", "100000"], "exceeds the model's"),
     (["--find", "block_size", "--block_size", "130", "--upper_bound", "150"], "holds no multiple of 64 tokens"),
@@ -266,7 +268,8 @@ def test_a_cpu_plan_says_first_that_it_has_no_cap_and_stops_soon(tmp_path):
     assert proc.stdout.startswith("A CPU plan has no memory cap") and "plan.py --world_size 8,64 --gpu_memory 24" in \
         proc.stdout.split("\n\n")[0].replace("\n", " ")
     answer, = load(tmp_path / "out" / "plan.json")["answers"]
-    assert answer["largest"] == plan.CPU_UPPER["batch_size"] == load(tmp_path / "out" / "plan.json")["meta"]["upper_bound"]
+    upper = load(tmp_path / "out" / "plan.json")["meta"]["upper_bound"]
+    assert answer["largest"] == checks.CPU_UPPER["batch_size"] == upper
 
 
 @pytest.mark.parametrize("gib, total, message", [
@@ -357,7 +360,7 @@ def test_the_findings_name_the_cheapest_set_that_fits_more_than_the_default():
 def test_a_block_search_moves_in_steps_of_64_tokens_and_of_2c():
     """A block is searched in steps of 64 tokens, a multiple of 2C under CP (which cuts each sequence into 2C
     chunks), counted in those steps and said in tokens."""
-    from fsdp2bench.probes import BLOCK, Question
+    from fsdp2bench.plan.probes import BLOCK, Question
 
     question = Question("cp2", 8, 0, "torch_optimizer_after_fsdp", BLOCK, 1)
     assert question.unit == 64 and question.batch_and_block(5) == (1, 320)  # 64 tokens, a multiple of 2C = 4
@@ -381,7 +384,7 @@ def test_a_set_whose_layout_cannot_run_here_is_skipped_and_said(tmp_path):
 def test_an_answer_cut_short_is_a_bound_and_no_finding_rests_on_it():
     """An interrupted search knows only that its edge lies in [at_least, below): no largest value, no
     tokens, and the findings at its N compare nothing (a set probed only at 1 said 'no other set fits more')."""
-    from fsdp2bench.probes import BATCH, Question
+    from fsdp2bench.plan.probes import BATCH, Question
 
     search = Search(1, 4096)
     search.record(Outcome(1, True, 100.0))
@@ -489,7 +492,7 @@ def test_a_signal_to_a_shared_process_fails_its_answer_and_the_last_line_says_so
 @pytest.mark.parametrize("free, again", [("122.81 GiB", False), ("1.90 GiB", True)])
 def test_a_probe_out_of_memory_beside_others_runs_again_alone_only_where_the_gpu_was_full(free, again):
     """Torch's message says what the GPU had free: more than the allocation, and the probe's own cap refused it."""
-    from fsdp2bench.probes import BATCH, Probe, ProbeRunner, Question
+    from fsdp2bench.plan.probes import BATCH, Probe, ProbeRunner, Question
 
     cap = concurrency.GpuCap(24.0, int(139.8 * 1024) * MIB, 527 * MIB)
     runner = ProbeRunner(None, None, None, {}, {}, cap, "")
@@ -516,8 +519,8 @@ def test_a_shared_process_whose_first_value_fills_its_room_measures_only_that():
 def test_probes_set_up_ahead_and_step_only_where_the_gpu_holds_their_room(monkeypatch, gib, stepping):
     """A probe holds its set-up until it is let go on to its steps, then its room: on a 140 GiB GPU one probe at an
     80 GiB cap steps at a time (two more set up behind it), five at a 24 GiB cap; none waits for ever."""
-    from fsdp2bench import probe_room
-    from fsdp2bench.probes import BATCH, Probe, ProbeRunner, Question
+    from fsdp2bench.plan import room as probe_room
+    from fsdp2bench.plan.probes import BATCH, Probe, ProbeRunner, Question
 
     monkeypatch.setattr(probe_room, "host_bytes", lambda *args: 1 << 30)
     cap = concurrency.GpuCap(gib, 140 * 1024 * MIB, 527 * MIB)
@@ -543,8 +546,8 @@ def test_probes_set_up_ahead_and_step_only_where_the_gpu_holds_their_room(monkey
 def queue_of(monkeypatch, gib: float, shares: list[float], limit: float):
     """A plan's queue on a simulated 140 GiB GPU: an option set per share, each answered for two variants (the
     second follows the first); a probe's outcome and a shared process's values come from ``gpu_rank``."""
-    from fsdp2bench import probe_room, probes
-    from fsdp2bench.probes import BATCH, PlanQueue
+    from fsdp2bench.plan import room as probe_room, probes
+    from fsdp2bench.plan.probes import BATCH, PlanQueue
 
     monkeypatch.setattr(probe_room, "host_bytes", lambda *args: 1 << 30)
     cap = concurrency.GpuCap(gib, 140 * 1024 * MIB, 527 * MIB)
@@ -586,7 +589,7 @@ def drive(queue, setup: float = 3.0, step: float = 4.0, shared_s: float = 10.0) 
     after its go (at once, stood down); a shared process ends ``shared_s`` s after it starts. Returns the time
     the last piece ended; fails where every running piece waits at its gate for ever, or the GPU is overdrawn."""
     from fsdp2bench.isolation import STAND_DOWN
-    from fsdp2bench.probes import Shared
+    from fsdp2bench.plan.probes import Shared
 
     now, running, at_gate, ready_at, ends_at = 0.0, [], [], {}, {}
     while True:
@@ -723,3 +726,64 @@ def test_a_long_sequences_search_steps_down_from_a_far_failure_instead_of_walkin
         counts.append(found["probes"])
         assert found["probes"] <= before, (edge, found["probes"])
     assert sum(counts) <= 0.65 * sum(before for *_, before in LONG_CONTEXT), counts
+
+
+# Every option of plan.py, by the modes that read it: the rest of each mode's options are refused (checks.UNREAD).
+READ_BY_ALL = {"model", "world_size", "gpu_memory", "find", "block_size", "init_device", "device", "output_dir",
+               "loop"}
+READ_BY_PROBES = {"sets", "variants", "upper_bound", "inject_oom_above", "loss", "activation_checkpointing",
+                  "ac_every", "compile", "float8", "config_file"}
+READ = {"batch_size": READ_BY_ALL | READ_BY_PROBES, "block_size": READ_BY_ALL | READ_BY_PROBES | {"batch_size"},
+        "layout": READ_BY_ALL | set(checks.LAYOUT_ONLY)}
+# A value each option takes, so that only the mode can refuse it.
+A_VALUE = {"sets": "default", "variants": "accelerate", "batch_size": "1", "upper_bound": "4", "inject_oom_above": "3",
+           "activation_checkpointing": "full", "ac_every": "2", "compile": "true", "float8": "false",
+           "loss": "chunked", "config_file": "/dev/null", "global_batch": "8", "global_batch_tokens": "1024",
+           "levers": "full", "links": "450,50", "max_timings": "12", "confirm": "3", "time_budget_s": "420"}
+
+
+def test_every_option_is_read_or_refused_by_each_mode(monkeypatch):
+    """A new option must be placed: read by a mode, or refused there with the mode that reads it."""
+    parsers = []
+    parse = OneLineParser.parse_args
+    monkeypatch.setattr(OneLineParser, "parse_args", lambda self, *a, **k: parsers.append(self) or parse(self, *a, **k))
+    checks.parse_args([])
+    dests = {a.dest for a in parsers[0]._actions if a.dest != "help"}
+    for mode, read in READ.items():
+        assert read | set(checks.UNREAD[mode]) == dests and not read & set(checks.UNREAD[mode]), mode
+
+
+@pytest.mark.parametrize("mode, name", [(mode, name) for mode in READ for name in checks.UNREAD[mode]])
+def test_an_option_the_mode_does_not_read_is_refused_even_at_its_default(mode, name, tmp_path):
+    """Given at all (its default included), never taken and dropped: one line naming the mode."""
+    extra = ["--global_batch", "8"] if mode == "layout" and name not in ("global_batch", "global_batch_tokens") else []
+    said = refusal(plan.validate, ["--device", "cpu", "--find", mode, "--world_size", "4", "--output_dir",
+                                   str(tmp_path / "out"), *extra, f"--{name}={A_VALUE[name]}"])
+    assert said == f"error: --{name} is not read by --find {mode}: {checks.UNREAD[mode][name]}", said
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--global_batch", "8", "--global_batch_tokens", "1024"], "give one of them"),
+    (["--global_batch", "8", "--links", "-1,50"], "each GB/s a positive number"),
+    (["--global_batch", "8", "--links", "nan,50"], "each GB/s a positive number"),
+    (["--global_batch", "8", "--links", "450,inf"], "each GB/s a positive number"),
+    (["--global_batch", "8", "--links", "/dev/zero"], "not a regular file"),
+    (["--global_batch", "8", "--links", "/"], "not a regular file"),
+    (["--global_batch", "8", "--init_device", "cuda"], "--init_device cuda needs a GPU"),
+])
+def test_a_layout_value_is_refused_for_its_own_cause(argv, message, tmp_path):
+    said = refusal(plan.validate, ["--device", "cpu", "--find", "layout", "--world_size", "4", "--output_dir",
+                                   str(tmp_path / "out"), *argv])
+    assert said is not None and message in said, said
+
+
+def test_a_config_whose_layout_divides_n_but_does_not_fill_it_is_told_why(tmp_path):
+    """R 2 x S 2 divides N = 8 but does not make it: the layout's own reason at each N, not 'divides none'."""
+    path = tmp_path / "r2s2.yaml"
+    path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_auto_wrap_policy: "
+                    "TRANSFORMER_BASED_WRAP\nparallelism_config:\n  parallelism_config_dp_replicate_size: 2\n"
+                    "  parallelism_config_dp_shard_size: 2\n")
+    said = refusal(plan.validate, ["--device", "cpu", "--world_size", "8", "--config_file", str(path),
+                                   "--output_dir", str(tmp_path / "out")])
+    assert "N = 8: --dp_replicate_size 2 x --dp_shard_size 2 is not the world size 8" in said, said

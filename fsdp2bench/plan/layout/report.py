@@ -9,7 +9,7 @@ import sys
 
 from fsdp2bench import accelerate_config
 from fsdp2bench.cli import UserError, save_summary, say, write_bytes
-from fsdp2bench.layout_search import Assessed, Setup, commands, decided, ranked, record, winner_of
+from fsdp2bench.plan.layout.search import Assessed, Setup, commands, decided, ranked, record, winner_of
 
 CONFIG_NAME = "accelerate_config.json"
 SHOWN = 15  # ranked rows on the console (plan.json holds every candidate)

@@ -18,11 +18,19 @@ from __future__ import annotations
 import math
 import shlex
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from fsdp2bench.candidates import TRAINED, Candidate, estimated_bytes
+from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, estimated_bytes
 from fsdp2bench.names import GIB
 from fsdp2bench.throughput import model_flops_per_token, peak_flops
-from fsdp2bench.traffic import Links, step_collectives
+from fsdp2bench.plan.layout.traffic import Links, step_collectives
+
+if TYPE_CHECKING:  # the types alone: the search runs in the planner's process, which never imports torch's models
+    from transformers import PretrainedConfig
+
+    from fsdp2bench.concurrency import GpuCap
+    from fsdp2bench.memory_model import ParamShape
+    from fsdp2bench.options import FsdpOptions
 
 TIMING_STEPS = 6  # warm-up (two under compile) and at least four clean steps after it, for a steady median
 EDGE = 0.2  # an estimate this far over the cap is left out; within it of the cap a candidate is probed
@@ -55,17 +63,17 @@ class Assessed:
         return self.candidate.compute_key
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Setup:
     """What one layout search needs beside its candidates."""
     model: str
     world_size: int
     block: int
     global_sequences: int
-    shapes: list
-    config: object
-    base: object  # FsdpOptions
-    cap: object | None  # concurrency.GpuCap
+    shapes: list[ParamShape]
+    config: PretrainedConfig
+    base: FsdpOptions  # the loop every candidate trains with; the levers are each candidate's own
+    cap: GpuCap | None
     links: Links
     device_type: str
     gpu_name: str | None

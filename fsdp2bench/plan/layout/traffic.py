@@ -52,6 +52,9 @@ def parse_links(text: str | None) -> Links:
         return Links()
     if os.path.isfile(text):
         return links_from_file(text)
+    if os.path.exists(text):
+        raise UserError(f"--links {text}: not a regular file (a JSON file with node_size, within_gbps and "
+                        "across_gbps, or WITHIN,ACROSS in GB/s)")
     try:
         within, across = (float(part) for part in text.split(","))
     except ValueError:

@@ -18,9 +18,9 @@ import subprocess
 import sys
 import time
 
-from fsdp2bench.candidates import TRAINED, Candidate, estimated_bytes
-from fsdp2bench.cli import is_ours
-from fsdp2bench.layout_search import (TIMING_STEPS, Assessed, Setup, calibrate, decided, local_share, main_flags,
+from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, estimated_bytes
+from fsdp2bench.cli import PROJECT_ROOT, is_ours
+from fsdp2bench.plan.layout.search import (TIMING_STEPS, Assessed, Setup, calibrate, decided, local_share, main_flags,
                                       prior_speed, project, ranked)
 from fsdp2bench.names import GIB, MIB
 
@@ -100,8 +100,7 @@ def run_timing(found: Assessed, setup: Setup, index: int) -> dict:
         os.remove(summary)
     command = timing_command(found.candidate, setup, directory)
     began = time.monotonic()
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))))
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=PROJECT_ROOT)
     record = {"candidate": found.candidate.name, "command": shlex.join(["python3", *command[1:]]),
               "exit_code": proc.returncode, "wall_s": round(time.monotonic() - began, 1),
               "local_share": local_share(found.candidate)}
