@@ -33,7 +33,8 @@ from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ra
                             parse_names, pick_device, refuse_foreign, save_summary, unwritten)
 from fsdp2bench.isolation import (Interrupted, Piece, StoreKeys, gather_records, launcher_keeps_to_one_thread,
                                   leave_together, run_isolated, wait_for_keys)
-from fsdp2bench import accelerate_config, simulation, weights
+from fsdp2bench.options import accelerate_config
+from fsdp2bench import simulation, weights
 from fsdp2bench.arguments import add_config_option, check_wrapped_classes
 from fsdp2bench.checkpoints import FORMATS, Checkpoint
 from fsdp2bench.loading import (CHECKPOINT_DTYPES, MODES, NEEDS_PEERS, SIMULABLE, LoadConfig, LoadJob, load_process,

@@ -4,7 +4,7 @@ Launch with ``torchrun --nproc_per_node N main.py`` or ``accelerate launch main.
 (plain ``python main.py`` runs one rank). See docs/options.md and docs/output.md for every option and output.
 
 Where things are: the four variants and the fix in ``utils.py``; the command line and its checks
-in ``fsdp2bench/arguments.py``; the parallel layout in ``fsdp2bench/layout.py``; the memory tracker in
+in ``fsdp2bench/arguments.py``; the parallel layout in ``fsdp2bench/options/layout.py``; the memory tracker in
 ``measure.py``; one variant's training in ``fsdp2bench/runner.py``; failures, interrupts and
 fresh processes in ``fsdp2bench/isolation.py``; the summary and checks in ``fsdp2bench/report.py``.
 """
@@ -29,7 +29,9 @@ import time
 
 import psutil
 
-from fsdp2bench import accelerate_config, concurrency, options, simulation, weights
+from fsdp2bench.options import accelerate_config, fsdp as options
+from fsdp2bench import concurrency, simulation, weights
+from fsdp2bench.memory import estimate
 from fsdp2bench.arguments import build_threads, per_optimizer_step, validate, versions
 from fsdp2bench.cli import exit_with, say
 from fsdp2bench.isolation import Interrupted
@@ -39,7 +41,7 @@ from fsdp2bench.suite import Suite, run_sweep, run_variants
 
 
 def variants_at_once(args: argparse.Namespace, session: Session, names: list[str],
-                     fsdp_options: options.FsdpOptions, cap: concurrency.GpuCap | None,
+                     fsdp_options: options.FsdpOptions, cap: estimate.GpuCap | None,
                      shared_weights: bool) -> tuple[int, concurrency.SweepRoom | None]:
     """``--concurrent_variants``: a number as given; auto: for a sweep on a GPU, each run as its own need
     allows when it starts (``SweepRoom``), else decided by rank 0 for every rank (the variants' groups must be
@@ -47,7 +49,7 @@ def variants_at_once(args: argparse.Namespace, session: Session, names: list[str
     if args.concurrent_variants != "auto":
         return int(args.concurrent_variants), None
     sizes = simulation.parse_world_sizes(args.simulate_world_size) if args.simulate_world_size else None
-    tokens = concurrency.step_bytes(args.batch_size, args.block_size, session.config, fsdp_options)
+    tokens = estimate.step_bytes(args.batch_size, args.block_size, session.config, fsdp_options)
     room = concurrency.sweep_room(session.shapes, sizes, names, args.init_device, fsdp_options, tokens, cap,
                                   shared_weights) if sizes and session.device.type == "cuda" else None
     if room is not None:

@@ -26,7 +26,8 @@ import os
 import shlex
 import textwrap
 
-from fsdp2bench import accelerate_config, arguments, matrix, options
+from fsdp2bench.options import accelerate_config, fsdp as options
+from fsdp2bench import arguments, matrix
 from fsdp2bench.cli import (CONSOLE_WIDTH, OneLineParser, UserError, check_output_dir, check_ranges, exit_with,
                             pick_device, prepare_output_dir, refuse_foreign)
 from fsdp2bench.simulation import DEFAULT_STEPS, parse_world_sizes

@@ -18,7 +18,7 @@ from fsdp2bench.first import one_line_interrupts
 if __name__ == "__main__":  # before any other import: a Ctrl-C from here on is one line, never a traceback
     one_line_interrupts()
 
-from fsdp2bench.starting import check_launcher_env, start_before_imports
+from fsdp2bench.starting import start_before_imports
 
 if __name__ == "__main__":  # ahead of the imports below: the fork server's overlap them
     start_before_imports(sys.argv[1:])
@@ -27,7 +27,9 @@ import argparse
 import shlex
 import time
 
-from fsdp2bench import accelerate_config, arguments, concurrency, options, weights
+from fsdp2bench.options import accelerate_config, fsdp
+from fsdp2bench import arguments, weights
+from fsdp2bench.memory import estimate
 from fsdp2bench.cli import exit_with, save_summary, say
 from fsdp2bench.data import load_tokens
 from fsdp2bench.isolation import Interrupted
@@ -146,7 +148,7 @@ def say_landed(plan: dict, questions: dict, searches: dict, landed: dict, elapse
               f"({a['probes']} probes; {elapsed:.0f} s{eta})", flush=True)
 
 
-def cap_said(cap: concurrency.GpuCap | None) -> str:
+def cap_said(cap: estimate.GpuCap | None) -> str:
     if cap is None:
         return " (a CPU run: no cap, the probes find only the out-of-memory errors injected or raised)"
     return (f" under a cap of {cap.gib:g} GiB (the allocator gets {cap.allocator_bytes / MIB:.0f} MiB beside "
@@ -162,7 +164,7 @@ def plan_meta(checked: Checked, session, started: float) -> dict:
             "loop": args.loop, "loss": args.loss,
             "upper_bound": checked.upper, "probe_steps": PROBE_STEPS, "init_device": args.init_device,
             "gpu_memory": checked.cap.as_dict() if checked.cap else None, "skipped": checked.skipped,
-            "option_sets": {name: options.OPTION_SETS[name].changed() for name in checked.sets},
+            "option_sets": {name: fsdp.OPTION_SETS[name].changed() for name in checked.sets},
             "options_from": accelerate_config.summary_of(checked.config, {k: "config" for k in
                                                                           (checked.config.values if checked.config
                                                                            else {})})}

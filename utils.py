@@ -19,12 +19,13 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from fsdp2bench import levers, names
-from fsdp2bench.accelerate_config import options_alone
+from fsdp2bench.options import levers
+from fsdp2bench import names
+from fsdp2bench.options.accelerate_config import options_alone
 from fsdp2bench.isolation import Unsupported
-from fsdp2bench.layout import Degrees, Meshes, planned_style, tensor_parallel_plan
-from fsdp2bench.options import AUTOCAST, FP32, FULL_AC, FsdpOptions
-from fsdp2bench.step import CHUNK_TOKENS, CHUNKED, LIGER
+from fsdp2bench.options.layout import Degrees, Meshes, planned_style, tensor_parallel_plan
+from fsdp2bench.options.fsdp import AUTOCAST, FP32, FULL_AC, FsdpOptions
+from fsdp2bench.options.step import CHUNK_TOKENS, CHUNKED, LIGER
 
 
 # --------------------------------------------------------------------------- the fix
@@ -98,7 +99,7 @@ def whole_sequences(input_ids: torch.Tensor) -> Iterator[dict]:
     yield {"input_ids": input_ids, "labels": input_ids}
 
 
-# --------------------------------------------------------------------------- the loss (fsdp2bench/step.py)
+# --------------------------------------------------------------------------- the loss (fsdp2bench/options/step.py)
 
 IGNORE_INDEX = -100  # transformers' label for "no token to predict"
 

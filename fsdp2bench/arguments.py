@@ -12,12 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp2bench import accelerate_config, concurrency, levers, options, simulation, step
+from fsdp2bench.options import accelerate_config, levers, fsdp as options, step
+from fsdp2bench import concurrency, simulation
+from fsdp2bench.memory import estimate
 from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, expect_path, looks_like_a_path,
                             parse_names, pick_device, refuse_foreign)
 from fsdp2bench.data import load_tokens, rank_batches
 from fsdp2bench.isolation import launcher_keeps_to_one_thread
-from fsdp2bench.layout import CP_STRATEGIES, Layout
+from fsdp2bench.options.layout import CP_STRATEGIES, Layout
 from fsdp2bench.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS, default_model, max_positions
 from fsdp2bench.names import VARIANTS, rank_file
 from fsdp2bench.runner import FailureSpec
@@ -108,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def add_step_options(p: argparse.ArgumentParser) -> None:
-    """The loop and the loss every variant trains with (fsdp2bench/step.py, docs/step.md)."""
+    """The loop and the loss every variant trains with (fsdp2bench/options/step.py, docs/step.md)."""
     g = p.add_argument_group("Training step (every variant runs the same one; docs/step.md)")
     g.add_argument("--loop", choices=step.LOOPS, default=step.UPSTREAM,
                    help=f"{step.UPSTREAM}: the upstream benchmark's loop, whose loop variable keeps the outputs (the "
@@ -176,7 +178,7 @@ def add_checkpointing_options(g) -> None:
 
 def add_lever_options(p: argparse.ArgumentParser, title: str = "Levers for speed and memory (every variant; "
                                                                   "docs/levers.md)") -> argparse._ArgumentGroup:
-    """The levers beyond accelerate's plugin, applied by the suite to every variant (fsdp2bench/levers.py)."""
+    """The levers beyond accelerate's plugin, applied by the suite to every variant (fsdp2bench/options/levers.py)."""
     g = p.add_argument_group(title)
     g.add_argument("--compile", type=options.parse_bool, nargs="?", const=True, default=None, metavar="{true,false}",
                    help="compile each transformer block with torch.compile (inductor), as torchtitan and accelerate's "
@@ -208,7 +210,7 @@ def add_scaling_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_layout_options(p: argparse.ArgumentParser) -> None:
-    """accelerate's ParallelismConfig fields: R x S x C x T = N (fsdp2bench/layout.py)."""
+    """accelerate's ParallelismConfig fields: R x S x C x T = N (fsdp2bench/options/layout.py)."""
     g = p.add_argument_group("Parallel layout (accelerate's ParallelismConfig names; the torch variants build the "
                              "same mesh): R x S x C x T = N")
     g.add_argument("--dp_replicate_size", type=int, default=None, metavar="R",
@@ -435,7 +437,7 @@ class Checked:
     fsdp_options: options.FsdpOptions
     facts: ModelFacts
     batches: torch.Tensor  # this rank's: (steps, sequences, block)
-    cap: concurrency.GpuCap | None  # --gpu_memory
+    cap: estimate.GpuCap | None  # --gpu_memory
     config: accelerate_config.ConfigOptions | None  # the user's accelerate config, where one is read
 
 
@@ -485,8 +487,8 @@ def checked_launch(args: argparse.Namespace, world_size: int | None) -> Checked:
     fit_world = simulation.parse_world_sizes(args.simulate_world_size)[0] if args.simulate_world_size else launch_world
     concurrency.check_fits(facts.shapes, fit_world, names, args.init_device if device_type == "cuda" else "cpu",
                            device_type, fsdp_options,
-                           concurrency.rank_logits_bytes(args.batch_size, args.block_size, facts.config, fsdp_options))
-    cap = None if args.gpu_memory is None else concurrency.gpu_cap(args.gpu_memory, pick_device(args.device).index)
+                           estimate.rank_logits_bytes(args.batch_size, args.block_size, facts.config, fsdp_options))
+    cap = None if args.gpu_memory is None else estimate.gpu_cap(args.gpu_memory, pick_device(args.device).index)
     return Checked(args, names, fsdp_options, facts, batches, cap, config)
 
 

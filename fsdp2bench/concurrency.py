@@ -2,153 +2,27 @@
 
 A step is bound by the host, not the GPU (its kernels take about a quarter of it on 2x H200), so
 variants side by side nearly divide the time, each in its own processes with its own allocator,
-which leaves every memory figure unchanged. The memory model gives what a variant holds on the GPU
-at its step peak; its step's tokens add their activations and logits by the planner's rule
-(``step_bytes``); what a step holds beyond both (``gpu_need``) is calibrated on the reserved peaks of
-one H200. A variant that still runs out of memory while sharing is run again alone (suite.py).
+which leaves every memory figure unchanged. What each variant needs is memory/estimate.py's (``gpu_need``,
+``host_bytes``); here, how many fit, and the refusal of a run that cannot fit at all (``check_fits``). A variant
+that still runs out of memory while sharing is run again alone (suite.py).
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 
 import psutil
 import torch.distributed as dist
 
+from fsdp2bench.cli import UserError
 from fsdp2bench.isolation import StoreKeys, wait_for_keys
-from fsdp2bench.memory_model import expected_device_bytes, expected_state, model_bytes, output_itemsize
-from fsdp2bench.names import GIB, MIB, PEAK_PHASES, UNFIXED, phases
-from fsdp2bench.options import AUTOCAST, SELECTIVE_AC, FsdpOptions
+from fsdp2bench.memory.accounting import model_bytes
+from fsdp2bench.memory.estimate import GpuCap, device_state, gpu_need, host_bytes, tokens_said
+from fsdp2bench.names import GIB
+from fsdp2bench.options.fsdp import FsdpOptions
 from fsdp2bench.starting import started_ahead
-from fsdp2bench.step import logits_copies, logits_tokens
-
-FIXED_MARGIN = 1 * GIB  # the CUDA context and cuBLAS workspaces
-# What a step holds on the GPU beyond its state and its tokens' activations and logits (``step_bytes``), as a
-# fraction of the model's fp32 bytes P: gathered units and their gradients, the allocator's cached blocks. On
-# one H200 (results/h200/matrix_1.5b, matrix_7b and parallel_7b: 259 rows, every option set, N = 1 to 128)
-# that came to at most 0.46 P for the 1.5B shape, 0.43 P for the 7B one and 0.58 P under its TP sets (tp2_cp2 at
-# N = 128), beside about 0.5 P more with blocks kept gathered after forward, 0.2 P more with fp32 gradient
-# reduction, 0.3 P more under CPU offload, 0.1 P more under TP; test_memory_model checks every row, and the long
-# sequences of results/h200/long_context_1.5b, where the activations are most of the peak.
-BEYOND_STATE, NO_RESHARD, FP32_REDUCE, OFFLOADED = 0.6, 0.5, 0.2, 0.3
-TENSOR_PARALLEL = 0.1
-# What a token adds to a step's peak on one rank, beyond the logits: per block, bf16 activations of
-# about 16 hidden and 4 intermediate widths (4 hidden widths under activation checkpointing, the
-# blocks' inputs; none kept on the GPU when they are offloaded). Fitted to the allocated peaks of
-# plan.py's probes of the 1.5B model (one H200), then raised by ACTIVATION_MARGIN: an aim, not a limit.
-HIDDEN_WIDTHS, INTERMEDIATE_WIDTHS, CHECKPOINT_WIDTHS, ACTIVATION_MARGIN = 16, 4, 4, 1.1
-HOST_RUNTIME = 2 * GIB  # one variant's process without its model (torch, transformers, accelerate)
-# Measured under cpu_offload (1.5B, one H200): RSS 29.2 GiB for 23.0 GiB of state on the host at N = 1,
-# 15.0 for 11.5 at N = 2: pinned buffers and the offload's staging come on top of the state.
-OFFLOAD_HOST_MARGIN = 1.25
-
-
-def device_state(shapes, world_size: int, names: list[str], options: FsdpOptions, device_type: str) -> int:
-    """The state on the device at the step peak, of the worst variant on the worst rank: rank 0, whose
-    chunk of every parameter is the largest (memory_model.shard_rows)."""
-    return max(peak_device_bytes(shapes, world_size, name, options, device_type) for name in names)
-
-
-def peak_device_bytes(shapes, world_size: int, name: str, options: FsdpOptions, device_type: str) -> int:
-    """Rank 0's state on the device at the larger of its two peaks: after the optimizer step, or between
-    microbatches (the unreduced gradients of accumulation)."""
-    return max(expected_device_bytes(shapes, world_size, 0, name, phase, options, device_type)
-               for phase in PEAK_PHASES if phase in phases(options.accumulates))
-
-
-def variant_need(shapes, world_size: int, name: str, options: FsdpOptions, token_bytes: int) -> int:
-    """Bytes one variant reserves on a GPU at its step peak, rank 0: its state there, AdamW's foreach
-    temporaries (about the local fp32 parameters, while the intended variants step on the GPU; the
-    unfixed one's parameters get no gradients), what a step holds beyond the state (``BEYOND_STATE``),
-    its tokens' activations and logits (``token_bytes``: ``step_bytes``), and the CUDA context."""
-    state = peak_device_bytes(shapes, world_size, name, options, "cuda")
-    steps_on_gpu = name != UNFIXED and not options.cpu_offload
-    temporaries = expected_state(shapes, world_size, 0, name, "before_zero_grad", options)["param_bytes"] \
-        if steps_on_gpu else 0
-    fraction = BEYOND_STATE + (0 if options.reshard_after_forward else NO_RESHARD) + \
-        (FP32_REDUCE if options.mixed_precision_policy != AUTOCAST else 0) + (OFFLOADED if options.cpu_offload else 0) + \
-        (TENSOR_PARALLEL if options.layout.tensor_parallel else 0)
-    return state + temporaries + int(model_bytes(shapes) * fraction) + token_bytes + FIXED_MARGIN
-
-
-def microbatch_logits_bytes(batch_size: int, block_size: int, config) -> int:
-    """One microbatch's fp32 logits on one rank: a step's largest allocation, and a lower bound of its
-    activations."""
-    return 4 * batch_size * block_size * config.vocab_size
-
-
-def rank_logits_bytes(batch_size: int, block_size: int, config, options: FsdpOptions) -> int:
-    """The fp32 logits one rank of the layout makes at once for a microbatch: a cp rank holds 1/C of each
-    sequence, and a chunked or fused loss makes those of one chunk at a time (step.logits_tokens)."""
-    tokens = logits_tokens(options.step, batch_size * (block_size // options.layout.cp_size), config)
-    return microbatch_logits_bytes(1, tokens, config)
-
-
-def activation_bytes_per_token(config, options: FsdpOptions) -> int:
-    """What one more token per microbatch adds to a step's peak on the GPU (``HIDDEN_WIDTHS``), its
-    activations in bf16 or, under fp32, twice that."""
-    itemsize = output_itemsize(options)  # the activations are in the dtype the model computes and returns
-    whole = HIDDEN_WIDTHS * config.hidden_size + INTERMEDIATE_WIDTHS * config.intermediate_size
-    if options.activation_checkpointing_offload:
-        widths = 0
-    elif options.activation_checkpointing == SELECTIVE_AC:
-        widths = CHECKPOINT_WIDTHS * config.hidden_size + selective_widths(config)
-    elif options.checkpoints:  # every K-th block keeps its input alone, the others all of theirs
-        checkpointed = config.num_hidden_layers // options.ac_every
-        widths = (checkpointed * CHECKPOINT_WIDTHS * config.hidden_size
-                  + (config.num_hidden_layers - checkpointed) * whole) / config.num_hidden_layers
-    else:
-        widths = whole
-    logits = logits_copies(options.step) * microbatch_logits_bytes(1, 1, config) if options.step.builds_logits else 0
-    return int(ACTIVATION_MARGIN * (logits + config.num_hidden_layers * itemsize * widths))
-
-
-def selective_widths(config) -> int:
-    """What selective checkpointing keeps of a block beside its input, a token's worth (levers.py's policy on a
-    Llama-like block, whose matmuls run q, k, v, o, gate, up, down): the outputs of q, v, gate and down and of
-    the attention kernel. On the Llama-3.1-8B shape at 2 x 8192 the measured difference from full checkpointing
-    was 55,430 bytes a token and block, this rule's 55,296 (results/h200/levers_8b)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 3 * config.hidden_size + kv * head_dim + config.intermediate_size
-
-
-def step_bytes(batch_size: int, block_size: int, config, options: FsdpOptions) -> int:
-    """What a microbatch's tokens hold on one rank at the step peak: the planner's rule
-    (``activation_bytes_per_token``: the blocks' activations and, under the model's loss, its logits) for the
-    tokens of a rank (a cp rank holds 1/C of each sequence) and, under a chunked or fused loss, one chunk's
-    logits."""
-    tokens = batch_size * (block_size // options.layout.cp_size)
-    chunk = 0 if options.step.builds_logits else \
-        logits_copies(options.step) * rank_logits_bytes(batch_size, block_size, config, options)
-    return activation_bytes_per_token(config, options) * tokens + chunk
-
-
-def gpu_need(shapes, world_size: int, names: list[str], init_device: str, options: FsdpOptions,
-             token_bytes: int) -> int:
-    """Bytes one variant may take on one GPU: the largest need among ``names``, or the whole model while
-    it is built there (with ``--init_device cuda``)."""
-    need = max(variant_need(shapes, world_size, name, options, token_bytes) for name in names)
-    return max(need, int(model_bytes(shapes) * 1.2) if init_device == "cuda" else 0)
-
-
-def host_bytes(shapes, world_size: int, names: list[str], init_device: str, options: FsdpOptions,
-               device_type: str, shared_build: bool = False) -> int:
-    """Host memory of one variant's process at its peak: the runtime and the larger of the model built
-    on the host (``fully_shard`` frees it as it shards; ``shared_build``: counted once for all processes,
-    not here) and the state kept on the host (all of it on a CPU run; under CPU offload all but the unfixed
-    variant's stale parameters, which stay on the GPU)."""
-    build = model_bytes(shapes) if init_device == "cpu" and not shared_build else 0
-    on_host = 0
-    if device_type == "cpu" or options.cpu_offload:
-        on_host = max(sum(expected_state(shapes, world_size, 0, name, "before_zero_grad", options).values())
-                      - expected_device_bytes(shapes, world_size, 0, name, "before_zero_grad", options, device_type)
-                      for name in names)
-    margin = OFFLOAD_HOST_MARGIN if options.cpu_offload and device_type != "cpu" else 1
-    return HOST_RUNTIME + max(build, int(on_host * margin))
 
 
 def gpu_memory() -> int | None:
@@ -179,11 +53,6 @@ def decide(shapes, world_size: int, names: list[str], init_device: str, device_t
     k = max(1, min(pieces, by_gpu, by_host))
     return k, (f"{k} at a time: about {need / GIB:.1f} GiB per variant on a {total / GIB:.0f} GiB GPU "
                f"({tokens_said(token_bytes)}), {per_process / GIB:.1f} GiB of host RAM per process")
-
-
-def tokens_said(token_bytes: int) -> str:
-    """What of an estimate a step's tokens hold, and by which rule: said wherever the estimate is."""
-    return f"{token_bytes / GIB:.1f} GiB of it the activations and logits of a step, by the planner's rule"
 
 
 @dataclass(frozen=True)
@@ -242,70 +111,12 @@ def sweep_room(shapes, sizes: list[int], names: list[str], init_device: str, opt
     return SweepRoom(total, host, needs, token_bytes)
 
 
-@dataclass(frozen=True)
-class GpuCap:
-    """``--gpu_memory``: a GPU of ``gib`` GiB made real on a larger one. A process there holds its CUDA
-    context outside PyTorch's allocator, so the allocator is given the rest
-    (``torch.cuda.set_per_process_memory_fraction``), as it would be on that GPU."""
-    gib: float
-    total: int  # this GPU's memory, as torch reports it
-    context: int  # GPU memory in use once a fresh process has made its CUDA context
-
-    @property
-    def process_bytes(self) -> int:
-        return int(self.gib * GIB)
-
-    @property
-    def allocator_bytes(self) -> int:
-        return self.process_bytes - self.context
-
-    def as_dict(self) -> dict:
-        return {"gib": self.gib, "gpu_total_mib": self.total / MIB, "cuda_context_mib": self.context / MIB,
-                "allocator_limit_mib": self.allocator_bytes / MIB}
-
-
-MIN_ALLOCATOR = 256 * MIB  # less than this beside the context could not hold one block of any model
-
-
-def measure_gpu(index: int) -> tuple[int, int]:
-    """(total, in use) bytes of GPU ``index``, read by a fresh process once it has made its CUDA context
-    (the process asking never makes one: its children would inherit a broken one). With nothing else
-    on the GPU, what is in use is that context."""
-    code = f"import torch; free, total = torch.cuda.mem_get_info({index}); print(total, total - free)"
-    try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
-        total, used = (int(x) for x in out.stdout.split())
-    except (OSError, subprocess.SubprocessError, ValueError) as exc:
-        from fsdp2bench.cli import UserError
-
-        raise UserError(f"--gpu_memory: could not read GPU {index}'s memory ({type(exc).__name__})") from None
-    return total, used
-
-
-def gpu_cap(gib: float | None, index: int) -> GpuCap:
-    """``--gpu_memory GIB`` on GPU ``index`` (None: the whole GPU), refused in one line where it cannot
-    be made real here."""
-    from fsdp2bench.cli import UserError
-
-    total, context = measure_gpu(index)
-    cap = GpuCap(total / GIB if gib is None else gib, total, context)
-    if cap.process_bytes > total:
-        raise UserError(f"--gpu_memory {cap.gib:g}: more than this GPU's {total / GIB:.1f} GiB")
-    if cap.allocator_bytes < MIN_ALLOCATOR:
-        raise UserError(f"--gpu_memory {cap.gib:g}: under the {context / MIB:.0f} MiB that a process's CUDA context "
-                        f"holds on this GPU, plus {MIN_ALLOCATOR / MIB:.0f} MiB for PyTorch; give at least "
-                        f"{(context + MIN_ALLOCATOR) / GIB:.2f}")
-    return cap
-
-
 def check_fits(shapes, world_size: int, names: list[str], init_device: str, device_type: str,
                options: FsdpOptions, logits_bytes: int) -> None:
     """Refuse a run whose state (the memory model at the step peak, no margin) and one step's fp32
     logits (``logits_bytes``, a lower bound of its activations) exceed the device, or whose host
     processes exceed the host's RAM: it could only run out of memory, or be killed by the host,
     after minutes of building."""
-    from fsdp2bench.cli import UserError
-
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     on_gpu = device_state(shapes, world_size, names, options, device_type) + logits_bytes
     host = processes * (host_bytes(shapes, world_size, names, init_device, options, device_type)

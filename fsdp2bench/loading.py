@@ -16,8 +16,8 @@ from fsdp2bench import simulation, weights
 from fsdp2bench.checkpoints import Checkpoint, write_bin
 from fsdp2bench.child import TracedChild, run_traced_child
 from fsdp2bench.isolation import Finisher, StoreKeys, init_group, run_child
-from fsdp2bench.layout import Degrees
-from fsdp2bench.memory_model import local_tensor, shard_rows
+from fsdp2bench.options.layout import Degrees
+from fsdp2bench.memory.accounting import local_tensor, shard_rows
 from fsdp2bench.model import build_model
 from fsdp2bench.names import MIB, size_said
 from measure import MemoryTracker, rss_mib

@@ -21,7 +21,7 @@ import time
 from fsdp2bench import throughput
 from fsdp2bench.cli import write_json
 from fsdp2bench.names import INTENDED, MIB, UNFIXED, step_peak_state
-from fsdp2bench.options import OPTION_SETS
+from fsdp2bench.options.fsdp import OPTION_SETS
 from fsdp2bench.starting import CANCELLED, GO, START_GATE, open_gate
 
 # A launch's exit code after SIGINT or SIGTERM (main.py's 130; torchrun's 128 + the signal), or killed by one.

@@ -5,16 +5,17 @@ from __future__ import annotations
 import math
 import statistics
 
-from fsdp2bench import snapshots, throughput
+from fsdp2bench.memory import snapshots
+from fsdp2bench import throughput
 from fsdp2bench.cli import say
 from fsdp2bench.isolation import UNSUPPORTED
-from fsdp2bench.layout import AXES
-from fsdp2bench.memory_model import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_gathered_block_bytes,
+from fsdp2bench.options.layout import AXES
+from fsdp2bench.memory.accounting import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_gathered_block_bytes,
                                      expected_setup, expected_state, projection, unfixed_costs_more_from)
-from fsdp2bench.step import MODEL, UPSTREAM
+from fsdp2bench.options.step import MODEL, UPSTREAM
 from fsdp2bench.names import (INTENDED, MIB, MICROBATCH_PHASE, PEAK_PHASES, PHASES, STATE_KEYS, UNFIXED, phases,
                               size_said, state_bytes, step_peak_state)
-from fsdp2bench.options import FsdpOptions
+from fsdp2bench.options.fsdp import FsdpOptions
 # Losses are compared step by step. On CPU the intended variants are bit-identical; on GPUs
 # accelerate groups its parameters differently, which may change bf16 rounding a little.
 LOSS_TOLERANCE = {"cpu": 0.0, "cuda": 1e-2}  # relative

@@ -14,17 +14,18 @@ import torch
 import torch.distributed as dist
 
 import utils
-from fsdp2bench import snapshots, throughput
+from fsdp2bench.memory import snapshots
+from fsdp2bench import throughput
 from fsdp2bench.child import TracedChild, run_traced_child
 from fsdp2bench.isolation import STAND_DOWN, StoreKeys, init_group, name_process, wait_at_gate
-from fsdp2bench.layout import Meshes
-from fsdp2bench.memory_model import account, applied_setup, gathered_block_bytes, local_tensor, output_itemsize
+from fsdp2bench.options.layout import Meshes
+from fsdp2bench.memory.accounting import account, applied_setup, gathered_block_bytes, local_tensor, output_itemsize
 from fsdp2bench.model import build_model
 from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, rank_file
-from fsdp2bench.options import FsdpOptions
+from fsdp2bench.options.fsdp import FsdpOptions
 from fsdp2bench.progress import Progress
 from fsdp2bench.simulation import init_simulated_group
-from fsdp2bench.step import kept_output_bytes
+from fsdp2bench.options.step import kept_output_bytes
 from fsdp2bench.throughput import DeviceShare
 from fsdp2bench.weights import SharedWeights
 from measure import MemoryTracker
@@ -86,7 +87,7 @@ class TrainStep:
     """One optimizer step at a time, queued; a call returns the loss still on the device (reading it
     would wait for the GPU): the microbatches' mean, as each was before the division by K.
 
-    What the loop keeps is part of what a step costs (fsdp2bench/step.py). Under the upstream loop the
+    What the loop keeps is part of what a step costs (fsdp2bench/options/step.py). Under the upstream loop the
     outputs, logits included, stay alive through backward and the optimizer step, and on until the next
     forward has returned, as the upstream's loop variable keeps them: where they sit changes where the
     caching allocator puts the next step's blocks (1042 MiB of reserved memory at N = 1 for the 1.5B

@@ -18,7 +18,7 @@ from fsdp2bench.cli import (RankError, UserError, check_replaceable, is_ours, lo
                             pick_device, prepare_output_dir)
 from fsdp2bench.isolation import (STORE_TIMEOUT, StoreKeys, StoreLost, catch_interrupts, launcher_env, set_first,
                                   wait_for_keys)
-from fsdp2bench.memory_model import model_bytes, param_shapes, parameter_count
+from fsdp2bench.memory.accounting import model_bytes, param_shapes, parameter_count
 from fsdp2bench.model import build_meta_model, check_units_own_their_parameters, layer_class_names, load_config
 from fsdp2bench.starting import start_child_server
 

@@ -16,7 +16,7 @@ from fsdp2bench.cli import save_summary, say, unwritten
 from fsdp2bench.concurrency import SweepRoom
 from fsdp2bench.isolation import (INTERRUPTED, Interrupted, Piece, StoreKeys, StoreLost, failed, gather_records,
                                   has_keys, leave_together, run_isolated, status_of, wait_for_keys)
-from fsdp2bench.memory_model import PROJECTION_WORLD_SIZES
+from fsdp2bench.memory.accounting import PROJECTION_WORLD_SIZES
 from fsdp2bench.runner import Job, TrainConfig, variant_process
 from fsdp2bench.session import Session, say_interrupted
 

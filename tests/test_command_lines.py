@@ -30,8 +30,8 @@ import speed
 import visualize
 from fsdp2bench import arguments
 from fsdp2bench.cli import UserError
-from fsdp2bench.layout import Layout
-from fsdp2bench.options import OPTION_SETS
+from fsdp2bench.options.layout import Layout
+from fsdp2bench.options.fsdp import OPTION_SETS
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # a name that is neither a preset nor a directory is asked of the Hub
 EXAMPLES = 500

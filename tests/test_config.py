@@ -1,4 +1,4 @@
-"""The user's accelerate config is what is measured (fsdp2bench/accelerate_config.py): under ``accelerate
+"""The user's accelerate config is what is measured (fsdp2bench/options/accelerate_config.py): under ``accelerate
 launch`` and with ``--config_file``, each field reaches every variant (read back from the prepared models), a
 flag wins over the file, and what the suite cannot mirror is refused in one line before anything is written."""
 

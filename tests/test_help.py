@@ -13,7 +13,8 @@ import matrix
 import plan
 import speed
 import visualize
-from fsdp2bench import arguments, options
+from fsdp2bench import arguments
+from fsdp2bench.options import fsdp as options
 from fsdp2bench.cli import OneLineParser
 from fsdp2bench.loading import MODES
 from fsdp2bench.names import VARIANTS

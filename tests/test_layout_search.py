@@ -13,13 +13,14 @@ import pytest
 from conftest import load, refusal, run_script, start_script
 
 import plan
-from fsdp2bench import accelerate_config, arguments
+from fsdp2bench.options import accelerate_config
+from fsdp2bench import arguments
 from fsdp2bench.plan.layout import report, search as layout_search, timing as layout_timing
 from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, Levers, candidates_of, layouts_of, parse_levers
-from fsdp2bench.concurrency import GpuCap
-from fsdp2bench.layout import Degrees
+from fsdp2bench.memory.estimate import GpuCap
+from fsdp2bench.options.layout import Degrees
 from fsdp2bench.names import GIB, MIB
-from fsdp2bench.options import FsdpOptions
+from fsdp2bench.options.fsdp import FsdpOptions
 from fsdp2bench.session import model_facts
 from fsdp2bench.plan.layout.traffic import Links, parse_links, step_collectives
 

@@ -1,4 +1,4 @@
-"""The levers (fsdp2bench/levers.py) on every variant, and the speed figures beside every peak
+"""The levers (fsdp2bench/options/levers.py) on every variant, and the speed figures beside every peak
 (fsdp2bench/throughput.py): selective and every-K checkpointing and per-block compilation train all four variants
 with the state counted to the byte and the intended variants' losses equal; each is read back from the prepared
 models; a step timed beside another run is no speed figure; float8 is refused where it cannot run; an accelerate
@@ -12,7 +12,8 @@ import json
 import pytest
 
 from conftest import VARIANTS, load, refusal, run_script
-from fsdp2bench import accelerate_config, arguments, levers
+from fsdp2bench.options import accelerate_config, levers
+from fsdp2bench import arguments
 from fsdp2bench.cli import UserError
 from fsdp2bench.throughput import model_flops_per_token, peak_flops
 

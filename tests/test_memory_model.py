@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from conftest import ROOT, VARIANTS, load, run_script
 
-from fsdp2bench.memory_model import expected_state, projection, unfixed_costs_more_from
+from fsdp2bench.memory.accounting import expected_state, projection, unfixed_costs_more_from
 
 INTENDED = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_fixed", "accelerate"]
 UNFIXED = "torch_optimizer_before_fsdp_not_fixed"
@@ -107,15 +107,15 @@ def measured_h200_peaks() -> list[tuple]:
 
 
 def test_the_gpu_estimate_covers_every_reserved_peak_measured_on_one_h200():
-    """``--concurrent_variants auto`` plans with ``concurrency.variant_need``, its step's tokens counted by the
+    """``--concurrent_variants auto`` plans with ``estimate.variant_need``, its step's tokens counted by the
     planner's rule (``step_bytes``): for every run measured on one H200 that ended ok (259 matrix rows, 9 long
     sequences) it is at least the reserved peak, so that variants side by side never squeeze one another; it
     lets four default 1.5B variants at N = 1 share the 140 GiB GPU, as their measured peaks do, and never two of
     the issue's 1.5B runs at batch 4 x 4096 and N = 8 (89 GiB reserved each: side by side, one ran out)."""
-    from fsdp2bench.concurrency import step_bytes, variant_need
-    from fsdp2bench.layout import Layout
+    from fsdp2bench.memory.estimate import step_bytes, variant_need
+    from fsdp2bench.options.layout import Layout
     from fsdp2bench.names import GIB, MIB
-    from fsdp2bench.options import OPTION_SETS, FsdpOptions
+    from fsdp2bench.options.fsdp import OPTION_SETS, FsdpOptions
     from fsdp2bench.session import model_facts
 
     facts = {"qwen2.5-1.5b": model_facts("qwen2.5-1.5b", 421), "qwen2.5-7b": model_facts("qwen2.5-7b", 421),

@@ -15,10 +15,11 @@ import torch
 import transformers
 from conftest import TINY, load, refusal, run_script
 
-from fsdp2bench import arguments, options
+from fsdp2bench import arguments
+from fsdp2bench.options import fsdp
 from fsdp2bench.cli import UserError
-from fsdp2bench.layout import Degrees, Layout
-from fsdp2bench.memory_model import ParamShape, expected_device_bytes, expected_state
+from fsdp2bench.options.layout import Degrees, Layout
+from fsdp2bench.memory.accounting import ParamShape, expected_device_bytes, expected_state
 from fsdp2bench.model import load_config
 from fsdp2bench.names import INTENDED, UNFIXED, state_bytes, step_peak_state
 
@@ -167,7 +168,7 @@ def test_a_rank_sits_on_each_axis_with_tp_innermost():
 def test_tp_then_fsdp_shards_each_parameter_byte_for_byte():
     """A colwise (8, 6) and a rowwise (6, 8) weight and a 5-element norm, fp32, at S = 2 x T = 2."""
     shapes = [ParamShape((8, 6), 4, 0), ParamShape((6, 8), 4, 1), ParamShape((5,), 4, None)]
-    tp = options.FsdpOptions(layout=Layout(tp_size=2))
+    tp = fsdp.FsdpOptions(layout=Layout(tp_size=2))
     # Rank 0: the colwise weight's 4 rows of tp rank 0, FSDP's first 2 of them (48 bytes); the rowwise
     # one's 6 x 4 block, its first 3 rows (48); the norm's first 3 of 5 (12, the padded size of both halves).
     first = expected_state(shapes, 4, 0, INTENDED[0], "end_of_training", tp)
@@ -195,9 +196,9 @@ def test_cp_shards_the_state_over_shards_times_cp_ranks():
         for phase in ("end_of_training", "before_zero_grad"):
             flat = expected_state(shapes, 8, rank, INTENDED[0], phase)
             assert expected_state(shapes, 8, rank, INTENDED[0], phase,
-                                  options.FsdpOptions(layout=Layout(cp_size=2))) == flat
+                                  fsdp.FsdpOptions(layout=Layout(cp_size=2))) == flat
             assert expected_state(shapes, 8, rank, INTENDED[0], phase,
-                                  options.FsdpOptions(layout=Layout(cp_size=8))) == flat
+                                  fsdp.FsdpOptions(layout=Layout(cp_size=8))) == flat
 
 
 # --------------------------------------------------------------------------- refusals
@@ -249,10 +250,10 @@ def test_a_torch_or_accelerate_without_the_api_is_refused(monkeypatch):
     monkeypatch.setattr(accelerate, "ParallelismConfig", OldParallelismConfig)
     with pytest.raises(UserError, match=f"--tp_size: accelerate {accelerate.__version__} has no "
                                         "ParallelismConfig.tp_size"):
-        options.check_parallel_libraries(Layout(tp_size=2))
+        fsdp.check_parallel_libraries(Layout(tp_size=2))
     monkeypatch.delattr(torch.distributed.tensor.parallel, "parallelize_module")
     with pytest.raises(UserError, match="--tp_size: torch .* has no torch.distributed.tensor.parallel.parallelize_module"):
-        options.check_parallel_libraries(Layout(tp_size=2))
+        fsdp.check_parallel_libraries(Layout(tp_size=2))
 
 
 @pytest.mark.parametrize("plan, words", [

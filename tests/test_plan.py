@@ -14,7 +14,7 @@ import torch
 from conftest import child_running, load, refusal, run_script, start_script
 
 import plan
-from fsdp2bench import concurrency
+from fsdp2bench.memory import estimate
 from fsdp2bench.plan import checks
 from fsdp2bench.plan import search as fitting
 from fsdp2bench.cli import OneLineParser, UserError
@@ -173,7 +173,7 @@ def test_a_follower_whose_leader_failed_searches_on_its_own():
 def test_a_followers_probe_gets_the_room_its_leaders_line_predicts():
     """A follower has no shared process: the GPU room of its probes, near its leader's edge, comes from the
     leader's line (the memory model's estimate without it was a third of what they held under 80 GiB)."""
-    cap = concurrency.GpuCap(24.0, 140 * 1024 * MIB, 527 * MIB)
+    cap = estimate.GpuCap(24.0, 140 * 1024 * MIB, 527 * MIB)
     keys = [("default", 8, variant, 128) for variant in ("torch_optimizer_after_fsdp", "accelerate")]
     searches = {key: Search(1, 4096, LIMIT, PER_SEQUENCE, BLOCK, BLOCK_SHARE) for key in keys}
     searches[keys[0]].take_shared([Outcome(v, True, STATE + PER_SEQUENCE * v) for v in (1, 8, 20)])
@@ -278,16 +278,16 @@ def test_a_cpu_plan_says_first_that_it_has_no_cap_and_stops_soon(tmp_path):
     (None, 0.6, r"--gpu_memory 0.6: under the 527 MiB"),  # the default, the whole GPU, said by its size
 ])
 def test_a_cap_the_gpu_cannot_make_real_is_refused(monkeypatch, gib, total, message):
-    monkeypatch.setattr(concurrency, "measure_gpu", lambda index: (int(total * 1024 * MIB), 527 * MIB))
+    monkeypatch.setattr(estimate, "measure_gpu", lambda index: (int(total * 1024 * MIB), 527 * MIB))
     with pytest.raises(UserError, match=message):
-        concurrency.gpu_cap(gib, 0)
+        estimate.gpu_cap(gib, 0)
 
 
 def test_a_cap_becomes_the_allocator_limit_less_the_context(monkeypatch):
-    monkeypatch.setattr(concurrency, "measure_gpu", lambda index: (int(139.8 * 1024 * MIB), 527 * MIB))
-    cap = concurrency.gpu_cap(24, 0)
+    monkeypatch.setattr(estimate, "measure_gpu", lambda index: (int(139.8 * 1024 * MIB), 527 * MIB))
+    cap = estimate.gpu_cap(24, 0)
     assert cap.allocator_bytes == 24 * 1024 * MIB - 527 * MIB
-    assert concurrency.gpu_cap(None, 0).process_bytes == int(139.8 * 1024 * MIB)
+    assert estimate.gpu_cap(None, 0).process_bytes == int(139.8 * 1024 * MIB)
 
 
 def test_a_launch_with_a_bad_flag_ends_in_one_line(tmp_path):
@@ -494,7 +494,7 @@ def test_a_probe_out_of_memory_beside_others_runs_again_alone_only_where_the_gpu
     """Torch's message says what the GPU had free: more than the allocation, and the probe's own cap refused it."""
     from fsdp2bench.plan.probes import BATCH, Probe, ProbeRunner, Question
 
-    cap = concurrency.GpuCap(24.0, int(139.8 * 1024) * MIB, 527 * MIB)
+    cap = estimate.GpuCap(24.0, int(139.8 * 1024) * MIB, 527 * MIB)
     runner = ProbeRunner(None, None, None, {}, {}, cap, "")
     question = Question("default", 8, 0, "torch_optimizer_after_fsdp", BATCH, 128)
     beside = [Probe("k", question, 20, 0, 10 * 1024 * MIB, 0.0, 1.0) for _ in range(6)]
@@ -523,7 +523,7 @@ def test_probes_set_up_ahead_and_step_only_where_the_gpu_holds_their_room(monkey
     from fsdp2bench.plan.probes import BATCH, Probe, ProbeRunner, Question
 
     monkeypatch.setattr(probe_room, "host_bytes", lambda *args: 1 << 30)
-    cap = concurrency.GpuCap(gib, 140 * 1024 * MIB, 527 * MIB)
+    cap = estimate.GpuCap(gib, 140 * 1024 * MIB, 527 * MIB)
     session = types.SimpleNamespace(device=torch.device("cuda", 0), shapes=None)
     runner = ProbeRunner(session, types.SimpleNamespace(init_device="cpu", build_threads=32), None, {}, {}, cap, "")
     question = Question("default", 8, 0, "torch_optimizer_after_fsdp", BATCH, 128)
@@ -550,7 +550,7 @@ def queue_of(monkeypatch, gib: float, shares: list[float], limit: float):
     from fsdp2bench.plan.probes import BATCH, PlanQueue
 
     monkeypatch.setattr(probe_room, "host_bytes", lambda *args: 1 << 30)
-    cap = concurrency.GpuCap(gib, 140 * 1024 * MIB, 527 * MIB)
+    cap = estimate.GpuCap(gib, 140 * 1024 * MIB, 527 * MIB)
     variants = ("torch_optimizer_after_fsdp", "accelerate")
     keys = [(f"set{s}", 8, variant, 128) for s in range(len(shares)) for variant in variants]
     questions = {key: Question("default", 8, 0, key[2], BATCH, 128) for key in keys}

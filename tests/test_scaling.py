@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 from conftest import TINY, VARIANTS, load, run_script
 
-from fsdp2bench import arguments, options
+from fsdp2bench import arguments
+from fsdp2bench.options import fsdp as options
 from fsdp2bench.cli import UserError
 from fsdp2bench.matrix import NOT_OFFERED, fitting_sizes
 

@@ -170,8 +170,10 @@ def test_a_sweep_on_a_gpu_packs_each_run_by_its_own_need(monkeypatch):
     import psutil
 
     from fsdp2bench import concurrency
+
+    from fsdp2bench.memory import estimate
     from fsdp2bench.names import GIB
-    from fsdp2bench.options import OPTION_SETS
+    from fsdp2bench.options.fsdp import OPTION_SETS
     from fsdp2bench.session import model_facts
     from fsdp2bench.simulation import SimulatedRun
 
@@ -181,7 +183,7 @@ def test_a_sweep_on_a_gpu_packs_each_run_by_its_own_need(monkeypatch):
     monkeypatch.setattr(concurrency, "gpu_memory", lambda: 140 * GIB)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Host)
     facts, options = model_facts("qwen2.5-7b", 421), OPTION_SETS["tp2"]
-    tokens = concurrency.step_bytes(2, 128, facts.config, options)
+    tokens = estimate.step_bytes(2, 128, facts.config, options)
 
     def room(shared: bool) -> concurrency.SweepRoom:
         return concurrency.sweep_room(facts.shapes, [8, 128], VARIANTS, "cpu", options, tokens, None, shared)
@@ -202,15 +204,16 @@ def test_the_issue_runs_never_share_a_gpu_once_their_activations_are_counted(mon
     (the logits, not the activations) ran two side by side and one ran out of memory. By the planner's rule each
     needs more than half the GPU, and the line that says the choice says by which rule."""
     from fsdp2bench import concurrency
+    from fsdp2bench.memory import estimate
     from fsdp2bench.names import GIB
-    from fsdp2bench.options import OPTION_SETS
+    from fsdp2bench.options.fsdp import OPTION_SETS
     from fsdp2bench.session import model_facts
     from fsdp2bench.simulation import SimulatedRun
 
     monkeypatch.setattr(concurrency, "gpu_memory", lambda: 140 * GIB)
     facts, options = model_facts("qwen2.5-1.5b", 421), OPTION_SETS["default"]
     names = ["torch_optimizer_after_fsdp", "accelerate"]
-    tokens = concurrency.step_bytes(4, 4096, facts.config, options)
+    tokens = estimate.step_bytes(4, 4096, facts.config, options)
     room = concurrency.sweep_room(facts.shapes, [8], names, "cpu", options, tokens, None, True)
     assert not room.fits([SimulatedRun(8, 0, name) for name in names]) and room.most == 1
     assert 89 * GIB < room.needs[(8, "accelerate")][0] < 100 * GIB

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fsdp2bench import snapshots
+from fsdp2bench.memory import snapshots
 from fsdp2bench.names import MIB
 
 FSDP_FRAME = {"filename": "/x/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_param.py", "line": 7,

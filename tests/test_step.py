@@ -1,4 +1,4 @@
-"""The training step as a measured axis (fsdp2bench/step.py): the Trainer's loop against the upstream's, the
+"""The training step as a measured axis (fsdp2bench/options/step.py): the Trainer's loop against the upstream's, the
 chunked loss against the model's own, the refusals, and the planner's and the matrix's pass-through."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import torch
 
 import utils
 from conftest import TINY, load, refusal, run_script
-from fsdp2bench import arguments, step
+from fsdp2bench import arguments
+from fsdp2bench.options import step
 from fsdp2bench.cli import UserError
 from fsdp2bench.model import build_model, load_config
 

@@ -11,11 +11,13 @@ import os
 import subprocess
 from dataclasses import dataclass
 
-from fsdp2bench import accelerate_config, arguments, concurrency, levers as lever_checks, options
+from fsdp2bench.options import accelerate_config, levers as lever_checks, fsdp as options
+from fsdp2bench import arguments
+from fsdp2bench.memory import estimate
 from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, given_options, is_ours,
                             parse_names, pick_device, refuse_foreign, say)
 from fsdp2bench.isolation import launcher_keeps_to_one_thread
-from fsdp2bench.layout import Layout
+from fsdp2bench.options.layout import Layout
 from fsdp2bench.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, max_positions
 from fsdp2bench.names import VARIANTS
 from fsdp2bench.plan.layout.candidates import (COMPILE, FLOAT8, LEVER_NAMES, Levers, candidates_of, layouts_of,
@@ -27,7 +29,7 @@ from fsdp2bench.plan.probes import BATCH, BLOCK, BLOCK_STEP, LAYOUT, block_step
 from fsdp2bench.session import ModelFacts, model_facts
 from fsdp2bench.simulation import check_fake_group_available, parse_world_sizes
 from fsdp2bench.starting import check_launcher_env
-from fsdp2bench.step import LIGER, Step, check_liger
+from fsdp2bench.options.step import LIGER, Step, check_liger
 from fsdp2bench.versions import check_releases
 
 SEED = 421  # main.py's: the weights are drawn the same way
@@ -150,7 +152,7 @@ class Checked:
     blocks: list[int]
     upper: int
     facts: ModelFacts
-    cap: concurrency.GpuCap | None
+    cap: estimate.GpuCap | None
     skipped: list[str]
     base: options.FsdpOptions  # what each set's options are put over: the loop, the loss and the user's config
     config: accelerate_config.ConfigOptions | None
@@ -247,7 +249,7 @@ def checked_plan(args: argparse.Namespace, common: Common) -> Checked:
     arguments.check_step(base, facts.config, device.type)
     upper = search_upper(args, facts.config, blocks, device.type)
     check_block_steps(args, base, sets, blocks, upper)
-    cap = concurrency.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
+    cap = estimate.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
     sets, skipped = plannable_sets(args, base, sets, common, config, facts.config)
     return Checked(args=args, sets=sets, sizes=common.sizes, variants=variants, blocks=blocks, upper=upper,
                    facts=facts, cap=cap, skipped=skipped, base=base, config=config)
@@ -364,7 +366,7 @@ def checked_search(args: argparse.Namespace, common: Common) -> CheckedSearch:
     if not any(sequences % ranks == 0 for ranks in splits):
         raise UserError(f"--global_batch {sequences} sequences: no layout of N = {world_size} splits it evenly "
                         f"(their data-parallel ranks, {', '.join(map(str, splits))}, each leave a remainder)")
-    cap = concurrency.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
+    cap = estimate.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
     setup = Setup(model=common.model, world_size=world_size, block=block, global_sequences=sequences,
                   shapes=facts.shapes, config=facts.config, base=options.FsdpOptions(step=Step(loop=args.loop)),
                   cap=cap, links=links, device_type=device.type, gpu_name=gpu_name() if device.type == "cuda" else None,

@@ -28,13 +28,13 @@ from typing import Callable
 import torch
 
 from fsdp2bench import report
-from fsdp2bench.concurrency import GpuCap, activation_bytes_per_token, variant_need
+from fsdp2bench.memory.estimate import GpuCap, activation_bytes_per_token, variant_need
 from fsdp2bench.plan.search import Ladder, Outcome, Planner, Search
 from fsdp2bench.isolation import STAND_DOWN, Piece, StoreKeys, gather_records, has_keys, run_queue
-from fsdp2bench.memory_model import expected_state
+from fsdp2bench.memory.accounting import expected_state
 from fsdp2bench.names import MIB, PEAK_PHASES, phases
-from fsdp2bench.options import OPTION_SETS, FsdpOptions
-from fsdp2bench.step import largest_block_per_token
+from fsdp2bench.options.fsdp import OPTION_SETS, FsdpOptions
+from fsdp2bench.options.step import largest_block_per_token
 from fsdp2bench.runner import Job, TrainConfig, probe_process
 from fsdp2bench.plan.shared import AtValue, SeriesJob, point_key, series_process
 from fsdp2bench.session import Session

@@ -8,9 +8,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fsdp2bench.concurrency import GpuCap, host_bytes, host_memory_for_launch, step_bytes, variant_need
+from fsdp2bench.concurrency import host_memory_for_launch
+
+from fsdp2bench.memory.estimate import GpuCap, host_bytes, step_bytes, variant_need
 from fsdp2bench.plan.search import SHARED_LIMIT, SHARED_MOST_MIB, Ladder, Outcome, Search
-from fsdp2bench.memory_model import expected_device_bytes, model_bytes
+from fsdp2bench.memory.accounting import expected_device_bytes, model_bytes
 from fsdp2bench.names import MIB
 from measure import failed_allocation_mib, gpu_free_mib
 

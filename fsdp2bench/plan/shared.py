@@ -23,7 +23,7 @@ import torch.distributed as dist
 from fsdp2bench.data import rank_batches
 from fsdp2bench.plan.search import Ladder
 from fsdp2bench.isolation import name_process
-from fsdp2bench.layout import Meshes
+from fsdp2bench.options.layout import Meshes
 from fsdp2bench.runner import FailureSpec, Job, TrainStep, collector_paused, prepare, run_variant_child
 from measure import MemoryTracker
 

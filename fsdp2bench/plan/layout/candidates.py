@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp2bench.cli import UserError
-from fsdp2bench.concurrency import step_bytes, variant_need
-from fsdp2bench.layout import Degrees, Layout, check_context_parallel, check_tensor_parallel
-from fsdp2bench.options import AC_MODES, FULL_AC, NO_AC, SELECTIVE_AC, FsdpOptions
-from fsdp2bench.step import CHUNKED, LIGER, LOSSES, MODEL
+from fsdp2bench.memory.estimate import step_bytes, variant_need
+from fsdp2bench.options.layout import Degrees, Layout, check_context_parallel, check_tensor_parallel
+from fsdp2bench.options.fsdp import AC_MODES, FULL_AC, NO_AC, SELECTIVE_AC, FsdpOptions
+from fsdp2bench.options.step import CHUNKED, LIGER, LOSSES, MODEL
 
 TRAINED = "torch_optimizer_after_fsdp"  # the variant a layout search plans and its commands train
 COMPILE, FLOAT8 = "compile", "float8"
@@ -141,7 +141,7 @@ def candidates_of(layouts: list[Degrees], levers: Levers, global_sequences: int,
 def estimated_bytes(candidate: Candidate, shapes, config, block: int, base: FsdpOptions,
                     held: dict | None = None) -> int:
     """What the memory model and the planner's activation rule say rank 0 reserves at its step peak (state
-    byte-exact; the rest an estimate calibrated on one H200: ``concurrency.variant_need``). ``held`` keeps what
+    byte-exact; the rest an estimate calibrated on one H200: ``estimate.variant_need``). ``held`` keeps what
     the tokens do not change, per layout and levers: tens of thousands of candidates share a few thousand."""
     chosen = candidate.options(base)
     c = candidate

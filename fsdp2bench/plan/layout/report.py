@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from fsdp2bench import accelerate_config
+from fsdp2bench.options import accelerate_config
 from fsdp2bench.cli import UserError, save_summary, say, write_bytes
 from fsdp2bench.plan.layout.search import Assessed, Setup, commands, decided, ranked, record, winner_of
 

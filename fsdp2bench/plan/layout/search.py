@@ -28,9 +28,9 @@ from fsdp2bench.plan.layout.traffic import Links, step_collectives
 if TYPE_CHECKING:  # the types alone: the search runs in the planner's process, which never imports torch's models
     from transformers import PretrainedConfig
 
-    from fsdp2bench.concurrency import GpuCap
-    from fsdp2bench.memory_model import ParamShape
-    from fsdp2bench.options import FsdpOptions
+    from fsdp2bench.memory.estimate import GpuCap
+    from fsdp2bench.memory.accounting import ParamShape
+    from fsdp2bench.options.fsdp import FsdpOptions
 
 TIMING_STEPS = 6  # warm-up (two under compile) and at least four clean steps after it, for a steady median
 EDGE = 0.2  # an estimate this far over the cap is left out; within it of the cap a candidate is probed

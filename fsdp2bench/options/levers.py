@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fsdp2bench.cli import UserError
-from fsdp2bench.options import FULL_AC, SELECTIVE_AC, FsdpOptions
+from fsdp2bench.options.fsdp import FULL_AC, SELECTIVE_AC, FsdpOptions
 
 if TYPE_CHECKING:
     from torch import nn

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from fsdp2bench.cli import UserError
-from fsdp2bench.layout import Layout, planned_style, tensor_parallel_plan
+from fsdp2bench.options.layout import Layout, planned_style, tensor_parallel_plan
 
 UPSTREAM, TRAINER = "upstream", "trainer"
 LOOPS = (UPSTREAM, TRAINER)

@@ -17,8 +17,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from fsdp2bench.cli import UserError, parse_names
-from fsdp2bench.layout import CP_STRATEGIES, Layout
-from fsdp2bench.step import Step
+from fsdp2bench.options.layout import CP_STRATEGIES, Layout
+from fsdp2bench.options.step import Step
 
 # --mixed_precision_policy: accelerate's mixed_precision="bf16" (bf16 autocast, FSDP2 gathers and
 # reduces in bf16; the upstream's), an FSDP2 MixedPrecisionPolicy without autocast, or accelerate's
@@ -28,7 +28,7 @@ POLICY = "bf16_params_fp32_reduce"
 FP32 = "fp32"
 MIXED_PRECISION = (AUTOCAST, POLICY, FP32)
 # --activation_checkpointing: none, each block whole (accelerate's, or every K-th block with --ac_every K), or
-# op-level selective checkpointing inside each block (fsdp2bench/levers.py says which ops it keeps).
+# op-level selective checkpointing inside each block (fsdp2bench/options/levers.py says which ops it keeps).
 NO_AC, FULL_AC, SELECTIVE_AC = "none", "full", "selective"
 AC_MODES = (NO_AC, FULL_AC, SELECTIVE_AC)
 
@@ -48,13 +48,13 @@ class FsdpOptions:
     # torch's FSDPModule.set_requires_all_reduce: False reduce-scatters every microbatch under HSDP but
     # all-reduces across the replicas only on the last one. Not offered by accelerate.
     requires_all_reduce: bool = True
-    # The levers beyond accelerate's plugin (fsdp2bench/levers.py): each block compiled by inductor, and torchao's
+    # The levers beyond accelerate's plugin (fsdp2bench/options/levers.py): each block compiled by inductor, and torchao's
     # float8 training of the blocks' Linear layers with FSDP2's float8 all-gather.
     compile: bool = False
     float8: bool = False
     # ParallelismConfig: how the ranks split into replicas, shards, context and tensor groups.
     layout: Layout = Layout()
-    # The training step (fsdp2bench/step.py): not an FSDP2 option, but applied by every variant alike.
+    # The training step (fsdp2bench/options/step.py): not an FSDP2 option, but applied by every variant alike.
     step: Step = Step()
 
     def changed(self) -> dict:

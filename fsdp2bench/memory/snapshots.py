@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fsdp2bench.names import MIB
-from fsdp2bench.memory_model import local_tensor
+from fsdp2bench.memory.accounting import local_tensor
 
 BLOCK_ROUNDING = 512  # the caching allocator rounds every request up to a multiple of this
 TOP_GROUPS = 25
