@@ -4,19 +4,19 @@
 checkpoint (safetensors or pytorch_model.bin) five ways, each ending with the same sharded model
 ready to train, and measures per rank the host RAM, the GPU memory and the time it took;
 ``python3 loading.py --simulate_world_size 8,32`` measures one rank of larger N, for the modes that
-need nothing from the other ranks. See docs/loading.md; the modes are in ``fsdp2bench/loading.py``.
+need nothing from the other ranks. See docs/loading.md; the modes are in ``fsdp2bench/loading/modes.py``.
 """
 
 from __future__ import annotations
 
 import sys
 
-from fsdp2bench.first import one_line_interrupts
+from fsdp2bench.processes.first import one_line_interrupts
 
 if __name__ == "__main__":  # before any other import: a Ctrl-C from here on is one line, never a traceback
     one_line_interrupts()
 
-from fsdp2bench.starting import check_launcher_env, start_before_imports
+from fsdp2bench.processes.starting import check_launcher_env, start_before_imports
 
 if __name__ == "__main__":  # ahead of the imports below, on purpose: the fork server's overlap them
     start_before_imports(sys.argv[1:])
@@ -31,17 +31,19 @@ from typing import Callable
 
 from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with, expect_path,
                             parse_names, pick_device, refuse_foreign, save_summary, unwritten)
-from fsdp2bench.isolation import (Interrupted, Piece, StoreKeys, gather_records, launcher_keeps_to_one_thread,
-                                  leave_together, run_isolated, wait_for_keys)
+from fsdp2bench.processes.isolation import (Interrupted, Piece, StoreKeys, gather_records, launcher_keeps_to_one_thread,
+                                            leave_together, run_isolated, wait_for_keys)
 from fsdp2bench.options import accelerate_config
-from fsdp2bench import simulation, weights
-from fsdp2bench.arguments import add_config_option, check_wrapped_classes
-from fsdp2bench.checkpoints import FORMATS, Checkpoint
-from fsdp2bench.loading import (CHECKPOINT_DTYPES, MODES, NEEDS_PEERS, SIMULABLE, LoadConfig, LoadJob, load_process,
-                                print_simulated, print_table, summarise, trace_file, write_checkpoint_process)
-from fsdp2bench.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS, default_model
-from fsdp2bench.session import ModelFacts, Session, model_facts, open_session, say_interrupted
-from fsdp2bench.versions import check_releases
+from fsdp2bench.processes import simulation
+from fsdp2bench.train import weights
+from fsdp2bench.run.arguments import add_config_option, check_wrapped_classes
+from fsdp2bench.loading.checkpoints import FORMATS, Checkpoint
+from fsdp2bench.loading.modes import (CHECKPOINT_DTYPES, MODES, NEEDS_PEERS, SIMULABLE, LoadConfig, LoadJob,
+                                      load_process, print_simulated, print_table, summarise, trace_file,
+                                      write_checkpoint_process)
+from fsdp2bench.train.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS, default_model
+from fsdp2bench.run.session import ModelFacts, Session, model_facts, open_session, say_interrupted
+from fsdp2bench.run.versions import check_releases
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -4,21 +4,21 @@ Launch with ``torchrun --nproc_per_node N main.py`` or ``accelerate launch main.
 (plain ``python main.py`` runs one rank). See docs/options.md and docs/output.md for every option and output.
 
 Where things are: the four variants and the fix in ``utils.py``; the command line and its checks
-in ``fsdp2bench/arguments.py``; the parallel layout in ``fsdp2bench/options/layout.py``; the memory tracker in
-``measure.py``; one variant's training in ``fsdp2bench/runner.py``; failures, interrupts and
-fresh processes in ``fsdp2bench/isolation.py``; the summary and checks in ``fsdp2bench/report.py``.
+in ``fsdp2bench/run/arguments.py``; the parallel layout in ``fsdp2bench/options/layout.py``; the memory tracker in
+``measure.py``; one variant's training in ``fsdp2bench/train/runner.py``; failures, interrupts and
+fresh processes in ``fsdp2bench/processes/isolation.py``; the summary and checks in ``fsdp2bench/report/summary.py``.
 """
 
 from __future__ import annotations
 
 import sys
 
-from fsdp2bench.first import one_line_interrupts
+from fsdp2bench.processes.first import one_line_interrupts
 
 if __name__ == "__main__":  # before any other import: a Ctrl-C from here on is one line, never a traceback
     one_line_interrupts()
 
-from fsdp2bench.starting import CANCELLED, start_before_imports, wait_for_turn
+from fsdp2bench.processes.starting import CANCELLED, start_before_imports, wait_for_turn
 
 if __name__ == "__main__":  # ahead of the imports below, on purpose: the fork server's overlap them
     start_before_imports(sys.argv[1:])
@@ -30,14 +30,16 @@ import time
 import psutil
 
 from fsdp2bench.options import accelerate_config, fsdp as options
-from fsdp2bench import concurrency, simulation, weights
+from fsdp2bench.run import concurrency
+from fsdp2bench.processes import simulation
+from fsdp2bench.train import weights
 from fsdp2bench.memory import estimate
-from fsdp2bench.arguments import build_threads, per_optimizer_step, validate, versions
+from fsdp2bench.run.arguments import build_threads, per_optimizer_step, validate, versions
 from fsdp2bench.cli import exit_with, say
-from fsdp2bench.isolation import Interrupted
-from fsdp2bench.runner import TrainConfig
-from fsdp2bench.session import Session, open_session, say_interrupted
-from fsdp2bench.suite import Suite, run_sweep, run_variants
+from fsdp2bench.processes.isolation import Interrupted
+from fsdp2bench.train.runner import TrainConfig
+from fsdp2bench.run.session import Session, open_session, say_interrupted
+from fsdp2bench.run.suite import Suite, run_sweep, run_variants
 
 
 def variants_at_once(args: argparse.Namespace, session: Session, names: list[str],

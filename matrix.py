@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import sys
 
-from fsdp2bench.first import one_line_interrupts
+from fsdp2bench.processes.first import one_line_interrupts
 
 if __name__ == "__main__":  # before any other import: a Ctrl-C from here on is one line, never a traceback
     one_line_interrupts()
 
-from fsdp2bench.starting import interrupts_raise, quiet_while_starting
+from fsdp2bench.processes.starting import interrupts_raise, quiet_while_starting
 
 if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them is one line
     quiet_while_starting()
@@ -27,10 +27,11 @@ import shlex
 import textwrap
 
 from fsdp2bench.options import accelerate_config, fsdp as options
-from fsdp2bench import arguments, matrix
+from fsdp2bench.run import arguments
+from fsdp2bench.report import matrix
 from fsdp2bench.cli import (CONSOLE_WIDTH, OneLineParser, UserError, check_output_dir, check_ranges, exit_with,
                             pick_device, prepare_output_dir, refuse_foreign)
-from fsdp2bench.simulation import DEFAULT_STEPS, parse_world_sizes
+from fsdp2bench.processes.simulation import DEFAULT_STEPS, parse_world_sizes
 
 NUMBER_RANGES = {"nproc_per_node": (0, 4096), "sweep_steps": (1, 10_000_000)}  # 0 processes: sweeps only
 # main.py's FSDP2, accumulation and layout options: each launch gets those of its option set (over the user's

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import sys
 
-from fsdp2bench.first import one_line_interrupts
+from fsdp2bench.processes.first import one_line_interrupts
 
 if __name__ == "__main__":  # before any other import: a Ctrl-C from here on is one line, never a traceback
     one_line_interrupts()
 
-from fsdp2bench.starting import start_before_imports
+from fsdp2bench.processes.starting import start_before_imports
 
 if __name__ == "__main__":  # ahead of the imports below: the fork server's overlap them
     start_before_imports(sys.argv[1:])
@@ -28,19 +28,20 @@ import shlex
 import time
 
 from fsdp2bench.options import accelerate_config, fsdp
-from fsdp2bench import arguments, weights
+from fsdp2bench.run import arguments
+from fsdp2bench.train import weights
 from fsdp2bench.memory import estimate
 from fsdp2bench.cli import exit_with, save_summary, say
-from fsdp2bench.data import load_tokens
-from fsdp2bench.isolation import Interrupted
+from fsdp2bench.train.data import load_tokens
+from fsdp2bench.processes.isolation import Interrupted
 from fsdp2bench.names import MIB
 from fsdp2bench.plan import search as fitting
 from fsdp2bench.plan.checks import SEED, Checked, CheckedSearch, parse_args, plan_path, set_options, validate
 from fsdp2bench.plan.layout import run as layout_plan
 from fsdp2bench.plan.probes import BATCH, ProbeRunner, Question, heaviest_rank, leaders_of, search_for
 from fsdp2bench.plan.shared import PROBE_STEPS
-from fsdp2bench.runner import TrainConfig
-from fsdp2bench.session import open_session, say_interrupted
+from fsdp2bench.train.runner import TrainConfig
+from fsdp2bench.run.session import open_session, say_interrupted
 
 __all__ = ["parse_args", "run", "validate"]  # parse_args and validate: the command line, for the tests
 

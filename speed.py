@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import sys
 
-from fsdp2bench.first import one_line_interrupts
+from fsdp2bench.processes.first import one_line_interrupts
 
 if __name__ == "__main__":  # before any other import: a Ctrl-C from here on is one line, never a traceback
     one_line_interrupts()
 
-from fsdp2bench.starting import interrupts_raise, quiet_while_starting
+from fsdp2bench.processes.starting import interrupts_raise, quiet_while_starting
 
 if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them is one line
     quiet_while_starting()
@@ -29,9 +29,9 @@ import statistics
 import subprocess
 import time
 
-from fsdp2bench.cli import (OneLineParser, UserError, check_ranges, check_writable_file, environment_changed,
-                            exit_with, expect_path, refuse_foreign, write_json)
-from fsdp2bench.matrix import INTERRUPTED_CODES, read_summary, wait_passing_interrupt
+from fsdp2bench.cli import (OneLineParser, UserError, check_ranges, check_writable_file, environment_changed, exit_with,
+                            expect_path, refuse_foreign, write_json)
+from fsdp2bench.report.matrix import INTERRUPTED_CODES, read_summary, wait_passing_interrupt
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # The upstream scripts timed on 2x H200 on the same work: 282 s and 302 s for two launches.
@@ -79,17 +79,27 @@ def launch_phases(timeline: dict, launched: float, wall: float) -> dict:
 
 
 def launcher(nproc: int, tree: str, main_args: list[str], python: str = sys.executable,
-             module: str = "fsdp2bench.torchrun") -> list[str]:
-    """torchrun, or this project's quiet form of it (``fsdp2bench.torchrun``) where the tree has it."""
+             module: str = "fsdp2bench.processes.torchrun") -> list[str]:
+    """torchrun, or this project's quiet form of it (``fsdp2bench.processes.torchrun``) where the tree has it."""
     return [python, "-m", module, f"--nproc_per_node={nproc}", os.path.join(tree, "main.py"), *main_args]
+
+
+# This project's quiet torchrun by where a tree keeps it: today's, then before the package had wings.
+TREE_LAUNCHERS = (("fsdp2bench/processes/torchrun.py", "fsdp2bench.processes.torchrun"),
+                  ("fsdp2bench/torchrun.py", "fsdp2bench.torchrun"))
+
+
+def tree_launcher(tree: str) -> str:
+    """The launcher module of another version's tree: its own quiet torchrun, or torch's in a version before it."""
+    return next((module for path, module in TREE_LAUNCHERS if os.path.isfile(os.path.join(tree, path))),
+                "torch.distributed.run")
 
 
 def time_baseline(tree: str, nproc: int, main_args: list[str], output_dir: str, python: str) -> dict:
     """The other version's (or environment's) run on the same work, timed from launch to exit."""
     tree, output_dir = os.path.abspath(tree), os.path.abspath(f"{output_dir}_baseline")
     start = time.perf_counter()
-    module = "fsdp2bench.torchrun" if os.path.isfile(os.path.join(tree, "fsdp2bench", "torchrun.py")) else \
-        "torch.distributed.run"  # a version from before it
+    module = tree_launcher(tree)
     code = wait_passing_interrupt(subprocess.Popen(
         launcher(nproc, tree, [*main_args, "--output_dir", output_dir], python, module), cwd=tree))
     return {"tree": tree, "python": python, "output_dir": output_dir, "suite_wall_s": time.perf_counter() - start,
@@ -125,7 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     """Everything speed.py refuses in one line before it launches: its own options, then main.py's
     arguments as the timed launch's rank 0 will check them."""
-    from fsdp2bench import arguments
+    from fsdp2bench.run import arguments
 
     args = parse_args(argv)
     check_ranges(args, {"nproc_per_node": (1, 4096)})
@@ -260,11 +270,11 @@ def run_baseline(args: argparse.Namespace, extra: list[str]) -> tuple[dict, dict
 
 
 def run_bare_loop(args: argparse.Namespace, extra: list[str]) -> dict:
-    """The bare loop's figures (fsdp2bench/bare.py), in a process of its own before the launch."""
+    """The bare loop's figures (fsdp2bench/run/bare.py), in a process of its own before the launch."""
     path = os.path.join(f"{args.output_dir}_bare", "bare.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     here = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-    code = wait_passing_interrupt(subprocess.Popen([sys.executable, "-m", "fsdp2bench.bare", path, "--", *extra],
+    code = wait_passing_interrupt(subprocess.Popen([sys.executable, "-m", "fsdp2bench.run.bare", path, "--", *extra],
                                                    env=here))
     if code != 0 or not os.path.isfile(path):
         raise UserError(f"--bare_loop: the bare loop failed (exit code {code}); the timed run was not started")
@@ -292,7 +302,7 @@ def timed(args: argparse.Namespace, extra: list[str]) -> int:
     command = launcher(args.nproc_per_node, ROOT, [*extra, *polling, "--output_dir", args.output_dir])
     launched, start = time.time(), time.perf_counter()
     here = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-    code = wait_passing_interrupt(subprocess.Popen(command, env=here))  # fsdp2bench.torchrun from any directory
+    code = wait_passing_interrupt(subprocess.Popen(command, env=here))  # our torchrun module from any directory
     wall = time.perf_counter() - start
     summary = read_summary(args.output_dir)
     if summary is None:

@@ -2,19 +2,19 @@
 a matrix, a plan.
 
 Reads only the JSON files main.py (or loading.py, matrix.py, plan.py) wrote: ``python3 visualize.py --dir out``.
-The figures themselves are drawn in ``fsdp2bench/plots.py``.
+The figures themselves are drawn in ``fsdp2bench/report/plots.py``.
 """
 
 from __future__ import annotations
 
 import sys
 
-from fsdp2bench.first import one_line_interrupts
+from fsdp2bench.processes.first import one_line_interrupts
 
 if __name__ == "__main__":  # before any other import: a Ctrl-C from here on is one line, never a traceback
     one_line_interrupts()
 
-from fsdp2bench.starting import interrupts_raise, quiet_while_starting
+from fsdp2bench.processes.starting import interrupts_raise, quiet_while_starting
 
 if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them is one line
     quiet_while_starting()
@@ -26,12 +26,13 @@ import shlex
 import warnings
 
 from fsdp2bench.cli import OneLineParser, UserError, cannot_create_in, check_ranges, exit_with, expect_path
-from fsdp2bench.matrix import SWEEP_DIR
+from fsdp2bench.report.matrix import SWEEP_DIR
 from fsdp2bench.names import VARIANTS, simulated_dir_name
 from fsdp2bench.plan.layout.plot import plot_layout_search
-from fsdp2bench.plots import (InputError, latest_run, load_traces, loading_stems, plot_loading, plot_loading_sweep,
-                              plot_matrix, plot_plan, plot_sequences, plot_summary_projection, plot_sweep,
-                              plot_training, read_json, reading, sequence_runs)
+from fsdp2bench.report.plots import (InputError, latest_run, load_traces, loading_stems, plot_loading,
+                                     plot_loading_sweep, plot_matrix, plot_plan, plot_sequences,
+                                     plot_summary_projection, plot_sweep, plot_training, read_json, reading,
+                                     sequence_runs)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

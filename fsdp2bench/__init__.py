@@ -1,16 +1,24 @@
-"""The machinery behind the entry scripts (main.py, loading.py, visualize.py, speed.py).
+"""The machinery behind the entry scripts (main.py, plan.py, matrix.py, speed.py, loading.py, visualize.py).
 
-The four variants and the optimizer fix live in ``utils.py`` and the memory tracker in
-``measure.py``, at the top, where users look for them. Here, one concern per module:
+The four variants and the optimizer fix live in ``utils.py`` and the memory tracker in ``measure.py``, at the top,
+where users look for them. Here, one wing a concern, in layers: a module imports from its own wing or a lower one
+(tests/test_layers.py keeps it so). Bottom to top:
 
-- ``names``: run names, file keys and units (no torch import: the plots use it too)
-- ``cli``: one-line errors, the parser, device and output-directory checks, JSON writing
-- ``model``, ``data``: built-in model shapes and model building; the built-in text and batches
-- ``session``: the set-up every entry script shares (launcher, device, config, store, interrupts)
-- ``isolation``: running a piece of work in fresh processes on every rank, failures and aborts;
-  ``starting``: how those processes start (no torch import: the entry scripts use it first)
-- ``child``: what every such process does (trace memory, work, write once, report)
-- ``runner``: training one variant; ``simulation``: one rank of N alone (``--simulate_world_size``)
-- ``memory_model``: bytes held, counted and predicted; ``report``: summary.json and the console table
-- ``loading``: the checkpoint-loading modes; ``plots``: the figures
+- ``names``, ``cli``: run names, file keys and units; one-line errors, the parser, checks of devices and output
+  directories, locks and JSON writing (neither imports torch: the plots and the first import use them)
+- ``options``: what a run is asked to do: ``fsdp`` (the FSDP2 options, the option sets), ``layout`` (R x S x C x T),
+  ``step`` (loop and loss), ``levers`` (checkpointing, compile, float8), ``accelerate_config`` (the user's config)
+- ``memory``: ``accounting`` (bytes held, counted and expected), ``estimate`` (a step's peak, calibrated; the GPU
+  cap), ``snapshots`` (the tensors alive at a peak)
+- ``processes``: ``first`` and ``starting`` (before torch), ``isolation`` (fresh processes on every rank, failures,
+  interrupts), ``child`` (what each does), ``simulation`` (one rank of N alone), ``torchrun`` (quiet launches)
+- ``train``: ``runner`` (one variant trained), ``model``, ``data``, ``weights``, ``throughput``, ``progress``
+- ``report``: ``summary`` (summary.json, checks, console tables), ``matrix`` (matrix.py's rows), ``plots``
+- ``loading``: ``modes`` (the five loading modes), ``checkpoints``
+- ``run``: a launch of main.py: ``arguments``, ``session``, ``suite``, ``concurrency``, ``bare``, ``versions``
+- ``plan``: plan.py: ``checks`` (its command line), ``search``, ``shared``, ``probes``, ``room``; and ``plan.layout``
+  (the layout search): ``candidates``, ``traffic``, ``search``, ``timing``, ``report``, ``plot``, ``run``
+
+Every wing's ``__init__.py`` stays empty: the first imports run before torch, and the fork server pickles
+functions by their module path.
 """

@@ -28,7 +28,7 @@ import loading
 import matrix
 import speed
 import visualize
-from fsdp2bench import arguments
+from fsdp2bench.run import arguments
 from fsdp2bench.cli import UserError
 from fsdp2bench.options.layout import Layout
 from fsdp2bench.options.fsdp import OPTION_SETS
@@ -385,7 +385,7 @@ def test_a_parameter_tied_across_two_blocks_is_refused():
     """A config cannot tie two blocks' tensors, but a model can: the check reads the model."""
     from torch import nn
 
-    from fsdp2bench.model import check_units_own_their_parameters
+    from fsdp2bench.train.model import check_units_own_their_parameters
 
     class Block(nn.Module):
         def __init__(self):

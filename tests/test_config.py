@@ -11,7 +11,7 @@ import pytest
 import loading
 import plan
 from conftest import ACCELERATE_LAUNCH, VARIANTS, load, refusal, run_script
-from fsdp2bench import arguments
+from fsdp2bench.run import arguments
 from fsdp2bench.cli import UserError
 
 FSDP2 = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2,

@@ -66,7 +66,7 @@ def test_every_command_line_of_the_readme_is_one_its_script_takes():
     import matrix
     import plan
     import visualize
-    from fsdp2bench import arguments
+    from fsdp2bench.run import arguments
 
     commands = readme_command_lines()
     assert {script for script, _ in commands} >= {"main.py", "visualize.py", "plan.py", "matrix.py"}

@@ -17,7 +17,7 @@ import psutil
 import pytest
 from conftest import TINY, VARIANTS, load, refusal, run_script, start_script
 
-from fsdp2bench import arguments
+from fsdp2bench.run import arguments
 
 FIXED = "torch_optimizer_before_fsdp_fixed"
 SHORT = ["--model", "tiny", "--device", "cpu", "--max_steps", "6"]
@@ -429,7 +429,7 @@ def test_an_out_of_memory_line_keeps_what_the_process_held(message):
     the process held; they are kept, once, and read back."""
     import torch
 
-    from fsdp2bench.isolation import describe
+    from fsdp2bench.processes.isolation import describe
     from measure import HELD_AT_FAILURE, failed_allocation_mib, gpu_free_mib, held_at_failure
 
     said = describe(torch.OutOfMemoryError(message))
@@ -443,7 +443,7 @@ def test_an_out_of_memory_line_keeps_what_the_process_held(message):
 
 def _signalled_in_its_first_moments(keys, stderr: str) -> None:
     """A child that gets SIGTERM before it could report anything, then starts its work."""
-    from fsdp2bench.isolation import Finisher, run_child
+    from fsdp2bench.processes.isolation import Finisher, run_child
 
     sys.stderr = open(stderr, "w", buffering=1)  # where the test reads it (pytest's is not this child's)
     os.kill(os.getpid(), signal.SIGTERM)
@@ -458,7 +458,7 @@ class _SignalsOnDelete:
 def _swallows_its_signal(keys, stderr: str) -> None:
     """A child whose main thread gets SIGTERM inside a ``__del__``, where Python drops the exception, then works on
     (until the test's end, without the watcher thread)."""
-    from fsdp2bench.isolation import Finisher, run_child
+    from fsdp2bench.processes.isolation import Finisher, run_child
 
     def work(store) -> None:
         _SignalsOnDelete()
@@ -477,7 +477,7 @@ def test_a_signal_in_a_childs_first_moments_fails_it_naming_the_signal(monkeypat
     import torch
     import torch.distributed as dist
 
-    from fsdp2bench import isolation
+    from fsdp2bench.processes import isolation
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

@@ -14,7 +14,7 @@ from conftest import TINY, VARIANTS, child_running, load, refusal, run_script, s
 import loading
 import matrix
 import plan
-from fsdp2bench import arguments
+from fsdp2bench.run import arguments
 
 UNREACHABLE = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}  # a port nothing listens on
 CPU = ["--device", "cpu"]

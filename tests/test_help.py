@@ -13,10 +13,10 @@ import matrix
 import plan
 import speed
 import visualize
-from fsdp2bench import arguments
+from fsdp2bench.run import arguments
 from fsdp2bench.options import fsdp as options
 from fsdp2bench.cli import OneLineParser
-from fsdp2bench.loading import MODES
+from fsdp2bench.loading.modes import MODES
 from fsdp2bench.names import VARIANTS
 
 SCRIPTS = {"main.py": arguments, "loading.py": loading, "speed.py": speed, "visualize.py": visualize,

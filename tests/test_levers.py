@@ -1,5 +1,5 @@
 """The levers (fsdp2bench/options/levers.py) on every variant, and the speed figures beside every peak
-(fsdp2bench/throughput.py): selective and every-K checkpointing and per-block compilation train all four variants
+(fsdp2bench/train/throughput.py): selective and every-K checkpointing and per-block compilation train all four variants
 with the state counted to the byte and the intended variants' losses equal; each is read back from the prepared
 models; a step timed beside another run is no speed figure; float8 is refused where it cannot run; an accelerate
 config's dynamo and fp8 fields become the levers."""
@@ -13,9 +13,9 @@ import pytest
 
 from conftest import VARIANTS, load, refusal, run_script
 from fsdp2bench.options import accelerate_config, levers
-from fsdp2bench import arguments
+from fsdp2bench.run import arguments
 from fsdp2bench.cli import UserError
-from fsdp2bench.throughput import model_flops_per_token, peak_flops
+from fsdp2bench.train.throughput import model_flops_per_token, peak_flops
 
 RUN = ["main.py", "--model", "tiny", "--device", "cpu", "--quiet"]
 INTENDED = [v for v in VARIANTS if v != "torch_optimizer_before_fsdp_not_fixed"]

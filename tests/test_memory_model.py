@@ -116,7 +116,7 @@ def test_the_gpu_estimate_covers_every_reserved_peak_measured_on_one_h200():
     from fsdp2bench.options.layout import Layout
     from fsdp2bench.names import GIB, MIB
     from fsdp2bench.options.fsdp import OPTION_SETS, FsdpOptions
-    from fsdp2bench.session import model_facts
+    from fsdp2bench.run.session import model_facts
 
     facts = {"qwen2.5-1.5b": model_facts("qwen2.5-1.5b", 421), "qwen2.5-7b": model_facts("qwen2.5-7b", 421),
              "long_context": model_facts(str(ROOT / "results" / "h200" / "long_context_1.5b" / "model"), 421)}

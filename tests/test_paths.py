@@ -11,7 +11,7 @@ import matrix
 import plan
 import speed
 import visualize
-from fsdp2bench import arguments
+from fsdp2bench.run import arguments
 from fsdp2bench.cli import UserError
 
 MISSING, BROKEN_LINK, LOOP, FILE, DIRECTORY = "missing", "a broken link", "a link loop", "a file", "a directory"

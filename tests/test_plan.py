@@ -335,7 +335,7 @@ def test_a_cpu_plan_of_tiny_finds_the_injected_edge_and_draws_it(tmp_path):
 
 
 def test_main_refuses_a_cap_on_the_cpu(tmp_path):
-    from fsdp2bench import arguments
+    from fsdp2bench.run import arguments
 
     with pytest.raises(UserError, match="--gpu_memory needs a GPU"):
         arguments.validate(["--device", "cpu", "--model", "tiny", "--gpu_memory", "8", "--output_dir", str(tmp_path)])
@@ -588,7 +588,7 @@ def drive(queue, setup: float = 3.0, step: float = 4.0, shared_s: float = 10.0) 
     """run_queue's part in virtual time: a probe reaches its gate ``setup`` s after it starts and ends ``step`` s
     after its go (at once, stood down); a shared process ends ``shared_s`` s after it starts. Returns the time
     the last piece ended; fails where every running piece waits at its gate for ever, or the GPU is overdrawn."""
-    from fsdp2bench.isolation import STAND_DOWN
+    from fsdp2bench.processes.isolation import STAND_DOWN
     from fsdp2bench.plan.probes import Shared
 
     now, running, at_gate, ready_at, ends_at = 0.0, [], [], {}, {}

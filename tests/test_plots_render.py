@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from fsdp2bench import plots
+from fsdp2bench.report import plots
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -15,7 +15,7 @@ import psutil
 import pytest
 from conftest import ROOT, TINY, VARIANTS, environment, load, refusal, run_script, start_script
 
-from fsdp2bench import arguments
+from fsdp2bench.run import arguments
 
 SHORT = [*TINY, "--max_steps", "3"]
 
@@ -156,7 +156,7 @@ def test_every_entry_script_takes_interrupts_in_one_line_before_any_other_import
         handler = next(i for i, node in enumerate(body) if isinstance(node, ast.If))
         before = [ast.unparse(node) for node in body[:handler]]
         assert before == ["from __future__ import annotations", "import sys",
-                          "from fsdp2bench.first import one_line_interrupts"], script
+                          "from fsdp2bench.processes.first import one_line_interrupts"], script
         assert ast.unparse(body[handler]) == "if __name__ == '__main__':\n    one_line_interrupts()", script
     first = ast.parse((ROOT / "fsdp2bench" / "first.py").read_text())
     imported = {alias.name for node in ast.walk(first) if isinstance(node, ast.Import) for alias in node.names}
@@ -321,9 +321,9 @@ def tree(root) -> list[str]:
 def test_the_earlier_runs_files_move_all_or_none(tmp_path, monkeypatch, stop):
     """Two files at the top move, then the one of a simulated folder cannot (its folder aside is a file of the
     user's), or a signal comes before it: the two are put back, the folders made for them removed, in one line."""
-    from fsdp2bench import session
+    from fsdp2bench.run import session
     from fsdp2bench.cli import UserError
-    from fsdp2bench.isolation import Interrupted
+    from fsdp2bench.processes.isolation import Interrupted
 
     ours = json.dumps({"written_by": "fsdp2bench"})
     for path in ("summary.json", "accelerate_memory_usage.json", "simulated_N8/accelerate_memory_usage.json"):

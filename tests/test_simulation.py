@@ -169,13 +169,13 @@ def test_a_sweep_on_a_gpu_packs_each_run_by_its_own_need(monkeypatch):
     drawing its own would leave room for four)."""
     import psutil
 
-    from fsdp2bench import concurrency
+    from fsdp2bench.run import concurrency
 
     from fsdp2bench.memory import estimate
     from fsdp2bench.names import GIB
     from fsdp2bench.options.fsdp import OPTION_SETS
-    from fsdp2bench.session import model_facts
-    from fsdp2bench.simulation import SimulatedRun
+    from fsdp2bench.run.session import model_facts
+    from fsdp2bench.processes.simulation import SimulatedRun
 
     class Host:
         total = available = 128 * GIB
@@ -203,12 +203,12 @@ def test_the_issue_runs_never_share_a_gpu_once_their_activations_are_counted(mon
     """1.5B at batch 4 x 4096, simulated N = 8, on one H200: each run reserved about 89 GiB; an estimate of 36.4 GiB
     (the logits, not the activations) ran two side by side and one ran out of memory. By the planner's rule each
     needs more than half the GPU, and the line that says the choice says by which rule."""
-    from fsdp2bench import concurrency
+    from fsdp2bench.run import concurrency
     from fsdp2bench.memory import estimate
     from fsdp2bench.names import GIB
     from fsdp2bench.options.fsdp import OPTION_SETS
-    from fsdp2bench.session import model_facts
-    from fsdp2bench.simulation import SimulatedRun
+    from fsdp2bench.run.session import model_facts
+    from fsdp2bench.processes.simulation import SimulatedRun
 
     monkeypatch.setattr(concurrency, "gpu_memory", lambda: 140 * GIB)
     facts, options = model_facts("qwen2.5-1.5b", 421), OPTION_SETS["default"]
@@ -224,7 +224,7 @@ def test_only_a_run_that_shared_the_gpu_is_run_again_alone_and_nothing_runs_besi
     """The schedule of a sweep's share (in-process): two runs side by side, a third alone; the second runs out of
     memory (it shared the GPU: run again alone, first of those waiting, once none runs), the third too (alone:
     reported as it is)."""
-    from fsdp2bench.simulation import Share, SimulatedRun
+    from fsdp2bench.processes.simulation import Share, SimulatedRun
 
     runs = [SimulatedRun(8, 0, name) for name in VARIANTS[:3]]
     share = Share(list(runs), lambda group: len(group) <= 2, [0, 1, 2])

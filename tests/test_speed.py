@@ -179,3 +179,16 @@ def test_an_interrupt_before_the_runs_wrote_anything_names_no_folder_that_is_not
     there = [str(d) for d in (out, Path(f"{out}_baseline")) if d.exists()]
     said = f"what the runs wrote is in {' and '.join(there)}" if there else "no run wrote anything"
     assert stderr.strip().splitlines()[-1] == f"Interrupted; {said}; {record} was not written", stderr
+
+
+@pytest.mark.parametrize("kept_at, module", [
+    ("fsdp2bench/processes/torchrun.py", "fsdp2bench.processes.torchrun"),  # a tree with wings, as this one
+    ("fsdp2bench/torchrun.py", "fsdp2bench.torchrun"),  # a tree from before the wings
+    (None, "torch.distributed.run"),  # a tree from before the quiet launcher
+])
+def test_a_baseline_tree_is_launched_by_the_launcher_it_has(kept_at, module, tmp_path):
+    if kept_at:
+        (tmp_path / kept_at).parent.mkdir(parents=True)
+        (tmp_path / kept_at).write_text("")
+    assert speed.tree_launcher(str(tmp_path)) == module
+    assert speed.tree_launcher(str(ROOT)) == "fsdp2bench.processes.torchrun"

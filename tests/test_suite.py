@@ -189,11 +189,11 @@ def test_without_a_gpu_and_without_model_the_tiny_model_is_chosen_and_said(suite
     (["--model", "tiny"], False, "cpu"),
 ])
 def test_the_device_is_told_before_torch_is_imported(monkeypatch, argv, driver, expected):
-    """The entry scripts start the fork server before their imports (fsdp2bench/starting.py): from
+    """The entry scripts start the fork server before their imports (fsdp2bench/processes/starting.py): from
     --device, or for "auto" from the NVIDIA driver's device file."""
     import os
 
-    from fsdp2bench.starting import likely_device_type
+    from fsdp2bench.processes.starting import likely_device_type
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(os.path, "exists", lambda path: driver and path == "/dev/nvidiactl")
@@ -206,7 +206,7 @@ def test_the_results_table_fits_120_columns_on_cpu_and_on_a_gpu(suite, capsys):
     import json
     from pathlib import Path
 
-    from fsdp2bench.report import print_table
+    from fsdp2bench.report.summary import print_table
 
     def table(stdout: str) -> list[str]:
         lines = stdout.split("Results over", 1)[1].splitlines()

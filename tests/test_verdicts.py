@@ -10,7 +10,7 @@ import re
 import pytest
 from conftest import load, run_script
 
-from fsdp2bench import report
+from fsdp2bench.report import summary as report
 from fsdp2bench.cli import UserError, check_gpus_per_rank
 from fsdp2bench.names import INTENDED, UNFIXED
 

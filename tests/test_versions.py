@@ -8,7 +8,7 @@ import re
 import pytest
 from conftest import ROOT, run_script
 
-from fsdp2bench import versions
+from fsdp2bench.run import versions
 from fsdp2bench.cli import UserError
 
 

@@ -145,7 +145,7 @@ def test_a_libraries_warning_is_one_line_said_once(capsys):
 
 def drawn(monkeypatch, draw) -> list:
     """The figures a plot function draws, kept instead of saved."""
-    from fsdp2bench import plots
+    from fsdp2bench.report import plots
 
     figures = []
     monkeypatch.setattr(plots, "save", lambda fig, path, dpi=110, rect=None: figures.append(fig))
@@ -157,7 +157,7 @@ def test_plots_hide_no_series_and_say_what_they_count(suite, monkeypatch):
     """Coinciding losses are one line labelled with every variant; every variant's memory is in the legend,
     short-named, with its peak; magnitudes start at zero; a tiny model's state is drawn in MiB, as state only."""
     out, _ = suite
-    runs = __import__("fsdp2bench.plots", fromlist=["load_traces"]).load_traces(
+    runs = __import__("fsdp2bench.report.plots", fromlist=["load_traces"]).load_traces(
         str(out), {name: f"{name}_memory_usage" for name in VARIANTS}, [])
     loss, = drawn(monkeypatch, lambda plots: plots.plot_loss(runs, "loss.png"))
     labels = [t.get_text() for t in loss.axes[0].get_legend().get_texts()]
@@ -178,7 +178,7 @@ def test_plots_hide_no_series_and_say_what_they_count(suite, monkeypatch):
 def test_figures_draw_what_has_data_and_say_truly_what_each_mark_is(suite, cpu_sweep, monkeypatch):
     """Lines of 300-360 MiB fill the axis (it does not start at 0); a legend key shows each colour its marks are
     drawn in; a line under another names that one whole; a CPU sweep has no empty allocator panel."""
-    from fsdp2bench import plots
+    from fsdp2bench.report import plots
 
     out, _ = suite
     runs = plots.load_traces(str(out), {name: f"{name}_memory_usage" for name in VARIANTS}, [])
@@ -214,7 +214,7 @@ def test_titles_legends_and_marks_follow_the_data_drawn(suite, monkeypatch):
     from conftest import ROOT
 
     out, _ = suite
-    plots = __import__("fsdp2bench.plots", fromlist=["load_traces"])
+    plots = __import__("fsdp2bench.report.plots", fromlist=["load_traces"])
     runs = plots.load_traces(str(out), {name: f"{name}_memory_usage" for name in VARIANTS}, [])
     for check, title in ((None, "Loss per step, rank 0's batches"),
                          ({"ok": None}, "Loss per step, rank 0's batches"),

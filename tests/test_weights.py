@@ -1,4 +1,4 @@
-"""Weights drawn once per rank (fsdp2bench/weights.py) are the weights a variant draws on its own."""
+"""Weights drawn once per rank (fsdp2bench/train/weights.py) are the weights a variant draws on its own."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from fsdp2bench import weights
-from fsdp2bench.model import build_model, load_config
+from fsdp2bench.train import weights
+from fsdp2bench.train.model import build_model, load_config
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd on this platform")
 

@@ -39,7 +39,7 @@ OFFLOAD_HOST_MARGIN = 1.25
 
 def device_state(shapes, world_size: int, names: list[str], options: FsdpOptions, device_type: str) -> int:
     """The state on the device at the step peak, of the worst variant on the worst rank: rank 0, whose
-    chunk of every parameter is the largest (memory_model.shard_rows)."""
+    chunk of every parameter is the largest (accounting.shard_rows)."""
     return max(peak_device_bytes(shapes, world_size, name, options, device_type) for name in names)
 
 

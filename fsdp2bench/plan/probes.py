@@ -1,7 +1,7 @@
 """A probe: one simulated rank, in a fresh process, trained a few steps at one batch and block under
-the memory cap; it fits when it completes. Before any probe, one shared process per answer (series.py)
+the memory cap; it fits when it completes. Before any probe, one shared process per answer (shared.py)
 measures a ladder of values below the cap: its line aims the first probes. This module runs both kinds,
-each as soon as its search wants it (fitting.Planner) and the GPU holds it beside the others.
+each as soon as its search wants it (search.Planner) and the GPU holds it beside the others.
 
 A fresh probe holds little while it sets up (the process, the context, its shard of the model): it starts
 as soon as that fits, then waits at a gate until the GPU has the room of its steps, so that the set-ups of
@@ -27,22 +27,22 @@ from typing import Callable
 
 import torch
 
-from fsdp2bench import report
+from fsdp2bench.report import summary as report
 from fsdp2bench.memory.estimate import GpuCap, activation_bytes_per_token, variant_need
 from fsdp2bench.plan.search import Ladder, Outcome, Planner, Search
-from fsdp2bench.isolation import STAND_DOWN, Piece, StoreKeys, gather_records, has_keys, run_queue
+from fsdp2bench.processes.isolation import STAND_DOWN, Piece, StoreKeys, gather_records, has_keys, run_queue
 from fsdp2bench.memory.accounting import expected_state
 from fsdp2bench.names import MIB, PEAK_PHASES, phases
 from fsdp2bench.options.fsdp import OPTION_SETS, FsdpOptions
 from fsdp2bench.options.step import largest_block_per_token
-from fsdp2bench.runner import Job, TrainConfig, probe_process
+from fsdp2bench.train.runner import Job, TrainConfig, probe_process
 from fsdp2bench.plan.shared import AtValue, SeriesJob, point_key, series_process
-from fsdp2bench.session import Session
+from fsdp2bench.run.session import Session
 from fsdp2bench.plan.room import GpuRoom, Probe, Shared
 from measure import HELD_AT_FAILURE
 
 # The share of a step's largest block (the fp32 logits) a search's first aim leaves free under the limit: the
-# middle of what the 1.5B model's edges left on one H200 (fitting.SHARE_BOUNDS; a plan's finished answers then aim
+# middle of what the 1.5B model's edges left on one H200 (search.SHARE_BOUNDS; a plan's finished answers then aim
 # the others of their option set with what they found).
 BLOCK_SHARE = 0.7
 BLOCK_STEP = 64  # tokens: a searched block is a multiple of it (a finer edge is not a length people train at)
@@ -247,7 +247,7 @@ class ProbeRunner:
     # ----------------------------------------------------------------- running
 
     def job(self, probe: Probe) -> Job:
-        """A fresh probe's process, its value named at its gate (``series.AtValue``); its directory is named by
+        """A fresh probe's process, its value named at its gate (``shared.AtValue``); its directory is named by
         the value, or, set up ahead of it, by its place until the value is known (``file_probe``)."""
         q, s = probe.question, self.session
         name = self.probe_name(probe) if probe.value is not None else \

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fsdp2bench.concurrency import host_memory_for_launch
+from fsdp2bench.run.concurrency import host_memory_for_launch
 
 from fsdp2bench.memory.estimate import GpuCap, host_bytes, step_bytes, variant_need
 from fsdp2bench.plan.search import SHARED_LIMIT, SHARED_MOST_MIB, Ladder, Outcome, Search
@@ -18,8 +18,8 @@ from measure import failed_allocation_mib, gpu_free_mib
 
 if TYPE_CHECKING:
     from fsdp2bench.plan.probes import Question
-    from fsdp2bench.runner import TrainConfig
-    from fsdp2bench.session import Session
+    from fsdp2bench.train.runner import TrainConfig
+    from fsdp2bench.run.session import Session
 
 ROOM_MARGIN = 1.15  # on the line's peak, for a probe that shares the GPU
 # Near the cap the allocator reserved up to 28% above the allocated peak (one H200, 80 GiB): a probe whose line
@@ -51,7 +51,7 @@ class Probe:
 
 @dataclass
 class Shared:
-    """One answer's shared process (series.py): the values it measured, and how it ended."""
+    """One answer's shared process (shared.py): the values it measured, and how it ended."""
     question_key: object
     question: Question
     ladder: Ladder

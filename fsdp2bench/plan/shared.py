@@ -1,12 +1,12 @@
 """A shared-process probe: one simulated rank, built and sharded once, trained two steps at each of a
-ladder of values (fitting.Ladder), each value's peaks posted to the store as soon as it is measured.
+ladder of values (search.Ladder), each value's peaks posted to the store as soon as it is measured.
 
 Almost all of a fresh probe's time goes before its first step (the process, the CUDA context, the model,
 FSDP2's first step); here that is paid once for several values. The peaks of values measured after
 others are not those of a fresh run (the allocator's cache holds the earlier values' blocks), so they
 aim the fresh probes (probes.py) and decide nothing. Each value runs two steps, as a fresh probe does,
 so that its second forward runs with the first one's outputs alive, and its allocator limit is below
-the probes' (``fitting.SHARED_LIMIT``): a line wrong by much ends the series, never a probe beside it.
+the probes' (``search.SHARED_LIMIT``): a line wrong by much ends the series, never a probe beside it.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fsdp2bench.data import rank_batches
+from fsdp2bench.train.data import rank_batches
 from fsdp2bench.plan.search import Ladder
-from fsdp2bench.isolation import name_process
+from fsdp2bench.processes.isolation import name_process
 from fsdp2bench.options.layout import Meshes
-from fsdp2bench.runner import FailureSpec, Job, TrainStep, collector_paused, prepare, run_variant_child
+from fsdp2bench.train.runner import FailureSpec, Job, TrainStep, collector_paused, prepare, run_variant_child
 from measure import MemoryTracker
 
 

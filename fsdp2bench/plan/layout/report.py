@@ -142,7 +142,7 @@ def write_search(found: list[Assessed], setup: Setup, notes: list[str], timings:
 
 def write_unmarked(path: str, fields: dict) -> str | None:
     """The accelerate config without the benchmark's mark, which accelerate's loader would refuse as an unknown
-    key (``layout_plan.check_config_path`` guards the name instead), read back as main.py's --config_file reads
+    key (``checks.check_config_path`` guards the name instead), read back as main.py's --config_file reads
     it: None, or why accelerate refuses it (the file then removed)."""
     try:
         write_bytes(path, json.dumps(fields, indent=1).encode())

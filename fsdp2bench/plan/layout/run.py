@@ -5,13 +5,13 @@ from __future__ import annotations
 import sys
 import time
 
-from fsdp2bench import arguments
+from fsdp2bench.run import arguments
 from fsdp2bench.cli import prepare_output_dir, say
 from fsdp2bench.plan.checks import CheckedSearch
 from fsdp2bench.plan.layout.report import print_search, winner_said, write_search
 from fsdp2bench.plan.layout.search import Setup, assess
 from fsdp2bench.plan.layout.timing import choose_and_time
-from fsdp2bench.starting import interrupts_raise
+from fsdp2bench.processes.starting import interrupts_raise
 
 
 def run(search: CheckedSearch, started: float) -> int:

@@ -2,7 +2,7 @@
 which of them trains fastest, by measured compute and projected communication.
 
 Every candidate (``candidates.py``) is first held against the memory model: those it puts well over the cap are
-left out with how far over, before anything runs. Timings (``layout_timing.py``: one simulated rank of a
+left out with how far over, before anything runs. Timings (``timing.py``: one simulated rank of a
 candidate's own layout alone on the device, a few steps of one microbatch) measure a clean compute speed and rank
 0's peak; one serves every candidate of the same per-rank shapes (tp and cp sizes, local batch, levers), their
 memory the measured peak moved by what the memory model says they hold more or less. Every other candidate's
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, estimated_bytes
 from fsdp2bench.names import GIB
-from fsdp2bench.throughput import model_flops_per_token, peak_flops
+from fsdp2bench.train.throughput import model_flops_per_token, peak_flops
 from fsdp2bench.plan.layout.traffic import Links, step_collectives
 
 if TYPE_CHECKING:  # the types alone: the search runs in the planner's process, which never imports torch's models

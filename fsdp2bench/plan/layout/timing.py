@@ -1,7 +1,7 @@
 """The layout search's timings: which candidate to time next, one main.py launch of it, and what it tells every
 candidate of the same per-rank shapes.
 
-Before any timing has run, the candidates go in the order of a prior (``layout_search.prior_speed``), one per
+Before any timing has run, the candidates go in the order of a prior (``search.prior_speed``), one per
 per-rank shape, until one runs through. From then on every candidate ranks (untimed ones by an estimated
 compute), and the next timing is the first row on top whose compute is estimated or whose memory is not yet
 measured closely enough to name it: the loop ends when the first ``confirm`` rows are all measured, or at
@@ -21,7 +21,7 @@ import time
 from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, estimated_bytes
 from fsdp2bench.cli import PROJECT_ROOT, is_ours
 from fsdp2bench.plan.layout.search import (TIMING_STEPS, Assessed, Setup, calibrate, decided, local_share, main_flags,
-                                      prior_speed, project, ranked)
+                                           prior_speed, project, ranked)
 from fsdp2bench.names import GIB, MIB
 
 

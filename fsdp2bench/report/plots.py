@@ -669,7 +669,7 @@ def plot_sequences(runs: list[dict], path: str) -> None:
 def matrix_cells(matrix: dict) -> tuple[list[str], list[tuple[int, bool]], dict, str]:
     """Option sets, (N, simulated) columns, {(set, N, simulated, variant): MiB} of the compared figure
     (the allocator's training peak, or on a CPU run the state at the step peak), and its name."""
-    from fsdp2bench.matrix import compared_figure
+    from fsdp2bench.report.matrix import compared_figure
 
     values: dict = {}
     figure = "training_peak_allocated_mib"

@@ -17,11 +17,11 @@ import sys
 import time
 
 from fsdp2bench.cli import RankError, UserError, process_running, set_up_standard_streams
-from fsdp2bench.first import one_line_interrupts
+from fsdp2bench.processes.first import one_line_interrupts
 
 # The children's targets live in this package; transformers and accelerate are imported lazily by
 # the children, so importing them once in the server is what saves the time.
-SERVER_PRELOAD = ["fsdp2bench.runner", "fsdp2bench.loading", "accelerate"]
+SERVER_PRELOAD = ["fsdp2bench.train.runner", "fsdp2bench.loading.modes", "accelerate"]
 TRANSFORMERS_PRELOAD = ["transformers.models.qwen2.modeling_qwen2", "transformers.models.auto.modeling_auto"]
 
 

@@ -12,13 +12,14 @@ import torch
 from torch import nn
 
 import utils
-from fsdp2bench import simulation, weights
-from fsdp2bench.checkpoints import Checkpoint, write_bin
-from fsdp2bench.child import TracedChild, run_traced_child
-from fsdp2bench.isolation import Finisher, StoreKeys, init_group, run_child
+from fsdp2bench.processes import simulation
+from fsdp2bench.train import weights
+from fsdp2bench.loading.checkpoints import Checkpoint, write_bin
+from fsdp2bench.processes.child import TracedChild, run_traced_child
+from fsdp2bench.processes.isolation import Finisher, StoreKeys, init_group, run_child
 from fsdp2bench.options.layout import Degrees
 from fsdp2bench.memory.accounting import local_tensor, shard_rows
-from fsdp2bench.model import build_model
+from fsdp2bench.train.model import build_model
 from fsdp2bench.names import MIB, size_said
 from measure import MemoryTracker, rss_mib
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2bench.cli import write_json
-from fsdp2bench.isolation import Finisher, StoreKeys, run_child, without_trace
+from fsdp2bench.processes.isolation import Finisher, StoreKeys, run_child, without_trace
 from measure import MemoryTracker
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fsdp2bench.cli import UserError, expect_path, from_hub, looks_like_a_path, one_line, say
-from fsdp2bench.weights import SharedWeights, place
+from fsdp2bench.train.weights import SharedWeights, place
 
 # Built-in model shapes, so that no run needs the Hub. All are Qwen2 decoders;
 # the Qwen2.5 entries copy the published configs' shapes.

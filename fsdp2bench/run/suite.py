@@ -11,14 +11,16 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp2bench import report, simulation
+from fsdp2bench.report import summary as report
+from fsdp2bench.processes import simulation
 from fsdp2bench.cli import save_summary, say, unwritten
-from fsdp2bench.concurrency import SweepRoom
-from fsdp2bench.isolation import (INTERRUPTED, Interrupted, Piece, StoreKeys, StoreLost, failed, gather_records,
-                                  has_keys, leave_together, run_isolated, status_of, wait_for_keys)
+from fsdp2bench.run.concurrency import SweepRoom
+from fsdp2bench.processes.isolation import (INTERRUPTED, Interrupted, Piece, StoreKeys, StoreLost, failed,
+                                            gather_records, has_keys, leave_together, run_isolated, status_of,
+                                            wait_for_keys)
 from fsdp2bench.memory.accounting import PROJECTION_WORLD_SIZES
-from fsdp2bench.runner import Job, TrainConfig, variant_process
-from fsdp2bench.session import Session, say_interrupted
+from fsdp2bench.train.runner import Job, TrainConfig, variant_process
+from fsdp2bench.run.session import Session, say_interrupted
 
 
 @dataclass

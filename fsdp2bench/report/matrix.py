@@ -18,11 +18,11 @@ import sys
 import tempfile
 import time
 
-from fsdp2bench import throughput
+from fsdp2bench.train import throughput
 from fsdp2bench.cli import write_json
 from fsdp2bench.names import INTENDED, MIB, UNFIXED, step_peak_state
 from fsdp2bench.options.fsdp import OPTION_SETS
-from fsdp2bench.starting import CANCELLED, GO, START_GATE, open_gate
+from fsdp2bench.processes.starting import CANCELLED, GO, START_GATE, open_gate
 
 # A launch's exit code after SIGINT or SIGTERM (main.py's 130; torchrun's 128 + the signal), or killed by one.
 INTERRUPTED_CODES = (130, 143, -2, -15)
@@ -38,7 +38,8 @@ def launch_command(nproc: int, args: list[str]) -> list[str]:
     """main.py as a user runs it: plain python for one process, torchrun for several."""
     if nproc == 1:
         return [sys.executable, "main.py", *args]
-    return [sys.executable, "-m", "fsdp2bench.torchrun", "--standalone", f"--nproc_per_node={nproc}", "main.py", *args]
+    return [sys.executable, "-m", "fsdp2bench.processes.torchrun", "--standalone", f"--nproc_per_node={nproc}", "main.py",
+            *args]
 
 
 def fitting_sizes(option_set: str, sizes: list[int]) -> list[int]:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from fsdp2bench.cli import Stopped, set_up_standard_streams
 from fsdp2bench.options.layout import Degrees, Meshes, build_meshes
 from fsdp2bench.names import TRACE_KEYS
-from fsdp2bench.starting import check_launcher_env, child_context, one_rank_env
+from fsdp2bench.processes.starting import check_launcher_env, child_context, one_rank_env
 from measure import OOM_HELD
 
 STORE_TIMEOUT = timedelta(minutes=30)

@@ -5,7 +5,7 @@ simulated N, on a fake process group; at N = 1 without one), trained with no mem
 per-step accounting, no read-back one step late: each step's time between two CUDA events (or the clock on a
 CPU). speed.py runs it beside main.py in one call, so that the suite's own cost per step is measured and stated.
 
-    python3 -m fsdp2bench.bare OUT.json -- <main.py options>
+    python3 -m fsdp2bench.run.bare OUT.json -- <main.py options>
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import time
 import torch
 
 import utils
-from fsdp2bench import simulation, throughput
-from fsdp2bench.arguments import build_threads, validate
+from fsdp2bench.processes import simulation
+from fsdp2bench.train import throughput
+from fsdp2bench.run.arguments import build_threads, validate
 from fsdp2bench.cli import pick_device
-from fsdp2bench.model import build_model
-from fsdp2bench.runner import TrainStep, deterministic, steps_speed
+from fsdp2bench.train.model import build_model
+from fsdp2bench.train.runner import TrainStep, deterministic, steps_speed
 
 
 def time_steps(step: TrainStep, batches: torch.Tensor, device: torch.device) -> list[float]:

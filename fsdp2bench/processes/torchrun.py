@@ -3,7 +3,7 @@
 The same launcher, but where a rank failed or a signal reached it, its own report (a Python traceback and a
 block of failures) becomes one line, and its exit code is the first failed rank's: the ranks have already
 said why, in their own one line (a refusal keeps its exit code 2, an interrupt 130).
-``python3 -m fsdp2bench.torchrun <torchrun's arguments>``.
+``python3 -m fsdp2bench.processes.torchrun <torchrun's arguments>``.
 """
 
 from __future__ import annotations

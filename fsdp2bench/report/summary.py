@@ -6,12 +6,12 @@ import math
 import statistics
 
 from fsdp2bench.memory import snapshots
-from fsdp2bench import throughput
+from fsdp2bench.train import throughput
 from fsdp2bench.cli import say
-from fsdp2bench.isolation import UNSUPPORTED
+from fsdp2bench.processes.isolation import UNSUPPORTED
 from fsdp2bench.options.layout import AXES
 from fsdp2bench.memory.accounting import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_gathered_block_bytes,
-                                     expected_setup, expected_state, projection, unfixed_costs_more_from)
+                                          expected_setup, expected_state, projection, unfixed_costs_more_from)
 from fsdp2bench.options.step import MODEL, UPSTREAM
 from fsdp2bench.names import (INTENDED, MIB, MICROBATCH_PHASE, PEAK_PHASES, PHASES, STATE_KEYS, UNFIXED, phases,
                               size_said, state_bytes, step_peak_state)
