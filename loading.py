@@ -29,8 +29,8 @@ import shutil
 import socket
 from typing import Callable
 
-from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, exit_with, expect_path,
-                            parse_names, pick_device, refuse_foreign, save_summary, unwritten)
+from fsdp2bench.cli import OneLineParser, UserError, check_ranges, exit_with, parse_names, pick_device
+from fsdp2bench.files import check_output_dir, expect_path, refuse_foreign, save_summary, unwritten
 from fsdp2bench.processes.isolation import (Interrupted, Piece, StoreKeys, gather_records, launcher_keeps_to_one_thread,
                                             leave_together, run_isolated, wait_for_keys)
 from fsdp2bench.options import accelerate_config

@@ -31,13 +31,15 @@ from fsdp2bench.options import accelerate_config, fsdp
 from fsdp2bench.run import arguments
 from fsdp2bench.train import weights
 from fsdp2bench.memory import estimate
-from fsdp2bench.cli import exit_with, save_summary, say
+from fsdp2bench.cli import exit_with, say
+from fsdp2bench.files import save_summary
 from fsdp2bench.train.data import load_tokens
 from fsdp2bench.processes.isolation import Interrupted
 from fsdp2bench.names import MIB
-from fsdp2bench.plan import search as fitting
 from fsdp2bench.plan.checks import SEED, Checked, CheckedSearch, parse_args, plan_path, set_options, validate
-from fsdp2bench.plan.layout import run as layout_plan
+from fsdp2bench.plan.layout.run import run_search
+from fsdp2bench.plan.report import plan_record, print_plan, unsupported
+from fsdp2bench.plan.search import Planner
 from fsdp2bench.plan.probes import BATCH, ProbeRunner, Question, heaviest_rank, leaders_of, search_for
 from fsdp2bench.plan.shared import PROBE_STEPS
 from fsdp2bench.train.runner import TrainConfig
@@ -69,7 +71,7 @@ def run(argv: list[str] | None = None) -> int:
     started = time.time()
     checked = validate(argv)
     if isinstance(checked, CheckedSearch):
-        return layout_plan.run(checked, started)
+        return run_search(checked, started)
     args = checked.args
     session = open_session(checked.facts, args.device, args.output_dir, "plan.json")
     questions, searches = questions_of(checked)
@@ -97,7 +99,7 @@ def run(argv: list[str] | None = None) -> int:
     def save(interrupted: bool = False) -> dict:
         """plan.json as it stands: after every probe, so that an interrupt or a failure loses none."""
         meta.update(wall_s=time.time() - started)
-        plan = fitting.plan_record(meta, questions, searches, runner.probes, runner.shared_records(),
+        plan = plan_record(meta, questions, searches, runner.probes, runner.shared_records(),
                                    runner.stood_down, interrupted)
         save_summary(plan_path(args), plan)
         if not interrupted:
@@ -105,7 +107,7 @@ def run(argv: list[str] | None = None) -> int:
         return plan
 
     # A shared process for each answer that leads its set, N and fixed value; shares learned within a set
-    planner = fitting.Planner(searches, group=lambda key: key[0], unready=set(searches) - set(runner.leaders),
+    planner = Planner(searches, group=lambda key: key[0], unready=set(searches) - set(runner.leaders),
                               leaders=runner.leaders)
     try:
         runner.run_plan(planner, save)
@@ -118,16 +120,16 @@ def run(argv: list[str] | None = None) -> int:
 
 def said_plan(plan: dict, args: argparse.Namespace) -> int:
     """The plan's table, where it is drawn, its findings and what failed; the exit code."""
-    fitting.print_plan(plan)
+    print_plan(plan)
     drawn = any(o["fits"] for a in plan["answers"] for o in a["outcomes"] + a.get("shared", []))
     hint = f"draw it with:\n    python3 visualize.py --dir {shlex.quote(args.output_dir)}" if drawn else \
         "no probe fit, so there is nothing to draw"
     print(f"Wrote {plan_path(args)}; {hint}", flush=True)
-    findings = [a["error"] for a in plan["answers"] if fitting.unsupported(a)]  # each names its probe
+    findings = [a["error"] for a in plan["answers"] if unsupported(a)]  # each names its probe
     if findings:  # as main.py and matrix.py report the same layout: a finding, the run not failed
         say(f"unsupported by the installed libraries (a finding, not a failure of the plan): {len(findings)} "
             f"answer(s): {'; '.join(findings)}")
-    failed = [a["error"] for a in plan["answers"] if a["error"] and not fitting.unsupported(a)]
+    failed = [a["error"] for a in plan["answers"] if a["error"] and not unsupported(a)]
     if failed:  # last: the answers the plan could not give
         print(f"FAILED: {len(failed)} answer(s): {'; '.join(failed)}", file=sys.stderr, flush=True)
     return 1 if failed else 0

@@ -29,8 +29,8 @@ import statistics
 import subprocess
 import time
 
-from fsdp2bench.cli import (OneLineParser, UserError, check_ranges, check_writable_file, environment_changed, exit_with,
-                            expect_path, refuse_foreign, write_json)
+from fsdp2bench.cli import OneLineParser, UserError, check_ranges, environment_changed, exit_with
+from fsdp2bench.files import check_writable_file, expect_path, refuse_foreign, write_json
 from fsdp2bench.report.matrix import INTERRUPTED_CODES, read_summary, wait_passing_interrupt
 
 ROOT = os.path.dirname(os.path.abspath(__file__))

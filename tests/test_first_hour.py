@@ -185,17 +185,17 @@ def test_an_interrupt_while_a_file_is_written_leaves_the_file_as_it_was_and_noth
                                                                                                monkeypatch):
     import os
 
-    from fsdp2bench import cli
+    from fsdp2bench import files
 
     path = tmp_path / "summary.json"
-    cli.write_json(str(path), {"step": 1})
+    files.write_json(str(path), {"step": 1})
 
     def interrupted(*_):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(os, "replace", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        cli.write_json(str(path), {"step": 2})
+        files.write_json(str(path), {"step": 2})
     assert load(path)["step"] == 1 and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
 
 

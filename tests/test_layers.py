@@ -14,7 +14,7 @@ from conftest import ROOT
 # Bottom to top. The exhibit files sit where their imports put them: measure.py (the tracker) beside the names it
 # uses, utils.py (the four variants) above the processes whose helpers they call and below the training that runs them.
 LAYERS = [
-    ("fsdp2bench.names", "fsdp2bench.cli", "measure"),
+    ("fsdp2bench.names", "fsdp2bench.cli", "fsdp2bench.files", "measure"),
     ("fsdp2bench.options",),
     ("fsdp2bench.memory",),
     ("fsdp2bench.processes",),

@@ -225,7 +225,7 @@ def test_what_does_not_fit_is_said_by_what_decided_it():
 def test_a_timing_never_reads_an_earlier_searchs_summary_as_its_own(tmp_path, monkeypatch):
     """Run again into the same directory, a launch that dies before writing its summary is a failure, not the
     figures the earlier search's launch left there."""
-    from fsdp2bench.cli import write_json
+    from fsdp2bench.files import write_json
 
     setup = dataclasses.replace(setup_of(), output_dir=str(tmp_path))
     old = {"simulated": {"8": {"0": {TRAINED: {"status": "ok", "speed": {"tokens_per_s_per_gpu": 1.0,

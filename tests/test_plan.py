@@ -15,8 +15,7 @@ from conftest import child_running, load, refusal, run_script, start_script
 
 import plan
 from fsdp2bench.memory import estimate
-from fsdp2bench.plan import checks
-from fsdp2bench.plan import search as fitting
+from fsdp2bench.plan import checks, report as plan_report, search as plan_search
 from fsdp2bench.cli import OneLineParser, UserError
 from fsdp2bench.plan.search import Outcome, Search, run_searches
 from fsdp2bench.names import MIB
@@ -90,8 +89,8 @@ def test_finished_searches_aim_the_others_with_the_edge_they_found():
     done, waiting = Search(1, 4096, LIMIT, PER_SEQUENCE, 74.0, 1.5), Search(1, 4096, LIMIT, PER_SEQUENCE, 74.0, 1.5)
     for value, fits in [(1, True), (28, True), (29, True), (30, False)]:
         done.record(Outcome(value, fits, STATE + PER_SEQUENCE * value))
-    fitting.share_edges({"a": done, "b": waiting})
-    assert done.done and waiting.block_share == fitting.edge_share(done) != 1.5
+    plan_search.share_edges({"a": done, "b": waiting})
+    assert done.done and waiting.block_share == plan_search.edge_share(done) != 1.5
 
 
 BEND = 2400.0  # MiB: AdamW's transients, the peak of a small batch (the line through batch 1 bends)
@@ -115,11 +114,11 @@ def shared_then_fresh(limit: float, share: float, quirk: int | None = None, vari
     first (under its own lower limit), fresh probes aimed by its line, then the other variants' fresh probes
     from the edge it found."""
     peak, fits = gpu_rank(limit, share, quirk)
-    ladder = fitting.Ladder(1, 4096, fitting.SHARED_LIMIT * limit, PER_SEQUENCE * 1.1,
+    ladder = plan_search.Ladder(1, 4096, plan_search.SHARED_LIMIT * limit, PER_SEQUENCE * 1.1,
                             free_mib=BLOCK * BLOCK_SHARE)  # as plan.py's (ProbeRunner.ladder)
     points = []
     while (value := ladder.next_value(points)) is not None:
-        assert peak(value) <= fitting.SHARED_LIMIT * limit, "a shared process's values stay under its own limit"
+        assert peak(value) <= plan_search.SHARED_LIMIT * limit, "a shared process's values stay under its own limit"
         points.append((value, peak(value)))
     assert len(points) == 3 and points[-1][1] > 0.5 * limit  # batch 1, then two far above it
     searches = {i: Search(1, 4096, limit, PER_SEQUENCE * 1.1, BLOCK, BLOCK_SHARE) for i in range(variants)}
@@ -203,7 +202,7 @@ def test_a_fit_above_the_edge_of_a_shared_line_is_listed_and_the_edge_is_a_fresh
 @pytest.mark.parametrize("edge", [1, 3, 5, 40, 100])
 def test_without_peaks_the_fresh_probes_start_inside_the_edge_a_shared_process_met(edge):
     """On a CPU run the shared process doubles until a value fails; the fresh probes search that bracket."""
-    ladder, points = fitting.Ladder(1, 4096, None, None, inject_oom_above=edge), []
+    ladder, points = plan_search.Ladder(1, 4096, None, None, inject_oom_above=edge), []
     while (value := ladder.next_value(points)) is not None and value <= edge:
         points.append((value, None))
     search = Search(1, 4096)
@@ -254,10 +253,10 @@ def test_findings_without_the_default_planned_and_on_a_cpu_say_so():
     answer = {"option_set": "tp2", "world_size": 8, "fixed": 128, "variant": "v", "searched": "batch_size",
               "error": None, "finished": True, "largest": 4, "tokens_per_rank_per_step": 512,
               "fit": {"median_step_time_s": 0.5}, "smallest_peak_mib": 100.0}
-    said, = fitting.findings([answer], "v", "cpu")
+    said, = plan_report.findings([answer], "v", "cpu")
     assert "the default was not planned; tp2 fits the most" in said and "fits nothing" not in said
     default = {**answer, "option_set": "default", "largest": 2, "tokens_per_rank_per_step": 256}
-    said, = fitting.findings([default, answer], "v", "cpu")
+    said, = plan_report.findings([default, answer], "v", "cpu")
     assert "share the CPU's cores" in said and "GPU" not in said
 
 
@@ -346,12 +345,12 @@ def test_the_findings_name_the_cheapest_set_that_fits_more_than_the_default():
         return {"option_set": name, "world_size": 8, "fixed": 128, "variant": "v", "searched": "batch_size",
                 "error": None, "finished": True, "largest": largest, "tokens_per_rank_per_step": largest * 128,
                 "fit": {"median_step_time_s": step_s}, "smallest_peak_mib": 100.0}
-    lines = fitting.findings([answer_of("default", 29, 0.5), answer_of("ac", 65, 1.5), answer_of("cpu_offload", 40, 3.0)],
+    lines = plan_report.findings([answer_of("default", 29, 0.5), answer_of("ac", 65, 1.5), answer_of("cpu_offload", 40, 3.0)],
                              "v")
     assert lines == ["N = 8, block 128: the default fits 3,712 tokens per rank per step (B = 29); the cheapest set "
                      "that fits more is ac, 8,320 tokens per rank per step (B = 65), at 180.3 us per token in its "
                      "probe (the default 134.7; probes beside one another share the GPU, so these are rough)"]
-    nothing = fitting.findings([{**answer_of("default", 1, 0.5), "largest": None, "tokens_per_rank_per_step": None,
+    nothing = plan_report.findings([{**answer_of("default", 1, 0.5), "largest": None, "tokens_per_rank_per_step": None,
                                  "outcomes": [{"value": 1, "fits": False}]}], "v")
     assert nothing == ["N = 8, block 128: B = 1 does not fit under any set; the smallest peak allocated was 100 MiB "
                        "(default)."]
@@ -367,7 +366,7 @@ def test_a_block_search_moves_in_steps_of_64_tokens_and_of_2c():
     assert Question("default", 8, 0, "torch_optimizer_after_fsdp", BLOCK, 1).unit == 64
     search = Search(2, 64)  # 128 to 4096 tokens
     answer(search, probes_with_edge(10))  # fits up to 10 steps: 640 tokens
-    found = fitting.answer_of(question, search, None)
+    found = plan_report.answer_of(question, search, None)
     assert found["largest"] == 640 and found["above"]["value"] == 704 and found["fit"]["value"] == 640
     assert found["tokens_per_rank_per_step"] == 640
     assert all(o["value"] % 64 == 0 for o in found["outcomes"])
@@ -390,14 +389,14 @@ def test_an_answer_cut_short_is_a_bound_and_no_finding_rests_on_it():
     search.record(Outcome(1, True, 100.0))
     search.record(Outcome(32, True, 900.0))
     search.record(Outcome(48, False, None))
-    found = fitting.answer_of(Question("ac", 8, 0, "v", BATCH, 128), search, None)
+    found = plan_report.answer_of(Question("ac", 8, 0, "v", BATCH, 128), search, None)
     assert (found["largest"], found["at_least"], found["below"], found["finished"]) == (None, 32, 48, False)
     assert found["tokens_per_rank_per_step"] is None
     done = {"option_set": "default", "world_size": 8, "fixed": 128, "variant": "v", "searched": BATCH, "error": None,
             "finished": True, "largest": 29, "tokens_per_rank_per_step": 29 * 128, "fit": {}, "smallest_peak_mib": 1.0}
     failed = {**done, "option_set": "no_reshard", "error": "no_reshard N=8 v B=1 L=128: rank 0: Interrupted: SIGTERM",
               "largest": None, "tokens_per_rank_per_step": None}
-    lines = fitting.findings([done, {**found, "smallest_peak_mib": 100.0}, failed], "v")
+    lines = plan_report.findings([done, {**found, "smallest_peak_mib": 100.0}, failed], "v")
     assert lines == ["N = 8, block 128: no finding, 2 of 3 answers open (ac interrupted, no_reshard failed); default "
                      "fits 3,712 tokens per rank per step (B = 29)."]
 
@@ -508,7 +507,7 @@ def test_a_probe_out_of_memory_beside_others_runs_again_alone_only_where_the_gpu
 
 def test_a_shared_process_whose_first_value_fills_its_room_measures_only_that():
     """N = 1: the state alone is most of the cap; the line then takes the model's slope through that one value."""
-    ladder = fitting.Ladder(1, 4096, 31000.0, PER_SEQUENCE)
+    ladder = plan_search.Ladder(1, 4096, 31000.0, PER_SEQUENCE)
     assert ladder.next_value([]) == 1 and ladder.next_value([(1, 29546.0)]) is None
     search = Search(1, 4096, 40433.0, PER_SEQUENCE, BLOCK, 1.5)
     search.take_shared([Outcome(1, True, 29546.0)])
@@ -519,10 +518,10 @@ def test_a_shared_process_whose_first_value_fills_its_room_measures_only_that():
 def test_probes_set_up_ahead_and_step_only_where_the_gpu_holds_their_room(monkeypatch, gib, stepping):
     """A probe holds its set-up until it is let go on to its steps, then its room: on a 140 GiB GPU one probe at an
     80 GiB cap steps at a time (two more set up behind it), five at a 24 GiB cap; none waits for ever."""
-    from fsdp2bench.plan import room as probe_room
+    from fsdp2bench.plan import room
     from fsdp2bench.plan.probes import BATCH, Probe, ProbeRunner, Question
 
-    monkeypatch.setattr(probe_room, "host_bytes", lambda *args: 1 << 30)
+    monkeypatch.setattr(room, "host_bytes", lambda *args: 1 << 30)
     cap = estimate.GpuCap(gib, 140 * 1024 * MIB, 527 * MIB)
     session = types.SimpleNamespace(device=torch.device("cuda", 0), shapes=None)
     runner = ProbeRunner(session, types.SimpleNamespace(init_device="cpu", build_threads=32), None, {}, {}, cap, "")
@@ -546,10 +545,10 @@ def test_probes_set_up_ahead_and_step_only_where_the_gpu_holds_their_room(monkey
 def queue_of(monkeypatch, gib: float, shares: list[float], limit: float):
     """A plan's queue on a simulated 140 GiB GPU: an option set per share, each answered for two variants (the
     second follows the first); a probe's outcome and a shared process's values come from ``gpu_rank``."""
-    from fsdp2bench.plan import room as probe_room, probes
+    from fsdp2bench.plan import probes, room
     from fsdp2bench.plan.probes import BATCH, PlanQueue
 
-    monkeypatch.setattr(probe_room, "host_bytes", lambda *args: 1 << 30)
+    monkeypatch.setattr(room, "host_bytes", lambda *args: 1 << 30)
     cap = estimate.GpuCap(gib, 140 * 1024 * MIB, 527 * MIB)
     variants = ("torch_optimizer_after_fsdp", "accelerate")
     keys = [(f"set{s}", 8, variant, 128) for s in range(len(shares)) for variant in variants]
@@ -575,7 +574,7 @@ def queue_of(monkeypatch, gib: float, shares: list[float], limit: float):
     monkeypatch.setattr(runner.gpu, "setup", lambda key: 1500 * MIB)
     for name, fake in [("took_probe", took), ("take_series", take_series), ("file_probe", lambda *args: None)]:
         monkeypatch.setattr(runner, name, fake)
-    planner = fitting.Planner(searches, group=lambda key: key[0], unready={k for k in keys if k not in leaders},
+    planner = plan_search.Planner(searches, group=lambda key: key[0], unready={k for k in keys if k not in leaders},
                               leaders=leaders)
     queue = PlanQueue(runner, planner, lambda: None)
     for key in keys:
@@ -669,13 +668,13 @@ def test_a_shared_process_leaves_a_share_of_the_largest_block_free_under_its_tar
         return 3680 + 238.6 * (v - 1) if v < 19 else 20509 + 261 * (v - 67)
 
     for free_mib, third in [(0.0, 47), (free, 39)]:
-        ladder, points = fitting.Ladder(1, 4096, limit, slope, free_mib=free_mib), []
+        ladder, points = plan_search.Ladder(1, 4096, limit, slope, free_mib=free_mib), []
         while (value := ladder.next_value(points)) is not None:
             points.append((value, peak(value)))
         assert [v for v, _ in points][-1] == third and len(points) == 3
     (x1, _), (x2, _) = points[-2:]
-    assert x1 >= fitting.SHARED_NEAR * x2  # far enough up for the line to take its slope from them
-    target = points[0][1] + fitting.SHARED_TARGETS[1] * (fitting.SHARED_TOP * limit - points[0][1])
+    assert x1 >= plan_search.SHARED_NEAR * x2  # far enough up for the line to take its slope from them
+    target = points[0][1] + plan_search.SHARED_TARGETS[1] * (plan_search.SHARED_TOP * limit - points[0][1])
     x, y = points[1]
     assert y + slope * (39 - x) + free * 39 <= target < y + slope * (40 - x) + free * 40
 

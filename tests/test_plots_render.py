@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
+from fsdp2bench.plan import plot as plan_plot
 from fsdp2bench.report import plots
 
 matplotlib.use("Agg")
@@ -92,7 +93,7 @@ def png_problems(path: Path) -> list[str]:
 
 @pytest.fixture
 def drawn(monkeypatch) -> dict[str, list[str]]:
-    """{file: problems} of every figure plots.save writes while the test runs."""
+    """{file: problems} of every figure ``save`` writes while the test runs."""
     found: dict[str, list[str]] = {}
     real_save = plots.save
 
@@ -104,7 +105,8 @@ def drawn(monkeypatch) -> dict[str, list[str]]:
         real_save(fig, path, dpi, rect)
         found[Path(path).name] = problems + png_problems(Path(path))
 
-    monkeypatch.setattr(plots, "save", checked_save)
+    for module in (plots, plan_plot):  # plan.png is drawn in the plan wing, by the same save
+        monkeypatch.setattr(module, "save", checked_save)
     return found
 
 

@@ -226,7 +226,7 @@ def test_a_slow_write_of_the_lock_loses_the_race_and_is_refused(tmp_path, monkey
     lock, alive, and is refused; the fast one keeps it."""
     import threading
 
-    from fsdp2bench import cli
+    from fsdp2bench import cli, files
 
     real_link, slow_started = os.link, threading.Event()
 
@@ -237,12 +237,12 @@ def test_a_slow_write_of_the_lock_loses_the_race_and_is_refused(tmp_path, monkey
         return real_link(src, dst)
 
     monkeypatch.setattr(os, "link", slow_link)
-    monkeypatch.setattr(cli.atexit, "register", lambda *a: None)  # this test process is both launches
+    monkeypatch.setattr(files.atexit, "register", lambda *a: None)  # this test process is both launches
     outcome = {}
 
     def launch(name: str) -> None:
         try:
-            cli.lock_output_dir(str(tmp_path))
+            files.lock_output_dir(str(tmp_path))
             outcome[name] = "took it"
         except cli.UserError as exc:
             outcome[name] = str(exc)

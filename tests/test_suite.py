@@ -206,7 +206,7 @@ def test_the_results_table_fits_120_columns_on_cpu_and_on_a_gpu(suite, capsys):
     import json
     from pathlib import Path
 
-    from fsdp2bench.report.summary import print_table
+    from fsdp2bench.report.console import print_table
 
     def table(stdout: str) -> list[str]:
         lines = stdout.split("Results over", 1)[1].splitlines()

@@ -10,7 +10,8 @@ import re
 import pytest
 from conftest import load, run_script
 
-from fsdp2bench.report import summary as report
+from fsdp2bench.report.summary import drop_threshold, loss_drop, run_checks
+from fsdp2bench.report import console
 from fsdp2bench.cli import UserError, check_gpus_per_rank
 from fsdp2bench.names import INTENDED, UNFIXED
 
@@ -18,9 +19,9 @@ CPU_TINY = ["--model", "tiny", "--device", "cpu"]
 
 
 def entries(intended: list[float], unfixed: list[float]) -> dict:
-    """Variant entries as report.run_checks reads them, from two loss series."""
+    """Variant entries as run_checks reads them, from two loss series."""
     def entry(losses):
-        return {"status": "ok", "steps": len(losses), "losses": losses, "loss_drop": report.loss_drop(losses),
+        return {"status": "ok", "steps": len(losses), "losses": losses, "loss_drop": loss_drop(losses),
                 "accounting_matches_expected": True, "applied_matches_options": True}
     return {**{name: entry(intended) for name in INTENDED}, UNFIXED: entry(unfixed)}
 
@@ -37,24 +38,24 @@ def test_the_two_training_checks_never_both_pass_on_one_drop():
         rng = random.Random(seed)
         steps, spread = rng.randint(8, 60), rng.choice([0.0, 0.001, 0.01, 0.1])
         losses = noisy(steps, 6.0, rng.choice([0.0, 0.001, 0.01, 0.05]), spread, seed)
-        checks = report.run_checks(entries(losses, losses), "cpu")
+        checks = run_checks(entries(losses, losses), "cpu")
         trained, not_trained = checks["intended_variants_trained"], checks["unfixed_did_not_train"]
         assert not (trained["ok"] is True and not_trained["ok"] is True), (seed, trained, not_trained)
         assert trained["threshold"] == not_trained["threshold"]
 
 
 def test_the_bar_follows_the_spread_of_the_batches_not_a_constant():
-    quiet = report.drop_threshold([noisy(40, 6.0, 0.0, 0.001, 1)])["threshold"]
-    loud = report.drop_threshold([noisy(40, 6.0, 0.0, 0.1, 1)])["threshold"]
+    quiet = drop_threshold([noisy(40, 6.0, 0.0, 0.001, 1)])["threshold"]
+    loud = drop_threshold([noisy(40, 6.0, 0.0, 0.1, 1)])["threshold"]
     assert 50 < loud / quiet < 200  # a hundred times the spread, about a hundred times the bar
     # A trend is not spread: a clean straight fall leaves none.
-    assert report.drop_threshold([[6.0 - 0.1 * i for i in range(12)]])["threshold"] < 1e-9
+    assert drop_threshold([[6.0 - 0.1 * i for i in range(12)]])["threshold"] < 1e-9
 
 
 def test_a_fall_within_the_spread_is_skipped_with_the_steps_it_would_need():
     flat = noisy(12, 6.0, 0.0, 0.05, 3)
     slow = [x - 0.002 * i for i, x in enumerate(flat)]
-    checks = report.run_checks(entries(slow, flat), "cpu")
+    checks = run_checks(entries(slow, flat), "cpu")
     trained = checks["intended_variants_trained"]
     assert trained["ok"] is None and "within the spread of its batches" in trained["skipped"]
     needed = int(trained["skipped"].split("about ")[1].split(" steps")[0])
@@ -62,7 +63,7 @@ def test_a_fall_within_the_spread_is_skipped_with_the_steps_it_would_need():
     assert checks["unfixed_did_not_train"]["ok"] is None
     # The same series, longer: the fall shows, and the unfixed variant's flat loss is evidence.
     long_flat = noisy(4 * needed, 6.0, 0.0, 0.05, 3)
-    checks = report.run_checks(entries([x - 0.002 * i for i, x in enumerate(long_flat)], long_flat), "cpu")
+    checks = run_checks(entries([x - 0.002 * i for i, x in enumerate(long_flat)], long_flat), "cpu")
     assert checks["intended_variants_trained"]["ok"] is True
     assert checks["unfixed_did_not_train"]["ok"] is True
 
@@ -70,10 +71,10 @@ def test_a_fall_within_the_spread_is_skipped_with_the_steps_it_would_need():
 def test_a_rising_loss_fails_and_an_unfixed_one_that_falls_fails():
     rising = [6.0 + 0.05 * i for i in range(12)]
     falling = [6.0 - 0.05 * i for i in range(12)]
-    checks = report.run_checks(entries(rising, falling), "cpu")
+    checks = run_checks(entries(rising, falling), "cpu")
     assert checks["intended_variants_trained"]["ok"] is False
     assert checks["unfixed_did_not_train"]["ok"] is False
-    assert report.why_failed(list(entries(rising, falling).items()), checks) == (
+    assert console.why_failed(list(entries(rising, falling).items()), checks) == (
         "checks intended_variants_trained (the loss rose beyond the spread of its batches), unfixed_did_not_train "
         "(its loss fell beyond the spread of its batches) failed")
 
@@ -141,4 +142,4 @@ def test_more_ranks_than_gpus_is_refused_with_the_ways_out():
 ])
 def test_the_unfixed_variants_loss_is_said_as_it_moved(drop, said):
     """No "fell 0.0% ... only because the batches differ" where nothing fell."""
-    assert report.unfixed_loss_said(drop) == said
+    assert console.unfixed_loss_said(drop) == said

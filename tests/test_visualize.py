@@ -143,10 +143,11 @@ def test_a_libraries_warning_is_one_line_said_once(capsys):
     assert capsys.readouterr().err == "warning: Data has no positive values, and therefore cannot be log-scaled.\n"
 
 
-def drawn(monkeypatch, draw) -> list:
-    """The figures a plot function draws, kept instead of saved."""
-    from fsdp2bench.report import plots
+def drawn(monkeypatch, draw, module: str = "fsdp2bench.report.plots") -> list:
+    """The figures a plot function of ``module`` draws, kept instead of saved."""
+    import importlib
 
+    plots = importlib.import_module(module)
     figures = []
     monkeypatch.setattr(plots, "save", lambda fig, path, dpi=110, rect=None: figures.append(fig))
     draw(plots)
@@ -157,7 +158,7 @@ def test_plots_hide_no_series_and_say_what_they_count(suite, monkeypatch):
     """Coinciding losses are one line labelled with every variant; every variant's memory is in the legend,
     short-named, with its peak; magnitudes start at zero; a tiny model's state is drawn in MiB, as state only."""
     out, _ = suite
-    runs = __import__("fsdp2bench.report.plots", fromlist=["load_traces"]).load_traces(
+    runs = __import__("fsdp2bench.report.traces", fromlist=["load_traces"]).load_traces(
         str(out), {name: f"{name}_memory_usage" for name in VARIANTS}, [])
     loss, = drawn(monkeypatch, lambda plots: plots.plot_loss(runs, "loss.png"))
     labels = [t.get_text() for t in loss.axes[0].get_legend().get_texts()]
@@ -178,10 +179,10 @@ def test_plots_hide_no_series_and_say_what_they_count(suite, monkeypatch):
 def test_figures_draw_what_has_data_and_say_truly_what_each_mark_is(suite, cpu_sweep, monkeypatch):
     """Lines of 300-360 MiB fill the axis (it does not start at 0); a legend key shows each colour its marks are
     drawn in; a line under another names that one whole; a CPU sweep has no empty allocator panel."""
-    from fsdp2bench.report import plots
+    from fsdp2bench.report import traces
 
     out, _ = suite
-    runs = plots.load_traces(str(out), {name: f"{name}_memory_usage" for name in VARIANTS}, [])
+    runs = traces.load_traces(str(out), {name: f"{name}_memory_usage" for name in VARIANTS}, [])
     rss, = drawn(monkeypatch, lambda p: p.plot_memory(runs, p.MEMORY_PLOTS["rss_memory.png"], "x", 0, 2))
     values = [v for line in rss.axes[0].get_lines() for v in line.get_ydata() if v == v]
     low, high = rss.axes[0].get_ylim()
@@ -214,8 +215,8 @@ def test_titles_legends_and_marks_follow_the_data_drawn(suite, monkeypatch):
     from conftest import ROOT
 
     out, _ = suite
-    plots = __import__("fsdp2bench.report.plots", fromlist=["load_traces"])
-    runs = plots.load_traces(str(out), {name: f"{name}_memory_usage" for name in VARIANTS}, [])
+    traces = __import__("fsdp2bench.report.traces", fromlist=["load_traces"])
+    runs = traces.load_traces(str(out), {name: f"{name}_memory_usage" for name in VARIANTS}, [])
     for check, title in ((None, "Loss per step, rank 0's batches"),
                          ({"ok": None}, "Loss per step, rank 0's batches"),
                          ({"ok": True}, "Loss per step, rank 0's batches: the stale optimizer's model did not train"),
@@ -243,7 +244,7 @@ def test_titles_legends_and_marks_follow_the_data_drawn(suite, monkeypatch):
     plan["meta"]["gpu_memory"] = None  # no cap: the out-of-memory crosses are drawn on none
     for answer in plan["answers"]:
         answer["at_upper_bound"] = True
-    figure, = drawn(monkeypatch, lambda p: p.plot_plan(plan, "x"))
+    figure, = drawn(monkeypatch, lambda p: p.plot_plan(plan, "x"), "fsdp2bench.plan.plot")
     labels = legend_labels(figure)
     assert "fits at the upper bound searched: the edge lies above it" in labels
     assert not [label for label in labels if "largest that fits" in label or "out of memory" in label], labels

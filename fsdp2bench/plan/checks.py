@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from fsdp2bench.options import accelerate_config, levers as lever_checks, fsdp as options
 from fsdp2bench.run import arguments
 from fsdp2bench.memory import estimate
-from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, given_options, is_ours,
-                            parse_names, pick_device, refuse_foreign, say)
+from fsdp2bench.cli import OneLineParser, UserError, check_ranges, given_options, parse_names, pick_device, say
+from fsdp2bench.files import check_output_dir, is_ours, refuse_foreign
 from fsdp2bench.processes.isolation import launcher_keeps_to_one_thread
 from fsdp2bench.options.layout import Layout
 from fsdp2bench.train.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, max_positions

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from fsdp2bench.report import summary as report
+from fsdp2bench.report.summary import memory_summary
 from fsdp2bench.memory.estimate import GpuCap, activation_bytes_per_token, variant_need
 from fsdp2bench.plan.search import Ladder, Outcome, Planner, Search
 from fsdp2bench.processes.isolation import STAND_DOWN, Piece, StoreKeys, gather_records, has_keys, run_queue
@@ -460,7 +460,7 @@ def probe_outcome(probe: Probe, job: Job, failure: str | None, session: Session,
               "set_up_ahead": probe.ahead}
     if failure is None:
         record, = gather_records(store, job.keys, [q.rank])
-        summary = report.memory_summary(q.variant, [record], session.shapes, q.world_size, [q.rank],
+        summary = memory_summary(q.variant, [record], session.shapes, q.world_size, [q.rank],
                                         q.options, session.device.type)
         return Outcome(probe.value, True, summary["peak_allocated_mib"]["max"], {
             **common, "peak_reserved_mib": summary["peak_reserved_mib"]["max"],

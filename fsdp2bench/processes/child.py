@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fsdp2bench.cli import write_json
+from fsdp2bench.files import write_json
 from fsdp2bench.processes.isolation import Finisher, StoreKeys, run_child, without_trace
 from measure import MemoryTracker
 

@@ -16,7 +16,8 @@ import subprocess
 import sys
 import time
 
-from fsdp2bench.cli import RankError, UserError, process_running, set_up_standard_streams
+from fsdp2bench.cli import RankError, UserError, set_up_standard_streams
+from fsdp2bench.files import process_running
 from fsdp2bench.processes.first import one_line_interrupts
 
 # The children's targets live in this package; transformers and accelerate are imported lazily by

@@ -19,7 +19,7 @@ import tempfile
 import time
 
 from fsdp2bench.train import throughput
-from fsdp2bench.cli import write_json
+from fsdp2bench.files import write_json
 from fsdp2bench.names import INTENDED, MIB, UNFIXED, step_peak_state
 from fsdp2bench.options.fsdp import OPTION_SETS
 from fsdp2bench.processes.starting import CANCELLED, GO, START_GATE, open_gate

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import glob
-import json
 import os
-import re
 
 import matplotlib
 import numpy as np
@@ -15,9 +11,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.legend_handler import HandlerTuple  # noqa: E402
 
-from fsdp2bench.cli import MARK, MARK_KEY, refuse_foreign  # noqa: E402
-from fsdp2bench.names import (MIB, TRACE_KEYS, VARIANTS, short_name, simulated_dir_name, size_unit,  # noqa: E402
-                              state_bytes)
+from fsdp2bench.files import MARK, MARK_KEY, refuse_foreign  # noqa: E402
+from fsdp2bench.report.traces import InputError, read_json, reading  # noqa: E402
+from fsdp2bench.names import MIB, VARIANTS, short_name, size_unit, state_bytes
 
 # The zero of every time axis: all variants are compared from the moment their model is sharded,
 # so the time each spent building the model does not offset the curves.
@@ -27,127 +23,6 @@ MEMORY_PLOTS = {  # file -> (trace key, per-step peak key (the allocator's count
     "reserved_memory.png": ("reserved_memory", "peak_reserved_mib", "GPU memory reserved"),
     "rss_memory.png": ("virtual_memory", None, "host RSS"),
 }
-
-
-class InputError(Exception):
-    """Unusable input: reported in one line."""
-
-
-@contextlib.contextmanager
-def reading(path: str):
-    """A file of the right name with the wrong content becomes one line that names it."""
-    try:
-        yield
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-        raise InputError(f"{path}: not what main.py writes ({type(exc).__name__}: {exc})") from None
-
-
-def read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as exc:  # its msg may end in "at" ("Unterminated string starting at")
-        where = f"line {exc.lineno}, column {exc.colno}"
-        raise InputError(f"{path}: not valid JSON ({exc.msg.removesuffix(' at')} at {where})") from None
-    except UnicodeDecodeError:
-        raise InputError(f"{path}: not valid JSON (not UTF-8 text)") from None
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read it ({exc.strerror})") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{path}: not a memory trace of main.py (expected a JSON object)")
-    return data
-
-
-STEP_NUMBERS = ("loss", "step_time_s", "t", "peak_allocated_mib", "peak_reserved_mib", "allocated_mib",
-                "reserved_mib", "rss_mib")
-
-
-def _number(value) -> bool:
-    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
-
-
-def trace_problem(data: dict) -> str | None:
-    """What makes ``data`` unusable as a trace (the first thing found), or None."""
-    missing = [k for k in (*TRACE_KEYS, "steps", "events") if k not in data]
-    if missing:
-        return f"not a memory trace of main.py (missing {', '.join(missing)})"
-    for key in TRACE_KEYS:
-        if not isinstance(data[key], list):
-            return f"{key} is not a list"
-        bad = next((i for i, v in enumerate(data[key]) if not _number(v)), None)
-        if bad is not None:
-            return f"{key}[{bad}] is not a number"
-    if len({len(data[k]) for k in TRACE_KEYS}) != 1:
-        return "trace lists have different lengths"
-    for key, fields in (("steps", {"step": int, **{k: float for k in STEP_NUMBERS}}), ("events", {"t": float})):
-        if not isinstance(data[key], list):
-            return f"{key} is not a list"
-        for i, record in enumerate(data[key]):
-            if not isinstance(record, dict):
-                return f"{key}[{i}] is not an object"
-            for field, kind in fields.items():
-                if field in ("step", "loss", "t") and field not in record:
-                    return f"{key}[{i}] has no {field}"
-                if field in record and not (_number(record[field]) if kind is float else
-                                            isinstance(record[field], int) and not isinstance(record[field], bool)):
-                    return f"{key}[{i}].{field} is not {'a number' if kind is float else 'a whole number'}"
-            if key == "events" and not isinstance(record.get("name"), str):
-                return f"events[{i}].name is not a string"
-    return None
-
-
-def load_traces(directory: str, stems: dict[str, str], problems: list[str]) -> dict[str, dict[int, dict]]:
-    """{name: {rank: trace}} for each name whose rank-0 file ``<stem>.json`` is usable. A file that
-    is not is left out, with a line in ``problems`` naming it and the field."""
-    runs: dict[str, dict[int, dict]] = {}
-    for name, stem in stems.items():
-        rank0 = os.path.join(directory, f"{stem}.json")
-        if not os.path.exists(rank0):
-            continue
-        ranks = {0: rank0}
-        for path in glob.glob(os.path.join(directory, f"{stem}_rank*.json")):
-            match = re.search(r"_rank(\d+)\.json$", path)
-            if match:
-                ranks[int(match.group(1))] = path
-        traces = {}
-        for rank, path in sorted(ranks.items()):
-            try:
-                data = read_json(path)
-                problem = trace_problem(data)
-            except InputError as exc:
-                problem, path = str(exc), None
-            if problem is None:
-                traces[rank] = data
-            else:
-                problems.append(problem if path is None else f"{path}: {problem}")
-        if 0 in traces:
-            runs[name] = traces
-    return runs
-
-
-def latest_run(traces: dict[str, dict[int, dict]], preferred: str | None) -> tuple[dict, int]:
-    """Only the traces of one launch: ``preferred`` (the run its summary describes; none of them where none is
-    of that run), else the one that started last. Returns them and how many files of other launches were left
-    out."""
-    ids = {t.get("run_id") for ranks in traces.values() for t in ranks.values()}
-    if ids <= {preferred} or (preferred is None and len(ids) <= 1):
-        return traces, 0
-    started = {i: max((t["started_at"] for ranks in traces.values() for t in ranks.values()
-                       if t.get("run_id") == i and isinstance(t.get("started_at"), (int, float))), default=0.0)
-               for i in ids}
-    chosen = preferred if preferred is not None else max(ids, key=lambda i: started[i])
-    kept = {name: {r: t for r, t in ranks.items() if t.get("run_id") == chosen} for name, ranks in traces.items()}
-    left_out = sum(len(ranks) for ranks in traces.values()) - sum(len(ranks) for ranks in kept.values())
-    return {name: ranks for name, ranks in kept.items() if 0 in ranks}, left_out
-
-
-def loading_stems(directory: str) -> dict[str, str]:
-    """Loading modes found in ``directory`` (files written by loading.py)."""
-    stems = {}
-    for path in sorted(glob.glob(os.path.join(directory, "loading_*_memory_usage.json"))):
-        stem = os.path.basename(path)[: -len(".json")]
-        stems[stem[len("loading_"): -len("_memory_usage")]] = stem
-    return stems
 
 
 def aligned_times(trace: dict) -> list[float]:
@@ -185,7 +60,6 @@ def save(fig, path: str, dpi: int = 110, rect: tuple = (0, 0, 1, 1)) -> None:
 
 
 LEGEND_FONT = 8
-EDGE, UPPER, SHARED, AIMED, OOM, AT_LEAST = "edge", "upper bound", "shared", "aimed", "out of memory", "at least"
 EACH_COLOUR = {tuple: HandlerTuple(ndivide=None, pad=0.0)}  # a key of one shape in each colour it is drawn in
 
 
@@ -723,108 +597,3 @@ def plot_matrix(matrix: dict, path: str) -> None:
 
 
 # --------------------------------------------------------------------------- a plan of what fits
-
-def plan_figure(answers: list[dict]) -> str:
-    """The peak drawn: the allocator's peak allocated (what the aiming line fits), or on a CPU run (no
-    allocator) the host RSS."""
-    points = [o for a in answers for o in a["outcomes"] + a.get("shared", []) if o["fits"]]
-    return "peak_allocated_mib" if any(o.get("peak_allocated_mib") is not None for o in points) else "peak_rss_mib"
-
-
-def plot_plan(plan: dict, path: str) -> None:
-    """plan.png: per variant (rows) and N (columns) a panel; per option set the peak of every probe
-    that fit against its value (filled) and of its shared process's values (hollow), the line that aimed
-    the probes, the edge (the largest value that fits) ringed, or a triangle where the search's upper bound
-    fit, the probes that ran out of memory as crosses on the cap, and the cap itself as a line; the legend keys
-    the marks drawn."""
-    answers = plan["answers"]
-    if not any(o["fits"] for a in answers for o in a["outcomes"] + a.get("shared", [])):
-        raise InputError("plan.json has no probe that fit: nothing to draw")
-    variants = list(dict.fromkeys(a["variant"] for a in answers))
-    columns = sorted({(a["world_size"], a["fixed"]) for a in answers})
-    sets = list(dict.fromkeys(a["option_set"] for a in answers))
-    cap = plan["meta"].get("gpu_memory")
-    figure = plan_figure(answers)
-    fig, axes = plt.subplots(len(variants), len(columns), figsize=(max(6.5, 4.6 * len(columns)),
-                                                                   3.6 * len(variants)), squeeze=False, sharey=True)
-    drawn: set[str] = set()  # the kinds of mark drawn in some panel: the legend keys those alone
-    for row, variant in enumerate(variants):
-        for col, (n, fixed) in enumerate(columns):
-            ax = axes[row][col]
-            panel = [a for a in answers if (a["variant"], a["world_size"], a["fixed"]) == (variant, n, fixed)]
-            for i, name in enumerate(sets):
-                answer = next((a for a in panel if a["option_set"] == name), None)
-                if answer is not None:
-                    drawn |= _plan_answer(ax, answer, figure, f"C{i % 10}", cap)
-            if cap:
-                ax.axhline(cap["allocator_limit_mib"] / 1024, color="black", ls="--", lw=1)
-            other = "block" if answers[0]["searched"] == "batch_size" else "batch"
-            followed = panel and all(a.get("started_at") is not None for a in panel)  # no line aimed them
-            ax.set_title(f"{short_name(variant)}, N = {n}, {other} {fixed}"
-                         + (": each from the first variant's edge" if followed else ""), fontsize=9)
-            ax.grid(alpha=0.3)
-            ax.set_ylim(bottom=0)
-        axes[row][0].set_ylabel("GiB " + ("allocated (peak)" if figure == "peak_allocated_mib" else "host RSS (peak)"))
-    for ax in axes[-1]:
-        ax.set_xlabel(answers[0]["searched"].replace("_", " "))
-    _plan_legend(fig, drawn, sets, cap, (len(variants), len(columns)), path)
-
-
-PLAN_MARKS = {  # a kind of mark _plan_answer draws -> its legend key's label and style
-    EDGE: ("the largest that fits (a larger value did not)", dict(marker="o", ms=11, mfc="none", ls="")),
-    UPPER: ("fits at the upper bound searched: the edge lies above it", dict(marker="^", ms=10, mfc="none", ls="")),
-    SHARED: ("a shared process's value (aims, decides nothing)", dict(marker="s", ms=5, mfc="none", ls="")),
-    AIMED: ("the line that aimed the probes", dict(ls=":")),
-    OOM: ("ran out of memory (drawn on the cap)", dict(marker="x", ls="")),
-    AT_LEAST: ("interrupted: the largest fit so far, a lower bound", dict(marker=">", ms=10, mfc="none", ls="")),
-}
-
-
-def _plan_legend(fig, drawn: set[str], sets: list[str], cap: dict | None, panels: tuple[int, int],
-                 path: str) -> None:
-    colours = [f"C{i % 10}" for i in range(len(sets))]  # each mark below is drawn in its option set's colour
-    handles: list = [plt.Line2D([], [], color=c, marker="o", label=name) for c, name in zip(colours, sets)]
-    handles += [in_each_colour(colours, label, **style) for kind, (label, style) in PLAN_MARKS.items()
-                if kind in drawn]
-    if cap:
-        handles.append(plt.Line2D([], [], color="black", ls="--",
-                                  label=f"the allocator's limit ({cap['gib']:g} GiB less the CUDA context)"))
-    rows, columns = panels
-    ncol = min(len(handles), 2 if columns == 1 else 4)  # one panel is too narrow for four long labels
-    fig.legend(handles, [(h[0] if isinstance(h, tuple) else h).get_label() for h in handles], loc="lower center",
-               ncol=ncol, fontsize=8, handler_map=EACH_COLOUR)
-    rows_of_legend = -(-len(handles) // ncol)
-    save(fig, path, rect=(0, 0.04 + 0.05 * rows_of_legend / rows, 1, 1))
-
-
-def _plan_answer(ax, answer: dict, figure: str, color: str, cap: dict | None) -> set[str]:
-    """One option set's marks in one panel; returns the kinds drawn (``PLAN_MARKS``)."""
-    drawn = set()
-    fits = sorted((o["value"], o[figure] / 1024) for o in answer["outcomes"] if o["fits"] and o.get(figure) is not None)
-    if fits:
-        ax.plot(*zip(*fits), color=color, marker="o", ms=3, lw=1)
-    shared = [(o["value"], o[figure] / 1024) for o in answer.get("shared", []) if o["fits"] and o.get(figure) is not None]
-    if shared:
-        ax.plot(*zip(*shared), color=color, marker="s", ms=4, mfc="none", ls="")
-        drawn.add(SHARED)
-    line = answer.get("line")
-    if line and figure == "peak_allocated_mib":
-        xs = [min(v for v, _ in shared + fits), max(v for v, _ in shared + fits)]
-        ax.plot(xs, [(line["peak_allocated_mib"] + line["slope_mib"] * (x - line["value"])) / 1024 for x in xs],
-                color=color, ls=":", lw=1)
-        drawn.add(AIMED)
-    best = next((y for x, y in fits if x == answer["largest"]), None)
-    if best is not None:  # at the upper bound searched, every value fit: no edge was found
-        kind = UPPER if answer.get("at_upper_bound") else EDGE
-        marker, size = ("^", 10) if kind == UPPER else ("o", 11)
-        ax.plot([answer["largest"]], [best], color=color, marker=marker, ms=size, mfc="none", ls="")
-        drawn.add(kind)
-    bound = next((y for x, y in fits if x == answer.get("at_least")), None)
-    if bound is not None:  # unfinished: the edge lies above this point, not at it
-        ax.plot([answer["at_least"]], [bound], color=color, marker=">", ms=10, mfc="none", ls="")
-        drawn.add(AT_LEAST)
-    failed = [o["value"] for o in answer["outcomes"] if not o["fits"]]
-    if failed and cap:
-        ax.plot(failed, [cap["allocator_limit_mib"] / 1024] * len(failed), color=color, marker="x", ls="")
-        drawn.add(OOM)
-    return drawn

@@ -1,4 +1,4 @@
-"""Turn every rank's records into summary.json, the end-of-run checks and the console table."""
+"""Turn every rank's records into summary.json and its end-of-run checks (console.py says them)."""
 
 from __future__ import annotations
 
@@ -6,16 +6,13 @@ import math
 import statistics
 
 from fsdp2bench.memory import snapshots
-from fsdp2bench.train import throughput
-from fsdp2bench.cli import say
 from fsdp2bench.processes.isolation import UNSUPPORTED
-from fsdp2bench.options.layout import AXES
 from fsdp2bench.memory.accounting import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_gathered_block_bytes,
                                           expected_setup, expected_state, projection, unfixed_costs_more_from)
-from fsdp2bench.options.step import MODEL, UPSTREAM
-from fsdp2bench.names import (INTENDED, MIB, MICROBATCH_PHASE, PEAK_PHASES, PHASES, STATE_KEYS, UNFIXED, phases,
-                              size_said, state_bytes, step_peak_state)
+from fsdp2bench.names import (INTENDED, MIB, PEAK_PHASES, PHASES, STATE_KEYS, UNFIXED, phases, state_bytes,
+                              step_peak_state)
 from fsdp2bench.options.fsdp import FsdpOptions
+
 # Losses are compared step by step. On CPU the intended variants are bit-identical; on GPUs
 # accelerate groups its parameters differently, which may change bf16 rounding a little.
 LOSS_TOLERANCE = {"cpu": 0.0, "cuda": 1e-2}  # relative
@@ -196,14 +193,14 @@ def state_projection(shapes, names: list[str], sizes: list[int] = PROJECTION_WOR
             "reference": reference}
 
 
-def _worst_rank(entry: dict, phase: str) -> dict:
+def worst_rank(entry: dict, phase: str) -> dict:
     """The state counted at ``phase`` on the rank that held the most, per key."""
     return max((rank[phase] for rank in entry["accounting"]), key=state_bytes)
 
 
 def _held_state(entry: dict, phase: str) -> int:
     """State bytes counted at ``phase``, on the rank that held the most."""
-    return state_bytes(_worst_rank(entry, phase))
+    return state_bytes(worst_rank(entry, phase))
 
 
 def _held_at_step_peak(entry: dict) -> int:
@@ -303,111 +300,6 @@ def _not_trained_check(drop: float, bar: dict | None, steps: int, diverged: bool
 
 # --------------------------------------------------------------------------- console
 
-def _fmt(value, spec: str = ".1f") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def _mib(n_bytes: float) -> str:
-    return f"{n_bytes / MIB:.1f}"
-
-
-# The console table, at most 120 columns: (title, width, cell, needs an allocator). The rest of each
-# figure (steps, first loss, polled peaks, what is allocated beyond the state) is in summary.json.
-TABLE_COLUMNS = [
-    ("final", 7, lambda v: f"{v['final_loss']:.4f}", False),
-    ("drop", 6, lambda v: f"{v['loss_drop']:.1%}", False),
-    ("alloc", 8, lambda v: _fmt(v["peak_allocated_mib"]["max"]), True),
-    ("resv", 6, lambda v: _fmt(v["peak_reserved_mib"]["max"], ".0f"), True),
-    ("RSS", 6, lambda v: _fmt(v["peak_rss_mib"]["max"], ".0f"), False),
-    ("params", 7, lambda v: _mib(_worst_rank(v, "end_of_training")["param_bytes"]), False),
-    ("grads", 7, lambda v: _mib(_worst_rank(v, "end_of_training")["grad_bytes"]), False),
-    ("optim", 7, lambda v: _mib(_worst_rank(v, "end_of_training")["optimizer_state_bytes"]), False),
-    ("stale", 7, lambda v: _mib(_worst_rank(v, "end_of_training")["stale_param_bytes"]), False),
-    ("tok/s", 6, lambda v: throughput.rate_said(v.get("speed")), False),
-    ("MFU", 5, lambda v: throughput.mfu_said(v.get("speed")), False),
-]
-NAME_WIDTH = 37  # the longest run name
-
-
-def print_table(summary: dict) -> None:
-    world, gpu = summary["meta"]["world_size"], summary["meta"]["device"] == "cuda"
-    columns = [c for c in TABLE_COLUMNS if gpu or not c[3]]
-    print(f"\nResults over {world} rank(s); memory columns are the maximum over ranks.")
-    header = f"{'variant':{NAME_WIDTH}} " + " ".join(f"{title:>{width}}" for title, width, _, _ in columns)
-    print(header)
-    print("-" * len(header))
-    for name, v in summary["variants"].items():
-        if v["status"] != "ok":
-            print(f"{name:{NAME_WIDTH}} {v['status'][:80]}{how_far(v.get('failure', []))}")
-            continue
-        print(f"{name:{NAME_WIDTH}} " + " ".join(f"{cell(v):>{width}}" for _, width, cell, _ in columns))
-    print(("MiB. alloc: the CUDA allocator's own peak; resv: its peak reserved; " if gpu else "MiB. ") +
-          "RSS: the process's host memory (polled).\n"
-          "     Held by one rank after the last step: params (local shards), grads, optim (AdamW state), stale (tensors\n"
-          "     the optimizer holds that the model no longer uses). drop: fall of the loss from the first to the last\n"
-          "     quarter of steps. summary.json has every figure per rank, the polled peaks and the phases.")
-    say(speed_said(summary, [v for v in summary["variants"].values() if v["status"] == "ok"]), indent="     ")
-    say(step_said(summary))
-    for sentence in explanations(summary):
-        say(sentence)
-    print_checks(summary["checks"])
-
-
-def speed_said(summary: dict, entries: list[dict]) -> str:
-    """What tok/s and MFU are, against which peak, and why a figure is missing; the compile time where one ran."""
-    figures = [v["speed"] for v in entries if v.get("speed")]  # a summary written before speeds were: none
-    if not figures:
-        return ""
-    first = figures[0]
-    warm = "steps 0 and 1, which compile" if first["warmup_steps"] == 2 else "step 0"
-    gpu = summary["meta"].get("gpu_name")
-    peak = (f"{gpu}'s dense bf16 peak, {first['peak_bf16_tflops']:.0f} TFLOP/s (float8 included)"
-            if first["peak_bf16_tflops"] else f"no peak FLOP/s known for {gpu}" if gpu else "none on the CPU")
-    flops = f"{first['model_flops_per_token'] / 1e9:.3g}"
-    line = (f"tok/s: tokens per second per GPU over the median step after warm-up ({warm}); MFU: {flops} GFLOP of "
-            f"model FLOPs per token (docs/levers.md) against {peak}.")
-    if any(f["compute_only"] for f in figures):
-        line += " *: compute only (a simulated rank: no communication happens)."
-    missing = next((f["not_measured"] for f in figures if f["not_measured"]), None)
-    if missing:
-        line += f" n/a: {missing}."
-    compiled = [f["compile_s"] for f in figures if f["compile_s"] is not None]
-    if compiled:
-        line += f" Compiling took {min(compiled):.1f}-{max(compiled):.1f} s a run (warm-up beyond its median steps)."
-    return line
-
-
-def unfixed_loss_said(drop: float) -> str:
-    """The unfixed variant's loss between its first and last quarter of steps: a change there is the batches'."""
-    said = f"{abs(drop):.1%} from the first to the last quarter of steps"
-    if f"{abs(drop):.1%}" == "0.0%":
-        return f"its loss did not move, {said}"
-    return f"its loss {'fell' if drop > 0 else 'rose'} {said} only because the batches differ"
-
-
-def step_said(summary: dict) -> str:
-    """The loop and the loss every variant trained with, and what the loop kept of the outputs (the same for
-    every variant and N; summaries written before they existed: the upstream's)."""
-    meta = summary["meta"]
-    loop, loss = meta.get("loop", UPSTREAM), meta.get("loss", MODEL)
-    kept = [phases["before_zero_grad"] for _, e in run_entries(summary) if e.get("kept_output_bytes")
-            for phases in e["kept_output_bytes"]]
-    held = f": {size_said(max(kept))} a rank" if kept and max(kept) else ""
-    said = f"the outputs kept until the next forward{held}" if loop == UPSTREAM else "the loss alone kept"
-    return f"Step: loop {loop} ({said}), loss {loss}."
-
-
-def how_far(failure: list[dict]) -> str:
-    """"; it reached step 3 (training_started), peak 139519 MiB, 896 MiB more asked" from the failing rank."""
-    own = next((f for f in failure if f["status"] == "failed"), None)
-    if own is None:
-        return ""
-    peak = own.get("peak_allocated_mib_so_far")
-    asked = own.get("failed_allocation_mib")
-    return (f"\n{'':38} rank {own['rank']} reached step {own['steps_done']} ({own['last_event']})"
-            + (f", peak {peak:.0f} MiB allocated" if peak is not None else "")
-            + (f", then asked for {asked:.0f} MiB more" if asked else ""))
-
 
 ACCELERATE, TORCH = "accelerate", INTENDED[0]
 COMPARED_PEAKS = ("peak_allocated_mib", "peak_reserved_mib", "training_peak_allocated_mib",
@@ -438,84 +330,6 @@ def _at_highest_peak(entry: dict) -> dict:
     """The replayed peak of the rank whose allocator peaked highest in training."""
     peaks = [p if p is not None else -1 for p in entry["training_peak_allocated_mib"]["per_rank"]]
     return entry["peak_tensors"][peaks.index(max(peaks))]
-
-
-def compared_sentence(found: dict | None) -> str | None:
-    """accelerate against torch in one sentence, from ``accelerate_vs_torch``."""
-    if not found:
-        return None
-    diff = found["difference_mib"]["training_peak_allocated_mib"]
-    acc, ref = found["holds_at_step_peak"][ACCELERATE], found["holds_at_step_peak"][TORCH]
-    state = "the same state" if acc["state_bytes"] == ref["state_bytes"] else \
-        f"{(acc['state_bytes'] - ref['state_bytes']) / MIB:+.1f} MiB of state"
-    peak = "no allocator counters on CPU" if diff is None else f"{diff:+.1f} MiB of training peak allocated"
-    tensors = "".join(f"; at its peak accelerate holds {row['difference_mib']:+.1f} MiB of {row['tensor']} "
-                      f"(allocated at {row['site']})" for row in found.get("peak_tensors_difference", [])[:3])
-    return (f"accelerate against {TORCH}: {peak}; {state} at the step peak (params, grads, AdamW, stale), "
-            f"so a difference is in what a step holds beyond it (gathered parameters, activations, buffers)"
-            f"{tensors}.")
-
-
-def explanations(summary: dict) -> list[str]:
-    """Plain sentences for the numbers that matter most."""
-    out = [f"{name} {cause}; the other variants ran (what the installed libraries cannot do is a finding of this "
-           f"run, not its failure)." for name, cause in unsupported_findings(run_entries(summary)).items()]
-    out += [s for s in [compared_sentence(summary.get("accelerate_vs_torch")), uneven_ranks_sentence(summary)] if s]
-    unfixed = summary["variants"].get(UNFIXED)
-    if unfixed and unfixed["status"] == "ok":
-        rank0 = unfixed["accounting"][0]
-        intended = [v["loss_drop"] for n, v in summary["variants"].items()
-                    if n in INTENDED and v.get("status") == "ok" and v.get("loss_drop") is not None]
-        beside = f"; the intended variants' fell {max(intended):.1%} on the same batches" if intended else ""
-        out.append(f"{UNFIXED}: its optimizer still holds {size_said(rank0['stale_param_bytes'])} of full parameters "
-                   f"per rank that the model no longer uses; they never get gradients, so AdamW never creates "
-                   f"state ({size_said(rank0['optimizer_state_bytes'])}) and the model's weights never change "
-                   f"({unfixed_loss_said(unfixed['loss_drop'])}{beside}); zero_grad() never reaches the model's "
-                   f"sharded parameters, so their "
-                   f"{size_said(rank0['grad_bytes'])} of gradients are never cleared.")
-    out += accumulation_sentences(summary)
-    proj = summary.get("projection") or {}
-    n = proj.get("unfixed_costs_more_from_world_size")
-    if n is not None:
-        there = proj.get("state_bytes_there") or {name: cell["before_zero_grad"]  # a summary of before the exact N
-                                                  for name, cell in proj["per_rank_state_bytes"][str(n)].items()}
-        out.append(f"At the step peak the unfixed variant's state (P + 2P/N) exceeds the intended one's (4P/N) "
-                   f"from N = {n} ranks on: {size_said(there[UNFIXED])} vs {size_said(there[proj['reference']])} per rank "
-                   f"there (the sharding rule at every N; projection in summary.json).")
-    return out
-
-
-def uneven_ranks_sentence(summary: dict) -> str | None:
-    """Where the ranks hold different parameter bytes (FSDP2's padding, TP's uneven splits), which holds what:
-    the table's memory columns are the heaviest rank's."""
-    entry = next((v for n, v in summary["variants"].items() if n in INTENDED and v.get("status") == "ok"), None)
-    held = [rank["end_of_training"]["param_bytes"] for rank in entry["accounting"]] if entry else []
-    if len(set(held)) < 2:
-        return None
-    heaviest = held.index(max(held))
-    return ("The ranks hold different parameter bytes (FSDP2 pads the last shard; TP splits a dim that its ranks do "
-            "not divide evenly): " + ", ".join(f"rank {r} {size_said(b)}" for r, b in enumerate(held[:8]))
-            + (", ..." if len(held) > 8 else "") + f"; rank {heaviest} holds the most.")
-
-
-def accumulation_sentences(summary: dict) -> list[str]:
-    """What a step of K microbatches is, and what each variant held between two of them."""
-    step = summary["meta"].get("per_optimizer_step") or {}
-    if step.get("microbatches", 1) == 1:
-        return []
-    mesh = step.get("mesh") or {}
-    layout = " x ".join(f"{mesh[axis]} {axis}" for axis in AXES if mesh.get(axis, 1) > 1 and axis != "dp_shard")
-    out = [f"One optimizer step: {step['microbatches']} microbatches, {step['sequences_per_rank']} sequences and "
-           f"{step['tokens_per_rank']} tokens per rank, {step.get('tokens', 'n/a')} tokens in all"
-           + (f", on {mesh['dp_shard']} dp_shard x {layout}" if layout else "") + "."]
-    held = {name: _worst_rank(v, MICROBATCH_PHASE) for name, v in summary["variants"].items()
-            if v.get("status") == "ok" and MICROBATCH_PHASE in v["accounting"][0]}
-    if held:
-        out.append("Between two microbatches of the last step (before its optimizer step) each rank held gradients "
-                   "not yet reduced: " + "; ".join(f"{name} {size_said(h['unreduced_grad_bytes'])} unreduced, "
-                                                    f"{size_said(h['grad_bytes'])} sharded" for name, h in held.items())
-                   + ".")
-    return out
 
 
 # --------------------------------------------------------------------------- simulated world sizes
@@ -583,64 +397,6 @@ def measured_crossover(simulated: dict) -> dict:
     return found
 
 
-def print_sweep_table(summary: dict) -> None:
-    sim = summary["meta"]["simulated"]
-    say(f"\nSimulated world sizes ({summary['meta']['model']}): one process played each rank shown, on a fake "
-        f"process group (real allocations, no communication); {sim['steps']} steps per run. "
-        f"{step_said(summary)}")
-    header = (f"{'N':>4} {'rank':>4} {'variant':{NAME_WIDTH}} {'train':>8} {'resv':>6} {'tok/s':>8} {'MFU':>6} "
-              f"{'params':>7} {'grads':>7} {'optim':>7} {'stale':>7} {'beyond':>7}")
-    print(header)
-    print("-" * len(header))
-    for n, rank, name, v in simulated_entries(summary["simulated"]):
-        if v["status"] != "ok":
-            print(f"{n:>4} {rank:>4} {name:38} {v['status']}")
-            continue
-        state = v["accounting"][0]["before_zero_grad"]
-        speed = v.get("speed")
-        print(f"{n:>4} {rank:>4} {name:{NAME_WIDTH}} {_fmt(v['training_peak_allocated_mib']['max']):>8} "
-              f"{_fmt(v['peak_reserved_mib']['max'], '.0f'):>6} {throughput.rate_said(speed):>8} "
-              f"{throughput.mfu_said(speed):>6} {_mib(state['param_bytes']):>7} {_mib(state['grad_bytes']):>7} "
-              f"{_mib(state['optimizer_state_bytes']):>7} {_mib(state['stale_param_bytes']):>7} "
-              f"{_fmt(v['training_peak_beyond_state_mib']['max']):>7}")
-    say("MiB: train = the allocator's peak over the optimizer steps (summary.json has the whole run's, building the "
-        "model included); resv = reserved by the caching allocator, the set-up's cache given back before the "
-        "first step. Then the state held at the step peak (after the last optimizer step): params, grads, optim "
-        "(AdamW state), stale (the optimizer's old full parameters); beyond = train minus that state (activations, "
-        "gathered parameters, buffers, the outputs the loop keeps). The check accounting_matches_expected compares "
-        "every byte of the state, at every moment, with the FSDP2 sharding rule.", indent="     ")
-    say(speed_said(summary, [v for *_, v in simulated_entries(summary["simulated"]) if v["status"] == "ok"]),
-        indent="     ")
-    crossover = summary["simulation_findings"]["unfixed_exceeds_intended_from_world_size"]
-    exact = (summary.get("projection") or {}).get("unfixed_costs_more_from_world_size")
-    rule = f"; by the sharding rule from N = {exact} on" if exact else ""
-    for key, n in crossover.items():
-        sizes = ", ".join(str(size) for size, _ in compared_sizes(summary["simulated"], MEASURED_FIGURES[key][0]))
-        said = f"first at N = {n} of the simulated {sizes}" if n is not None else f"at none of the simulated {sizes}"
-        say(f"The unfixed variant's {MEASURED_FIGURES[key][1]} exceeds every intended variant's {said}{rule}.")
-    print_checks(summary["checks"])
-
-
-def print_checks(checks: dict) -> None:
-    """One paragraph per check: its verdict, why where it did not pass, and its figures rounded."""
-    for key, check in checks.items():
-        verdict = "SKIPPED" if check["ok"] is None else "PASS" if check["ok"] else "FAIL"
-        why = check.get("skipped") or check.get("reason")
-        figures = ", ".join(f"{k}={figure_said(v)}" for k, v in check.items() if k not in ("ok", "skipped", "reason"))
-        say(f"check {key}: {verdict}{f': {why}' if why else ''}{f' ({figures})' if figures else ''}", indent="  ")
-
-
-def figure_said(value) -> str:
-    """A check's figure for the console: numbers to 4 significant digits, mappings as name value pairs."""
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} {figure_said(v)}" for k, v in value.items()) + "}" if value else "none"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(figure_said(v) for v in value) + "]" if value else "none"
-    return str(value)
-
-
 def run_entries(summary: dict) -> list[tuple[str, dict]]:
     """(label, entry) of every variant of a run, or of every run of a sweep."""
     if summary.get("simulated"):
@@ -658,27 +414,3 @@ def unsupported_findings(entries: list[tuple[str, dict]]) -> dict[str, str]:
     refused at these releases (utils.accelerate_fsdp2)."""
     return {label: e["status"][len(UNSUPPORTED) + 2:] for label, e in entries
             if e["status"].startswith(f"{UNSUPPORTED}: ")}
-
-
-def reruns_said(entries: list[tuple[str, dict]]) -> str | None:
-    """The runs that ran out of memory beside others and were run again alone: their figures are of that run."""
-    again = [label for label, e in entries if e.get("rerun_alone_after")]
-    if not again:
-        return None
-    return (f"Run again alone after running out of memory beside others (summary.json: rerun_alone_after): "
-            f"{', '.join(again)}; what each reports is of its run alone.")
-
-
-def why_failed(entries: list[tuple[str, dict]], checks: dict) -> str | None:
-    """The run's failure in one line: the variants that did not finish, then the checks that failed."""
-    parts = []
-    failed = [(label, e["status"][:120]) for label, e in entries if failed_status(e["status"])]
-    if failed and not any(e["status"] == "ok" for _, e in entries):
-        parts.append(f"no variant finished ({'; '.join(f'{label}: {status}' for label, status in failed)})")
-    elif failed:
-        parts.append("; ".join(f"{label}: {status}" for label, status in failed))
-    bad = [key for key, c in checks.items() if c["ok"] is False]
-    if bad:
-        parts.append("check" + ("s " if len(bad) > 1 else " ") + ", ".join(
-            f"{key} ({checks[key]['reason']})" if checks[key].get("reason") else key for key in bad) + " failed")
-    return "; ".join(parts) or None

@@ -16,8 +16,8 @@ from fsdp2bench.options import accelerate_config, levers, fsdp as options, step
 from fsdp2bench.run import concurrency
 from fsdp2bench.processes import simulation
 from fsdp2bench.memory import estimate
-from fsdp2bench.cli import (OneLineParser, UserError, check_output_dir, check_ranges, expect_path, looks_like_a_path,
-                            parse_names, pick_device, refuse_foreign)
+from fsdp2bench.cli import OneLineParser, UserError, check_ranges, parse_names, pick_device
+from fsdp2bench.files import check_output_dir, expect_path, looks_like_a_path, refuse_foreign
 from fsdp2bench.train.data import load_tokens, rank_batches
 from fsdp2bench.processes.isolation import launcher_keeps_to_one_thread
 from fsdp2bench.options.layout import CP_STRATEGIES, Layout

@@ -14,8 +14,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fsdp2bench.cli import (RankError, UserError, check_replaceable, is_ours, lock_output_dir, one_line, pick_device,
-                            prepare_output_dir)
+from fsdp2bench.cli import RankError, UserError, one_line, pick_device
+from fsdp2bench.files import check_replaceable, is_ours, lock_output_dir, prepare_output_dir
 from fsdp2bench.processes.isolation import (STORE_TIMEOUT, StoreKeys, StoreLost, catch_interrupts, launcher_env,
                                             set_first, wait_for_keys)
 from fsdp2bench.memory.accounting import model_bytes, param_shapes, parameter_count

@@ -11,9 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp2bench.report import summary as report
+from fsdp2bench.report.summary import (accelerate_vs_torch, failed_status, measured_crossover, memory_summary,
+                                       projection_summary, run_checks, run_entries, simulated_entries, state_projection,
+                                       sweep_checks, unsupported_findings, variant_summary)
+from fsdp2bench.report import console
 from fsdp2bench.processes import simulation
-from fsdp2bench.cli import save_summary, say, unwritten
+from fsdp2bench.cli import say
+from fsdp2bench.files import save_summary, unwritten
 from fsdp2bench.run.concurrency import SweepRoom
 from fsdp2bench.processes.isolation import (INTERRUPTED, Interrupted, Piece, StoreKeys, StoreLost, failed,
                                             gather_records, has_keys, leave_together, run_isolated, status_of,
@@ -92,7 +96,7 @@ def run_variants(suite: Suite) -> int:
         if s.rank == 0:
             kept = [(job, f) for job, f in zip(jobs, failures) if job.name not in again]
             record_group(suite, [j for j, _ in kept], [f for _, f in kept], started_at, wall, group, shared_failure)
-    return finish(suite, report.print_table, any_failed)
+    return finish(suite, console.print_table, any_failed)
 
 
 def kept_said(suite: Suite, entries: list[dict], what: str) -> str:
@@ -140,7 +144,7 @@ def record_group(suite: Suite, jobs: list[Job], failures: list[str | None], star
         if failure is None:
             records = gather_records(s.store, job.keys, range(s.world_size))
             suite.summary["meta"]["gpu_name"] = records[0]["gpu_name"]
-            variants[job.name] = report.variant_summary(job.name, records, s.shapes, suite.train.options, s.device.type,
+            variants[job.name] = variant_summary(job.name, records, s.shapes, suite.train.options, s.device.type,
                                                         suite.train.init_device)
             variants[job.name].update(process_started_at=started_at, process_wall_s=wall,
                                       ran_beside=[n for n in group or [] if n != job.name])
@@ -150,10 +154,10 @@ def record_group(suite: Suite, jobs: list[Job], failures: list[str | None], star
                   file=sys.stderr if failed(failure) else sys.stdout, flush=True)
         if job.name in (shared_failure or {}):
             variants[job.name]["rerun_alone_after"] = shared_failure[job.name]
-    suite.summary["checks"] = report.run_checks(variants, s.device.type)
-    suite.summary["unsupported"] = report.unsupported_findings(list(variants.items()))
-    suite.summary["accelerate_vs_torch"] = report.accelerate_vs_torch(variants)
-    suite.summary["projection"] = report.projection_summary(s.shapes, variants, s.world_size, suite.train.options)
+    suite.summary["checks"] = run_checks(variants, s.device.type)
+    suite.summary["unsupported"] = unsupported_findings(list(variants.items()))
+    suite.summary["accelerate_vs_torch"] = accelerate_vs_torch(variants)
+    suite.summary["projection"] = projection_summary(s.shapes, variants, s.world_size, suite.train.options)
     save_summary(suite.summary_path, suite.summary)
 
 
@@ -187,14 +191,14 @@ def run_sweep(suite: Suite, sizes: list[int], rank_specs: list) -> int:
     except Interrupted as exc:
         if s.rank == 0 and not isinstance(exc, StoreLost):
             record_sweep(suite, runs, sizes)
-        ended = [e for *_, e in report.simulated_entries(suite.summary.get("simulated") or {})]
+        ended = [e for *_, e in simulated_entries(suite.summary.get("simulated") or {})]
         return say_interrupted(s, exc, kept_said(suite, ended, "run") if ended else
                                f"; what was written is in {suite.output_dir}/")
     if s.rank == 0:
         record_sweep(suite, runs, sizes)
-    any_failed = own_failed or (s.rank == 0 and any(report.failed_status(e["status"])
-                                                    for *_, e in report.simulated_entries(suite.summary["simulated"])))
-    return finish(suite, report.print_sweep_table, any_failed)
+    any_failed = own_failed or (s.rank == 0 and any(failed_status(e["status"])
+                                                    for *_, e in simulated_entries(suite.summary["simulated"])))
+    return finish(suite, console.print_sweep_table, any_failed)
 
 
 def record_sweep(suite: Suite, runs: list, sizes: list[int]) -> None:
@@ -207,7 +211,7 @@ def record_sweep(suite: Suite, runs: list, sizes: list[int]) -> None:
         if status == "ok":
             record, = gather_records(s.store, played.keys, [run.rank])
             suite.summary["meta"]["gpu_name"] = record["gpu_name"]
-            entry = report.memory_summary(run.variant, [record], s.shapes, run.world_size, [run.rank],
+            entry = memory_summary(run.variant, [record], s.shapes, run.world_size, [run.rank],
                                           suite.train.options, s.device.type, suite.train.init_device)
         else:
             entry = {"status": status}
@@ -216,14 +220,14 @@ def record_sweep(suite: Suite, runs: list, sizes: list[int]) -> None:
         simulated.setdefault(str(run.world_size), {}).setdefault(str(run.rank), {})[run.variant] = \
             {"label": run.label, **entry}
     suite.summary["simulated"] = simulated
-    suite.summary["checks"] = report.sweep_checks(simulated)
-    suite.summary["unsupported"] = report.unsupported_findings(report.run_entries(suite.summary))
-    suite.summary["accelerate_vs_torch"] = {n: {r: report.accelerate_vs_torch(by_variant)
+    suite.summary["checks"] = sweep_checks(simulated)
+    suite.summary["unsupported"] = unsupported_findings(run_entries(suite.summary))
+    suite.summary["accelerate_vs_torch"] = {n: {r: accelerate_vs_torch(by_variant)
                                                 for r, by_variant in by_rank.items()}
                                             for n, by_rank in simulated.items()}
     suite.summary["simulation_findings"] = {
-        "unfixed_exceeds_intended_from_world_size": report.measured_crossover(simulated)}
-    suite.summary["projection"] = report.state_projection(s.shapes, suite.names,
+        "unfixed_exceeds_intended_from_world_size": measured_crossover(simulated)}
+    suite.summary["projection"] = state_projection(s.shapes, suite.names,
                                                           sorted(set(PROJECTION_WORLD_SIZES) | set(sizes)),
                                                           suite.train.options)
     save_summary(suite.summary_path, suite.summary)
@@ -245,14 +249,14 @@ def finish(suite: Suite, print_results, any_failed: bool) -> int:
         return 1 if any_failed else 0
     print_results(suite.summary)
     missing = unwritten()
-    entries = report.run_entries(suite.summary)
-    rerun = report.reruns_said(entries)
+    entries = run_entries(suite.summary)
+    rerun = console.reruns_said(entries)
     if rerun:
         say(rerun)
     if not missing and any(e["status"] == "ok" for _, e in entries):
         print(f"Wrote per-rank traces and summary.json to {suite.output_dir}/; draw the plots with:\n"
               f"    python3 visualize.py --dir {shlex.quote(suite.output_dir)}", flush=True)
-    why = report.why_failed(entries, suite.summary["checks"])
+    why = console.why_failed(entries, suite.summary["checks"])
     if why:
         print(f"FAILED: {why}; summary.json says more", file=sys.stderr, flush=True)
     if missing:  # last: what the run could not keep

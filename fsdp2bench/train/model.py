@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from fsdp2bench.cli import UserError, expect_path, from_hub, looks_like_a_path, one_line, say
+from fsdp2bench.cli import UserError, from_hub, one_line, say
+from fsdp2bench.files import expect_path, looks_like_a_path
 from fsdp2bench.train.weights import SharedWeights, place
 
 # Built-in model shapes, so that no run needs the Hub. All are Qwen2 decoders;

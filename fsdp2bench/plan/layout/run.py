@@ -6,7 +6,8 @@ import sys
 import time
 
 from fsdp2bench.run import arguments
-from fsdp2bench.cli import prepare_output_dir, say
+from fsdp2bench.cli import say
+from fsdp2bench.files import prepare_output_dir
 from fsdp2bench.plan.checks import CheckedSearch
 from fsdp2bench.plan.layout.report import print_search, winner_said, write_search
 from fsdp2bench.plan.layout.search import Setup, assess
@@ -14,7 +15,7 @@ from fsdp2bench.plan.layout.timing import choose_and_time
 from fsdp2bench.processes.starting import interrupts_raise
 
 
-def run(search: CheckedSearch, started: float) -> int:
+def run_search(search: CheckedSearch, started: float) -> int:
     """Assess every candidate, time the most promising, rank, print and write plan.json."""
     interrupts_raise()  # a Ctrl-C or SIGTERM raises: during the timings what they measured is still written
     setup = search.setup
