@@ -31,19 +31,19 @@ from typing import Callable
 
 from fsdp2bench.cli import OneLineParser, UserError, check_ranges, exit_with, parse_names, pick_device
 from fsdp2bench.files import check_output_dir, expect_path, refuse_foreign, save_summary, unwritten
-from fsdp2bench.processes.isolation import (Interrupted, Piece, StoreKeys, gather_records, launcher_keeps_to_one_thread,
-                                            leave_together, run_isolated, wait_for_keys)
-from fsdp2bench.options import accelerate_config
-from fsdp2bench.processes import simulation
-from fsdp2bench.train import weights
-from fsdp2bench.run.arguments import add_config_option, check_wrapped_classes
 from fsdp2bench.loading.checkpoints import FORMATS, Checkpoint
 from fsdp2bench.loading.modes import (CHECKPOINT_DTYPES, MODES, NEEDS_PEERS, SIMULABLE, LoadConfig, LoadJob,
                                       load_process, print_simulated, print_table, summarise, trace_file,
                                       write_checkpoint_process)
-from fsdp2bench.train.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS, default_model
+from fsdp2bench.options import accelerate_config
+from fsdp2bench.processes import simulation
+from fsdp2bench.processes.isolation import (Interrupted, Piece, StoreKeys, gather_records, launcher_keeps_to_one_thread,
+                                            leave_together, run_isolated, wait_for_keys)
+from fsdp2bench.run.arguments import add_config_option, check_wrapped_classes
 from fsdp2bench.run.session import ModelFacts, Session, model_facts, open_session, say_interrupted
 from fsdp2bench.run.versions import check_releases
+from fsdp2bench.train import weights
+from fsdp2bench.train.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS, default_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -29,17 +29,17 @@ import time
 
 import psutil
 
-from fsdp2bench.options import accelerate_config, fsdp as options
-from fsdp2bench.run import concurrency
-from fsdp2bench.processes import simulation
-from fsdp2bench.train import weights
-from fsdp2bench.memory import estimate
-from fsdp2bench.run.arguments import build_threads, per_optimizer_step, validate, versions
 from fsdp2bench.cli import exit_with, say
+from fsdp2bench.memory import estimate
+from fsdp2bench.options import accelerate_config, fsdp as options
+from fsdp2bench.processes import simulation
 from fsdp2bench.processes.isolation import Interrupted
-from fsdp2bench.train.runner import TrainConfig
+from fsdp2bench.run import concurrency
+from fsdp2bench.run.arguments import build_threads, per_optimizer_step, validate, versions
 from fsdp2bench.run.session import Session, open_session, say_interrupted
 from fsdp2bench.run.suite import Suite, run_sweep, run_variants
+from fsdp2bench.train import weights
+from fsdp2bench.train.runner import TrainConfig
 
 
 def variants_at_once(args: argparse.Namespace, session: Session, names: list[str],

@@ -26,12 +26,12 @@ import os
 import shlex
 import textwrap
 
-from fsdp2bench.options import accelerate_config, fsdp as options
-from fsdp2bench.run import arguments
-from fsdp2bench.report import matrix
 from fsdp2bench.cli import CONSOLE_WIDTH, OneLineParser, UserError, check_ranges, exit_with, pick_device
 from fsdp2bench.files import check_output_dir, prepare_output_dir, refuse_foreign
+from fsdp2bench.options import accelerate_config, fsdp as options
 from fsdp2bench.processes.simulation import DEFAULT_STEPS, parse_world_sizes
+from fsdp2bench.report import matrix
+from fsdp2bench.run import arguments
 
 NUMBER_RANGES = {"nproc_per_node": (0, 4096), "sweep_steps": (1, 10_000_000)}  # 0 processes: sweeps only
 # main.py's FSDP2, accumulation and layout options: each launch gets those of its option set (over the user's

@@ -27,23 +27,23 @@ import argparse
 import shlex
 import time
 
-from fsdp2bench.options import accelerate_config, fsdp
-from fsdp2bench.run import arguments
-from fsdp2bench.train import weights
-from fsdp2bench.memory import estimate
 from fsdp2bench.cli import exit_with, say
 from fsdp2bench.files import save_summary
-from fsdp2bench.train.data import load_tokens
-from fsdp2bench.processes.isolation import Interrupted
+from fsdp2bench.memory import estimate
 from fsdp2bench.names import MIB
+from fsdp2bench.options import accelerate_config, fsdp
 from fsdp2bench.plan.checks import SEED, Checked, CheckedSearch, parse_args, plan_path, set_options, validate
 from fsdp2bench.plan.layout.run import run_search
+from fsdp2bench.plan.probes import BATCH, ProbeRunner, Question, heaviest_rank, leaders_of, search_for
 from fsdp2bench.plan.report import plan_record, print_plan, unsupported
 from fsdp2bench.plan.search import Planner
-from fsdp2bench.plan.probes import BATCH, ProbeRunner, Question, heaviest_rank, leaders_of, search_for
 from fsdp2bench.plan.shared import PROBE_STEPS
-from fsdp2bench.train.runner import TrainConfig
+from fsdp2bench.processes.isolation import Interrupted
+from fsdp2bench.run import arguments
 from fsdp2bench.run.session import open_session, say_interrupted
+from fsdp2bench.train import weights
+from fsdp2bench.train.data import load_tokens
+from fsdp2bench.train.runner import TrainConfig
 
 __all__ = ["parse_args", "run", "validate"]  # parse_args and validate: the command line, for the tests
 

@@ -19,13 +19,13 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from fsdp2bench.options import levers
 from fsdp2bench import names
+from fsdp2bench.options import levers
 from fsdp2bench.options.accelerate_config import options_alone
-from fsdp2bench.processes.isolation import Unsupported
-from fsdp2bench.options.layout import Degrees, Meshes, planned_style, tensor_parallel_plan
 from fsdp2bench.options.fsdp import AUTOCAST, FP32, FULL_AC, FsdpOptions
+from fsdp2bench.options.layout import Degrees, Meshes, planned_style, tensor_parallel_plan
 from fsdp2bench.options.step import CHUNK_TOKENS, CHUNKED, LIGER
+from fsdp2bench.processes.isolation import Unsupported
 
 
 # --------------------------------------------------------------------------- the fix

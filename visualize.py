@@ -27,12 +27,13 @@ import warnings
 
 from fsdp2bench.cli import OneLineParser, UserError, check_ranges, exit_with
 from fsdp2bench.files import cannot_create_in, expect_path
-from fsdp2bench.report.matrix import SWEEP_DIR
 from fsdp2bench.names import VARIANTS, simulated_dir_name
 from fsdp2bench.plan.layout.plot import plot_layout_search
-from fsdp2bench.report.plots import plot_loading, plot_loading_sweep, plot_matrix, plot_sequences, plot_summary_projection, plot_sweep, plot_training, sequence_runs
-from fsdp2bench.report.traces import InputError, latest_run, load_traces, loading_stems, read_json, reading
 from fsdp2bench.plan.plot import plot_plan
+from fsdp2bench.report.matrix import SWEEP_DIR
+from fsdp2bench.report.plots import (plot_loading, plot_loading_sweep, plot_matrix, plot_sequences,
+                                     plot_summary_projection, plot_sweep, plot_training, sequence_runs)
+from fsdp2bench.report.traces import InputError, latest_run, load_traces, loading_stems, read_json, reading
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

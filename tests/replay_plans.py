@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fsdp2bench.run.concurrency import GpuCap  # noqa: E402
-from fsdp2bench.plan.search import Outcome, run_searches  # noqa: E402
 from fsdp2bench.names import MIB  # noqa: E402
 from fsdp2bench.options.fsdp import FsdpOptions  # noqa: E402
-from fsdp2bench.plan.probes import BLOCK, Question, leaders_of, search_for  # noqa: E402
-from fsdp2bench.run.session import model_facts  # noqa: E402
 from fsdp2bench.options.step import Step  # noqa: E402
+from fsdp2bench.plan.probes import BLOCK, Question, leaders_of, search_for  # noqa: E402
+from fsdp2bench.plan.search import Outcome, run_searches  # noqa: E402
+from fsdp2bench.run.concurrency import GpuCap  # noqa: E402
+from fsdp2bench.run.session import model_facts  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The long-context plans: their searches are over thousands of tokens, their edges far beyond the shared values.

@@ -28,10 +28,10 @@ import loading
 import matrix
 import speed
 import visualize
-from fsdp2bench.run import arguments
 from fsdp2bench.cli import UserError
-from fsdp2bench.options.layout import Layout
 from fsdp2bench.options.fsdp import OPTION_SETS
+from fsdp2bench.options.layout import Layout
+from fsdp2bench.run import arguments
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # a name that is neither a preset nor a directory is asked of the Hub
 EXAMPLES = 500

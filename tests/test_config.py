@@ -11,8 +11,8 @@ import pytest
 import loading
 import plan
 from conftest import ACCELERATE_LAUNCH, VARIANTS, load, refusal, run_script
-from fsdp2bench.run import arguments
 from fsdp2bench.cli import UserError
+from fsdp2bench.run import arguments
 
 FSDP2 = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2,
                                                      "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}}

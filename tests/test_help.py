@@ -13,11 +13,11 @@ import matrix
 import plan
 import speed
 import visualize
-from fsdp2bench.run import arguments
-from fsdp2bench.options import fsdp as options
 from fsdp2bench.cli import OneLineParser
 from fsdp2bench.loading.modes import MODES
 from fsdp2bench.names import VARIANTS
+from fsdp2bench.options import fsdp as options
+from fsdp2bench.run import arguments
 
 SCRIPTS = {"main.py": arguments, "loading.py": loading, "speed.py": speed, "visualize.py": visualize,
            "matrix.py": matrix, "plan.py": plan}

@@ -13,16 +13,16 @@ import pytest
 from conftest import load, refusal, run_script, start_script
 
 import plan
+from fsdp2bench.memory.estimate import GpuCap
+from fsdp2bench.names import GIB, MIB
 from fsdp2bench.options import accelerate_config
-from fsdp2bench.run import arguments
+from fsdp2bench.options.fsdp import FsdpOptions
+from fsdp2bench.options.layout import Degrees
 from fsdp2bench.plan.layout import report, search as layout_search, timing as layout_timing
 from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, Levers, candidates_of, layouts_of, parse_levers
-from fsdp2bench.memory.estimate import GpuCap
-from fsdp2bench.options.layout import Degrees
-from fsdp2bench.names import GIB, MIB
-from fsdp2bench.options.fsdp import FsdpOptions
-from fsdp2bench.run.session import model_facts
 from fsdp2bench.plan.layout.traffic import Links, parse_links, step_collectives
+from fsdp2bench.run import arguments
+from fsdp2bench.run.session import model_facts
 
 TINY = model_facts("tiny", 421)  # hidden 64, MLP 170, 2 blocks, 4 heads, 2 key/value heads, vocabulary 509, tied
 

@@ -12,9 +12,9 @@ import json
 import pytest
 
 from conftest import VARIANTS, load, refusal, run_script
+from fsdp2bench.cli import UserError
 from fsdp2bench.options import accelerate_config, levers
 from fsdp2bench.run import arguments
-from fsdp2bench.cli import UserError
 from fsdp2bench.train.throughput import model_flops_per_token, peak_flops
 
 RUN = ["main.py", "--model", "tiny", "--device", "cpu", "--quiet"]

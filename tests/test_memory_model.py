@@ -113,9 +113,9 @@ def test_the_gpu_estimate_covers_every_reserved_peak_measured_on_one_h200():
     lets four default 1.5B variants at N = 1 share the 140 GiB GPU, as their measured peaks do, and never two of
     the issue's 1.5B runs at batch 4 x 4096 and N = 8 (89 GiB reserved each: side by side, one ran out)."""
     from fsdp2bench.memory.estimate import step_bytes, variant_need
-    from fsdp2bench.options.layout import Layout
     from fsdp2bench.names import GIB, MIB
     from fsdp2bench.options.fsdp import OPTION_SETS, FsdpOptions
+    from fsdp2bench.options.layout import Layout
     from fsdp2bench.run.session import model_facts
 
     facts = {"qwen2.5-1.5b": model_facts("qwen2.5-1.5b", 421), "qwen2.5-7b": model_facts("qwen2.5-7b", 421),

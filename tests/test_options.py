@@ -11,9 +11,9 @@ import time
 import pytest
 from conftest import TINY, VARIANTS, load, refusal, run_script, start_script
 
-from fsdp2bench.options import fsdp as options
 from fsdp2bench.cli import UserError
 from fsdp2bench.memory.accounting import STEP_BYTES, expected_device_bytes, expected_state
+from fsdp2bench.options import fsdp as options
 
 INTENDED = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_fixed", "accelerate"]
 UNFIXED = "torch_optimizer_before_fsdp_not_fixed"

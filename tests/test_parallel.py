@@ -15,13 +15,13 @@ import torch
 import transformers
 from conftest import TINY, load, refusal, run_script
 
-from fsdp2bench.run import arguments
-from fsdp2bench.options import fsdp
 from fsdp2bench.cli import UserError
-from fsdp2bench.options.layout import Degrees, Layout
 from fsdp2bench.memory.accounting import ParamShape, expected_device_bytes, expected_state
-from fsdp2bench.train.model import load_config
 from fsdp2bench.names import INTENDED, UNFIXED, state_bytes, step_peak_state
+from fsdp2bench.options import fsdp
+from fsdp2bench.options.layout import Degrees, Layout
+from fsdp2bench.run import arguments
+from fsdp2bench.train.model import load_config
 
 TORCH_INTENDED = [v for v in INTENDED if v != "accelerate"]
 # A loss under TP and one without it differ only by the order of their sums (a rowwise layer adds the

@@ -11,8 +11,8 @@ import matrix
 import plan
 import speed
 import visualize
-from fsdp2bench.run import arguments
 from fsdp2bench.cli import UserError
+from fsdp2bench.run import arguments
 
 MISSING, BROKEN_LINK, LOOP, FILE, DIRECTORY = "missing", "a broken link", "a link loop", "a file", "a directory"
 LOOP_WORDS = "a symbolic link loop"  # not "a broken symbolic link": nothing is missing

@@ -14,13 +14,13 @@ import torch
 from conftest import child_running, load, refusal, run_script, start_script
 
 import plan
-from fsdp2bench.memory import estimate
-from fsdp2bench.plan import checks, report as plan_report, search as plan_search
 from fsdp2bench.cli import OneLineParser, UserError
-from fsdp2bench.plan.search import Outcome, Search, run_searches
+from fsdp2bench.memory import estimate
 from fsdp2bench.names import MIB
-from fsdp2bench.plan.room import ROOM_MARGIN
+from fsdp2bench.plan import checks, report as plan_report, search as plan_search
 from fsdp2bench.plan.probes import BLOCK_SHARE, ProbeRunner, Question
+from fsdp2bench.plan.room import ROOM_MARGIN
+from fsdp2bench.plan.search import Outcome, Search, run_searches
 
 LIMIT = 24049.0  # MiB: a 24 GiB cap less the CUDA context, as on one H200
 STATE, PER_SEQUENCE = 4800.0, 640.0  # MiB: a 1.5B rank's peak at batch 0 and what a sequence adds
@@ -345,8 +345,8 @@ def test_the_findings_name_the_cheapest_set_that_fits_more_than_the_default():
         return {"option_set": name, "world_size": 8, "fixed": 128, "variant": "v", "searched": "batch_size",
                 "error": None, "finished": True, "largest": largest, "tokens_per_rank_per_step": largest * 128,
                 "fit": {"median_step_time_s": step_s}, "smallest_peak_mib": 100.0}
-    lines = plan_report.findings([answer_of("default", 29, 0.5), answer_of("ac", 65, 1.5), answer_of("cpu_offload", 40, 3.0)],
-                             "v")
+    lines = plan_report.findings([answer_of("default", 29, 0.5), answer_of("ac", 65, 1.5),
+                                  answer_of("cpu_offload", 40, 3.0)], "v")
     assert lines == ["N = 8, block 128: the default fits 3,712 tokens per rank per step (B = 29); the cheapest set "
                      "that fits more is ac, 8,320 tokens per rank per step (B = 65), at 180.3 us per token in its "
                      "probe (the default 134.7; probes beside one another share the GPU, so these are rough)"]
@@ -587,8 +587,8 @@ def drive(queue, setup: float = 3.0, step: float = 4.0, shared_s: float = 10.0) 
     """run_queue's part in virtual time: a probe reaches its gate ``setup`` s after it starts and ends ``step`` s
     after its go (at once, stood down); a shared process ends ``shared_s`` s after it starts. Returns the time
     the last piece ended; fails where every running piece waits at its gate for ever, or the GPU is overdrawn."""
-    from fsdp2bench.processes.isolation import STAND_DOWN
     from fsdp2bench.plan.probes import Shared
+    from fsdp2bench.processes.isolation import STAND_DOWN
 
     now, running, at_gate, ready_at, ends_at = 0.0, [], [], {}, {}
     while True:

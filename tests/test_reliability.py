@@ -321,9 +321,9 @@ def tree(root) -> list[str]:
 def test_the_earlier_runs_files_move_all_or_none(tmp_path, monkeypatch, stop):
     """Two files at the top move, then the one of a simulated folder cannot (its folder aside is a file of the
     user's), or a signal comes before it: the two are put back, the folders made for them removed, in one line."""
-    from fsdp2bench.run import session
     from fsdp2bench.cli import UserError
     from fsdp2bench.processes.isolation import Interrupted
+    from fsdp2bench.run import session
 
     ours = json.dumps({"written_by": "fsdp2bench"})
     for path in ("summary.json", "accelerate_memory_usage.json", "simulated_N8/accelerate_memory_usage.json"):

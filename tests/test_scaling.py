@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 from conftest import TINY, VARIANTS, load, run_script
 
-from fsdp2bench.run import arguments
-from fsdp2bench.options import fsdp as options
 from fsdp2bench.cli import UserError
+from fsdp2bench.options import fsdp as options
 from fsdp2bench.report.matrix import NOT_OFFERED, fitting_sizes
+from fsdp2bench.run import arguments
 
 INTENDED = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_fixed", "accelerate"]
 UNFIXED = "torch_optimizer_before_fsdp_not_fixed"

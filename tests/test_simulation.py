@@ -174,8 +174,8 @@ def test_a_sweep_on_a_gpu_packs_each_run_by_its_own_need(monkeypatch):
     from fsdp2bench.memory import estimate
     from fsdp2bench.names import GIB
     from fsdp2bench.options.fsdp import OPTION_SETS
-    from fsdp2bench.run.session import model_facts
     from fsdp2bench.processes.simulation import SimulatedRun
+    from fsdp2bench.run.session import model_facts
 
     class Host:
         total = available = 128 * GIB
@@ -203,12 +203,12 @@ def test_the_issue_runs_never_share_a_gpu_once_their_activations_are_counted(mon
     """1.5B at batch 4 x 4096, simulated N = 8, on one H200: each run reserved about 89 GiB; an estimate of 36.4 GiB
     (the logits, not the activations) ran two side by side and one ran out of memory. By the planner's rule each
     needs more than half the GPU, and the line that says the choice says by which rule."""
-    from fsdp2bench.run import concurrency
     from fsdp2bench.memory import estimate
     from fsdp2bench.names import GIB
     from fsdp2bench.options.fsdp import OPTION_SETS
-    from fsdp2bench.run.session import model_facts
     from fsdp2bench.processes.simulation import SimulatedRun
+    from fsdp2bench.run import concurrency
+    from fsdp2bench.run.session import model_facts
 
     monkeypatch.setattr(concurrency, "gpu_memory", lambda: 140 * GIB)
     facts, options = model_facts("qwen2.5-1.5b", 421), OPTION_SETS["default"]

@@ -10,9 +10,9 @@ import torch
 
 import utils
 from conftest import TINY, load, refusal, run_script
-from fsdp2bench.run import arguments
-from fsdp2bench.options import step
 from fsdp2bench.cli import UserError
+from fsdp2bench.options import step
+from fsdp2bench.run import arguments
 from fsdp2bench.train.model import build_model, load_config
 
 AFTER = "torch_optimizer_after_fsdp"

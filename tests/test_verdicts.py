@@ -10,10 +10,10 @@ import re
 import pytest
 from conftest import load, run_script
 
-from fsdp2bench.report.summary import drop_threshold, loss_drop, run_checks
-from fsdp2bench.report import console
 from fsdp2bench.cli import UserError, check_gpus_per_rank
 from fsdp2bench.names import INTENDED, UNFIXED
+from fsdp2bench.report import console
+from fsdp2bench.report.summary import drop_threshold, loss_drop, run_checks
 
 CPU_TINY = ["--model", "tiny", "--device", "cpu"]
 

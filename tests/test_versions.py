@@ -8,8 +8,8 @@ import re
 import pytest
 from conftest import ROOT, run_script
 
-from fsdp2bench.run import versions
 from fsdp2bench.cli import UserError
+from fsdp2bench.run import versions
 
 
 def test_requirements_state_the_tested_range():

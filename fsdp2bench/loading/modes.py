@@ -12,15 +12,15 @@ import torch
 from torch import nn
 
 import utils
-from fsdp2bench.processes import simulation
-from fsdp2bench.train import weights
 from fsdp2bench.loading.checkpoints import Checkpoint, write_bin
+from fsdp2bench.memory.accounting import local_tensor, shard_rows
+from fsdp2bench.names import MIB, size_said
+from fsdp2bench.options.layout import Degrees
+from fsdp2bench.processes import simulation
 from fsdp2bench.processes.child import TracedChild, run_traced_child
 from fsdp2bench.processes.isolation import Finisher, StoreKeys, init_group, run_child
-from fsdp2bench.options.layout import Degrees
-from fsdp2bench.memory.accounting import local_tensor, shard_rows
+from fsdp2bench.train import weights
 from fsdp2bench.train.model import build_model
-from fsdp2bench.names import MIB, size_said
 from measure import MemoryTracker, rss_mib
 
 CHECKPOINT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}

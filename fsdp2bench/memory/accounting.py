@@ -49,10 +49,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp2bench.options import levers
-from fsdp2bench.options.layout import Degrees, tensor_parallel_dim, tensor_parallel_plan
 from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, UNFIXED
+from fsdp2bench.options import levers
 from fsdp2bench.options.fsdp import AUTOCAST, FP32, FULL_AC, NO_AC, SELECTIVE_AC, FsdpOptions
+from fsdp2bench.options.layout import Degrees, tensor_parallel_dim, tensor_parallel_plan
 
 ADAMW_MOMENTS = 2
 STEP_BYTES = 4  # AdamW's per-parameter fp32 step counter

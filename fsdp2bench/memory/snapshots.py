@@ -14,8 +14,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from fsdp2bench.names import MIB
 from fsdp2bench.memory.accounting import local_tensor
+from fsdp2bench.names import MIB
 
 BLOCK_ROUNDING = 512  # the caching allocator rounds every request up to a multiple of this
 TOP_GROUPS = 25

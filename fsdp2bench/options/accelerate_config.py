@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 from fsdp2bench.cli import UserError, environment_changed
 from fsdp2bench.files import expect_path
-from fsdp2bench.options.layout import CP_STRATEGIES
 from fsdp2bench.options import levers
 from fsdp2bench.options.fsdp import AUTOCAST, FP32, FULL_AC, NO_AC
+from fsdp2bench.options.layout import CP_STRATEGIES
 
 LAUNCH_SOURCE = "accelerate launch's environment"
 PREFIXES = ("FSDP_", "PARALLELISM_CONFIG_", "ACCELERATE_")

@@ -11,26 +11,26 @@ import os
 import subprocess
 from dataclasses import dataclass
 
-from fsdp2bench.options import accelerate_config, levers as lever_checks, fsdp as options
-from fsdp2bench.run import arguments
-from fsdp2bench.memory import estimate
 from fsdp2bench.cli import OneLineParser, UserError, check_ranges, given_options, parse_names, pick_device, say
 from fsdp2bench.files import check_output_dir, is_ours, refuse_foreign
-from fsdp2bench.processes.isolation import launcher_keeps_to_one_thread
-from fsdp2bench.options.layout import Layout
-from fsdp2bench.train.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, max_positions
+from fsdp2bench.memory import estimate
 from fsdp2bench.names import VARIANTS
+from fsdp2bench.options import accelerate_config, levers as lever_checks, fsdp as options
+from fsdp2bench.options.layout import Layout
+from fsdp2bench.options.step import LIGER, Step, check_liger
 from fsdp2bench.plan.layout.candidates import (COMPILE, FLOAT8, LEVER_NAMES, Levers, candidates_of, layouts_of,
                                                parse_levers)
 from fsdp2bench.plan.layout.report import CONFIG_NAME
 from fsdp2bench.plan.layout.search import Setup
 from fsdp2bench.plan.layout.traffic import parse_links
 from fsdp2bench.plan.probes import BATCH, BLOCK, BLOCK_STEP, LAYOUT, block_step
-from fsdp2bench.run.session import ModelFacts, model_facts
+from fsdp2bench.processes.isolation import launcher_keeps_to_one_thread
 from fsdp2bench.processes.simulation import check_fake_group_available, parse_world_sizes
 from fsdp2bench.processes.starting import check_launcher_env
-from fsdp2bench.options.step import LIGER, Step, check_liger
+from fsdp2bench.run import arguments
+from fsdp2bench.run.session import ModelFacts, model_facts
 from fsdp2bench.run.versions import check_releases
+from fsdp2bench.train.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, max_positions
 
 SEED = 421  # main.py's: the weights are drawn the same way
 DEFAULT_VARIANTS = f"{VARIANTS[0]},accelerate"

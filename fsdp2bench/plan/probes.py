@@ -27,18 +27,18 @@ from typing import Callable
 
 import torch
 
-from fsdp2bench.report.summary import memory_summary
-from fsdp2bench.memory.estimate import GpuCap, activation_bytes_per_token, variant_need
-from fsdp2bench.plan.search import Ladder, Outcome, Planner, Search
-from fsdp2bench.processes.isolation import STAND_DOWN, Piece, StoreKeys, gather_records, has_keys, run_queue
 from fsdp2bench.memory.accounting import expected_state
+from fsdp2bench.memory.estimate import GpuCap, activation_bytes_per_token, variant_need
 from fsdp2bench.names import MIB, PEAK_PHASES, phases
 from fsdp2bench.options.fsdp import OPTION_SETS, FsdpOptions
 from fsdp2bench.options.step import largest_block_per_token
-from fsdp2bench.train.runner import Job, TrainConfig, probe_process
-from fsdp2bench.plan.shared import AtValue, SeriesJob, point_key, series_process
-from fsdp2bench.run.session import Session
 from fsdp2bench.plan.room import GpuRoom, Probe, Shared
+from fsdp2bench.plan.search import Ladder, Outcome, Planner, Search
+from fsdp2bench.plan.shared import AtValue, SeriesJob, point_key, series_process
+from fsdp2bench.processes.isolation import STAND_DOWN, Piece, StoreKeys, gather_records, has_keys, run_queue
+from fsdp2bench.report.summary import memory_summary
+from fsdp2bench.run.session import Session
+from fsdp2bench.train.runner import Job, TrainConfig, probe_process
 from measure import HELD_AT_FAILURE
 
 # The share of a step's largest block (the fp32 logits) a search's first aim leaves free under the limit: the

@@ -35,8 +35,10 @@ def answer_of(question, search: Search, limit_mib: float | None) -> dict:
             **found, "headroom_mib": headroom,
             "tokens_per_rank_per_step": question.tokens_per_rank_per_step(largest // question.unit) if largest
             else None,
-            "outcomes": [in_units(outcome_said(o), question.unit) for o in sorted(search.outcomes, key=lambda o: o.value)],
-            "shared": [in_units(outcome_said(o), question.unit) for o in search.shared], "line": line_of(search, question.unit)}
+            "outcomes": [in_units(outcome_said(o), question.unit)
+                         for o in sorted(search.outcomes, key=lambda o: o.value)],
+            "shared": [in_units(outcome_said(o), question.unit) for o in search.shared],
+            "line": line_of(search, question.unit)}
 
 
 def line_of(search: Search, unit: int) -> dict | None:

@@ -10,16 +10,16 @@ from typing import TYPE_CHECKING
 
 from fsdp2bench.run.concurrency import host_memory_for_launch
 
-from fsdp2bench.memory.estimate import GpuCap, host_bytes, step_bytes, variant_need
-from fsdp2bench.plan.search import SHARED_LIMIT, SHARED_MOST_MIB, Ladder, Outcome, Search
 from fsdp2bench.memory.accounting import expected_device_bytes, model_bytes
+from fsdp2bench.memory.estimate import GpuCap, host_bytes, step_bytes, variant_need
 from fsdp2bench.names import MIB
+from fsdp2bench.plan.search import SHARED_LIMIT, SHARED_MOST_MIB, Ladder, Outcome, Search
 from measure import failed_allocation_mib, gpu_free_mib
 
 if TYPE_CHECKING:
     from fsdp2bench.plan.probes import Question
-    from fsdp2bench.train.runner import TrainConfig
     from fsdp2bench.run.session import Session
+    from fsdp2bench.train.runner import TrainConfig
 
 ROOM_MARGIN = 1.15  # on the line's peak, for a probe that shares the GPU
 # Near the cap the allocator reserved up to 28% above the allocated peak (one H200, 80 GiB): a probe whose line

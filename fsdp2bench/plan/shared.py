@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fsdp2bench.train.data import rank_batches
+from fsdp2bench.options.layout import Meshes
 from fsdp2bench.plan.search import Ladder
 from fsdp2bench.processes.isolation import name_process
-from fsdp2bench.options.layout import Meshes
+from fsdp2bench.train.data import rank_batches
 from fsdp2bench.train.runner import FailureSpec, Job, TrainStep, collector_paused, prepare, run_variant_child
 from measure import MemoryTracker
 

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp2bench.cli import Stopped, set_up_standard_streams
-from fsdp2bench.options.layout import Degrees, Meshes, build_meshes
 from fsdp2bench.names import TRACE_KEYS
+from fsdp2bench.options.layout import Degrees, Meshes, build_meshes
 from fsdp2bench.processes.starting import check_launcher_env, child_context, one_rank_env
 from measure import OOM_HELD
 

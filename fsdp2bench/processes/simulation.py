@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 from fsdp2bench.cli import UserError
-from fsdp2bench.processes.isolation import (INTERRUPTED, Interrupted, Piece, StoreKeys, failed, run_queue, status_of,
-                                            wait_for_keys)
-from fsdp2bench.options.layout import Degrees, Meshes, build_meshes
 from fsdp2bench.memory.accounting import expected_state
 from fsdp2bench.names import phases, simulated_dir_name
 from fsdp2bench.options.fsdp import FsdpOptions
+from fsdp2bench.options.layout import Degrees, Meshes, build_meshes
+from fsdp2bench.processes.isolation import (INTERRUPTED, Interrupted, Piece, StoreKeys, failed, run_queue, status_of,
+                                            wait_for_keys)
 
 FAKE_GROUP_MODULE = "torch.testing._internal.distributed.fake_pg"
 DEFAULT_STEPS = 10  # memory settles after the first optimizer step; losses mean nothing here

@@ -3,13 +3,13 @@ the checks, and why a run failed; every figure is summary.json's (summary.py).""
 
 from __future__ import annotations
 
-from fsdp2bench.train import throughput
 from fsdp2bench.cli import say
+from fsdp2bench.names import INTENDED, MIB, MICROBATCH_PHASE, UNFIXED, size_said
 from fsdp2bench.options.layout import AXES
 from fsdp2bench.options.step import MODEL, UPSTREAM
-from fsdp2bench.names import INTENDED, MIB, MICROBATCH_PHASE, UNFIXED, size_said
 from fsdp2bench.report.summary import (ACCELERATE, MEASURED_FIGURES, TORCH, worst_rank, compared_sizes, failed_status,
                                        run_entries, simulated_entries, unsupported_findings)
+from fsdp2bench.train import throughput
 
 
 def _fmt(value, spec: str = ".1f") -> str:

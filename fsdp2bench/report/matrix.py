@@ -18,11 +18,11 @@ import sys
 import tempfile
 import time
 
-from fsdp2bench.train import throughput
 from fsdp2bench.files import write_json
 from fsdp2bench.names import INTENDED, MIB, UNFIXED, step_peak_state
 from fsdp2bench.options.fsdp import OPTION_SETS
 from fsdp2bench.processes.starting import CANCELLED, GO, START_GATE, open_gate
+from fsdp2bench.train import throughput
 
 # A launch's exit code after SIGINT or SIGTERM (main.py's 130; torchrun's 128 + the signal), or killed by one.
 INTERRUPTED_CODES = (130, 143, -2, -15)

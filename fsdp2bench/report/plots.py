@@ -12,8 +12,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.legend_handler import HandlerTuple  # noqa: E402
 
 from fsdp2bench.files import MARK, MARK_KEY, refuse_foreign  # noqa: E402
-from fsdp2bench.report.traces import InputError, read_json, reading  # noqa: E402
 from fsdp2bench.names import MIB, VARIANTS, short_name, size_unit, state_bytes
+from fsdp2bench.report.traces import InputError, read_json, reading  # noqa: E402
 
 # The zero of every time axis: all variants are compared from the moment their model is sharded,
 # so the time each spent building the model does not offset the curves.

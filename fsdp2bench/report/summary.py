@@ -6,12 +6,12 @@ import math
 import statistics
 
 from fsdp2bench.memory import snapshots
-from fsdp2bench.processes.isolation import UNSUPPORTED
 from fsdp2bench.memory.accounting import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_gathered_block_bytes,
                                           expected_setup, expected_state, projection, unfixed_costs_more_from)
 from fsdp2bench.names import (INTENDED, MIB, PEAK_PHASES, PHASES, STATE_KEYS, UNFIXED, phases, state_bytes,
                               step_peak_state)
 from fsdp2bench.options.fsdp import FsdpOptions
+from fsdp2bench.processes.isolation import UNSUPPORTED
 
 # Losses are compared step by step. On CPU the intended variants are bit-identical; on GPUs
 # accelerate groups its parameters differently, which may change bf16 rounding a little.

@@ -12,21 +12,21 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp2bench.options import accelerate_config, levers, fsdp as options, step
-from fsdp2bench.run import concurrency
-from fsdp2bench.processes import simulation
-from fsdp2bench.memory import estimate
 from fsdp2bench.cli import OneLineParser, UserError, check_ranges, parse_names, pick_device
 from fsdp2bench.files import check_output_dir, expect_path, looks_like_a_path, refuse_foreign
-from fsdp2bench.train.data import load_tokens, rank_batches
-from fsdp2bench.processes.isolation import launcher_keeps_to_one_thread
-from fsdp2bench.options.layout import CP_STRATEGIES, Layout
-from fsdp2bench.train.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS, default_model, max_positions
+from fsdp2bench.memory import estimate
 from fsdp2bench.names import VARIANTS, rank_file
-from fsdp2bench.train.runner import FailureSpec
-from fsdp2bench.run.session import ModelFacts, model_facts
+from fsdp2bench.options import accelerate_config, levers, fsdp as options, step
+from fsdp2bench.options.layout import CP_STRATEGIES, Layout
+from fsdp2bench.processes import simulation
+from fsdp2bench.processes.isolation import launcher_keeps_to_one_thread
 from fsdp2bench.processes.starting import check_launcher_env
+from fsdp2bench.run import concurrency
+from fsdp2bench.run.session import ModelFacts, model_facts
 from fsdp2bench.run.versions import check_releases
+from fsdp2bench.train.data import load_tokens, rank_batches
+from fsdp2bench.train.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS, default_model, max_positions
+from fsdp2bench.train.runner import FailureSpec
 
 LAUNCHES = [("torchrun --nproc_per_node N main.py", "N ranks on one machine, one GPU each (or --device cpu, gloo)"),
      ("accelerate launch --num_processes N main.py", "the same through accelerate's launcher"),

@@ -19,10 +19,10 @@ import time
 import torch
 
 import utils
-from fsdp2bench.processes import simulation
-from fsdp2bench.train import throughput
-from fsdp2bench.run.arguments import build_threads, validate
 from fsdp2bench.cli import pick_device
+from fsdp2bench.processes import simulation
+from fsdp2bench.run.arguments import build_threads, validate
+from fsdp2bench.train import throughput
 from fsdp2bench.train.model import build_model
 from fsdp2bench.train.runner import TrainStep, deterministic, steps_speed
 

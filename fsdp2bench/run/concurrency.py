@@ -17,11 +17,11 @@ import psutil
 import torch.distributed as dist
 
 from fsdp2bench.cli import UserError
-from fsdp2bench.processes.isolation import StoreKeys, wait_for_keys
 from fsdp2bench.memory.accounting import model_bytes
 from fsdp2bench.memory.estimate import GpuCap, device_state, gpu_need, host_bytes, tokens_said
 from fsdp2bench.names import GIB
 from fsdp2bench.options.fsdp import FsdpOptions
+from fsdp2bench.processes.isolation import StoreKeys, wait_for_keys
 from fsdp2bench.processes.starting import started_ahead
 
 

@@ -16,11 +16,11 @@ import torch.distributed as dist
 
 from fsdp2bench.cli import RankError, UserError, one_line, pick_device
 from fsdp2bench.files import check_replaceable, is_ours, lock_output_dir, prepare_output_dir
+from fsdp2bench.memory.accounting import model_bytes, param_shapes, parameter_count
 from fsdp2bench.processes.isolation import (STORE_TIMEOUT, StoreKeys, StoreLost, catch_interrupts, launcher_env,
                                             set_first, wait_for_keys)
-from fsdp2bench.memory.accounting import model_bytes, param_shapes, parameter_count
-from fsdp2bench.train.model import build_meta_model, check_units_own_their_parameters, layer_class_names, load_config
 from fsdp2bench.processes.starting import start_child_server
+from fsdp2bench.train.model import build_meta_model, check_units_own_their_parameters, layer_class_names, load_config
 
 
 @dataclass

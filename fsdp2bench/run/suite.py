@@ -11,20 +11,20 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp2bench.report.summary import (accelerate_vs_torch, failed_status, measured_crossover, memory_summary,
-                                       projection_summary, run_checks, run_entries, simulated_entries, state_projection,
-                                       sweep_checks, unsupported_findings, variant_summary)
-from fsdp2bench.report import console
-from fsdp2bench.processes import simulation
 from fsdp2bench.cli import say
 from fsdp2bench.files import save_summary, unwritten
-from fsdp2bench.run.concurrency import SweepRoom
+from fsdp2bench.memory.accounting import PROJECTION_WORLD_SIZES
+from fsdp2bench.processes import simulation
 from fsdp2bench.processes.isolation import (INTERRUPTED, Interrupted, Piece, StoreKeys, StoreLost, failed,
                                             gather_records, has_keys, leave_together, run_isolated, status_of,
                                             wait_for_keys)
-from fsdp2bench.memory.accounting import PROJECTION_WORLD_SIZES
-from fsdp2bench.train.runner import Job, TrainConfig, variant_process
+from fsdp2bench.report import console
+from fsdp2bench.report.summary import (accelerate_vs_torch, failed_status, measured_crossover, memory_summary,
+                                       projection_summary, run_checks, run_entries, simulated_entries, state_projection,
+                                       sweep_checks, unsupported_findings, variant_summary)
+from fsdp2bench.run.concurrency import SweepRoom
 from fsdp2bench.run.session import Session, say_interrupted
+from fsdp2bench.train.runner import Job, TrainConfig, variant_process
 
 
 @dataclass

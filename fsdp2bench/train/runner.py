@@ -15,17 +15,17 @@ import torch.distributed as dist
 
 import utils
 from fsdp2bench.memory import snapshots
-from fsdp2bench.train import throughput
-from fsdp2bench.processes.child import TracedChild, run_traced_child
-from fsdp2bench.processes.isolation import STAND_DOWN, StoreKeys, init_group, name_process, wait_at_gate
-from fsdp2bench.options.layout import Meshes
 from fsdp2bench.memory.accounting import account, applied_setup, gathered_block_bytes, local_tensor, output_itemsize
-from fsdp2bench.train.model import build_model
 from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, rank_file
 from fsdp2bench.options.fsdp import FsdpOptions
-from fsdp2bench.train.progress import Progress
-from fsdp2bench.processes.simulation import init_simulated_group
+from fsdp2bench.options.layout import Meshes
 from fsdp2bench.options.step import kept_output_bytes
+from fsdp2bench.processes.child import TracedChild, run_traced_child
+from fsdp2bench.processes.isolation import STAND_DOWN, StoreKeys, init_group, name_process, wait_at_gate
+from fsdp2bench.processes.simulation import init_simulated_group
+from fsdp2bench.train import throughput
+from fsdp2bench.train.model import build_model
+from fsdp2bench.train.progress import Progress
 from fsdp2bench.train.throughput import DeviceShare
 from fsdp2bench.train.weights import SharedWeights
 from measure import MemoryTracker

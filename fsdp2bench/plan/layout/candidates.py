@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from fsdp2bench.cli import UserError
 from fsdp2bench.memory.estimate import step_bytes, variant_need
-from fsdp2bench.options.layout import Degrees, Layout, check_context_parallel, check_tensor_parallel
 from fsdp2bench.options.fsdp import AC_MODES, FULL_AC, NO_AC, SELECTIVE_AC, FsdpOptions
+from fsdp2bench.options.layout import Degrees, Layout, check_context_parallel, check_tensor_parallel
 from fsdp2bench.options.step import CHUNKED, LIGER, LOSSES, MODEL
 
 TRAINED = "torch_optimizer_after_fsdp"  # the variant a layout search plans and its commands train

@@ -7,9 +7,9 @@ import json
 import os
 import sys
 
-from fsdp2bench.options import accelerate_config
 from fsdp2bench.cli import UserError, say
 from fsdp2bench.files import save_summary, write_bytes
+from fsdp2bench.options import accelerate_config
 from fsdp2bench.plan.layout.search import Assessed, Setup, commands, decided, ranked, record, winner_of
 
 CONFIG_NAME = "accelerate_config.json"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 import time
 
-from fsdp2bench.run import arguments
 from fsdp2bench.cli import say
 from fsdp2bench.files import prepare_output_dir
 from fsdp2bench.plan.checks import CheckedSearch
@@ -13,6 +12,7 @@ from fsdp2bench.plan.layout.report import print_search, winner_said, write_searc
 from fsdp2bench.plan.layout.search import Setup, assess
 from fsdp2bench.plan.layout.timing import choose_and_time
 from fsdp2bench.processes.starting import interrupts_raise
+from fsdp2bench.run import arguments
 
 
 def run_search(search: CheckedSearch, started: float) -> int:

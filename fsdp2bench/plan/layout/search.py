@@ -20,16 +20,16 @@ import shlex
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, estimated_bytes
 from fsdp2bench.names import GIB
-from fsdp2bench.train.throughput import model_flops_per_token, peak_flops
+from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, estimated_bytes
 from fsdp2bench.plan.layout.traffic import Links, step_collectives
+from fsdp2bench.train.throughput import model_flops_per_token, peak_flops
 
 if TYPE_CHECKING:  # the types alone: the search runs in the planner's process, which never imports torch's models
     from transformers import PretrainedConfig
 
-    from fsdp2bench.memory.estimate import GpuCap
     from fsdp2bench.memory.accounting import ParamShape
+    from fsdp2bench.memory.estimate import GpuCap
     from fsdp2bench.options.fsdp import FsdpOptions
 
 TIMING_STEPS = 6  # warm-up (two under compile) and at least four clean steps after it, for a steady median

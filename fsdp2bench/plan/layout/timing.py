@@ -18,11 +18,11 @@ import subprocess
 import sys
 import time
 
-from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, estimated_bytes
 from fsdp2bench.files import PROJECT_ROOT, is_ours
+from fsdp2bench.names import GIB, MIB
+from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, estimated_bytes
 from fsdp2bench.plan.layout.search import (TIMING_STEPS, Assessed, Setup, calibrate, decided, local_share, main_flags,
                                            prior_speed, project, ranked)
-from fsdp2bench.names import GIB, MIB
 
 
 def exact_key(found: Assessed) -> tuple:

@@ -26,9 +26,9 @@ import os
 from dataclasses import asdict, dataclass
 
 from fsdp2bench.cli import UserError
-from fsdp2bench.options.layout import Degrees
 from fsdp2bench.memory.accounting import float8_weight, reduce_dtype_bytes, tp_local_shape
 from fsdp2bench.options.fsdp import FP32, FULL_AC, FsdpOptions
+from fsdp2bench.options.layout import Degrees
 
 BF16 = 2
 
