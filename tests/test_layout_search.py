@@ -197,7 +197,7 @@ def test_a_timing_calibrates_the_memory_models_estimate_for_candidates_of_its_le
     same, other, failed = (layout_search.assess(flat(1, ac), setup) for ac in ("none", "full", "none"))
     for f in (same, other, failed):
         f.estimated_bytes = 110 * GIB
-        layout_search.place(f, setup, 1.0, "estimated")
+        layout_search.judge_by_estimate(f, setup, 1.0, "estimated")
     failed.out_of_memory = True
     assert [f.fits for f in (same, other, failed)] == [False, False, False]
     layout_search.calibrate([same, other, failed], setup, {("none", "model", False, False): 0.7})
@@ -213,7 +213,7 @@ def test_what_does_not_fit_is_said_by_what_decided_it():
     setup = setup_of(GpuCap(80.0, 140 * GIB, 0))
     estimated, measured, failed = (layout_search.assess(flat(1, ac), setup) for ac in ("none", "full", "selective"))
     estimated.estimated_bytes = 110 * GIB
-    layout_search.place(estimated, setup, 1.0, "estimated")
+    layout_search.judge_by_estimate(estimated, setup, 1.0, "estimated")
     measured.fits, measured.memory["measured_gib"] = False, 84.0
     failed.fits, failed.out_of_memory = False, True
     said = report.not_fitting([estimated, measured, failed])

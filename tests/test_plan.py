@@ -496,12 +496,14 @@ def test_a_probe_out_of_memory_beside_others_runs_again_alone_only_where_the_gpu
     cap = estimate.GpuCap(24.0, int(139.8 * 1024) * MIB, 527 * MIB)
     runner = ProbeRunner(None, None, None, {}, {}, cap, "")
     question = Question("default", 8, 0, "torch_optimizer_after_fsdp", BATCH, 128)
-    beside = [Probe("k", question, 20, 0, 10 * 1024 * MIB, 0.0, 1.0) for _ in range(6)]
-    probe = Probe("k", question, 30, 0, cap.process_bytes, 0.5, 2.0, Outcome(30, False, None, {
+    beside = [Probe(question_key="k", question=question, value=20, room=10 * 1024 * MIB, started_at=0.0,
+                    ended_at=1.0) for _ in range(6)]
+    probe = Probe(question_key="k", question=question, value=30, room=cap.process_bytes, started_at=0.5,
+                  ended_at=2.0, found=Outcome(30, False, None, {
         "error": f"rank 0: out of memory (CUDA out of memory. Tried to allocate 2.03 GiB. GPU 0 has a total "
                  f"capacity of 139.80 GiB of which {free} is free."}))
     assert runner.gpu.crowded_out(probe, beside) is again
-    probe.attempt = 1  # run again alone: what it found is its answer
+    probe.alone = True  # run again alone: what it found is its answer
     assert runner.gpu.crowded_out(probe, beside) is False
 
 
@@ -528,13 +530,13 @@ def test_probes_set_up_ahead_and_step_only_where_the_gpu_holds_their_room(monkey
     question = Question("default", 8, 0, "torch_optimizer_after_fsdp", BATCH, 128)
     live: list = []
     for _ in range(12):
-        probe = Probe("k", question, 30, 0, cap.process_bytes, setup=1500 * MIB)
+        probe = Probe(question_key="k", question=question, value=30, room=cap.process_bytes, setup=1500 * MIB)
         if not runner.gpu.may_start(probe, live):
             break
         live.append(probe)
         if runner.gpu.may_go(probe, live):
-            probe.went = 1.0
-    going = [p for p in live if p.went]
+            probe.went_at = 1.0
+    going = [p for p in live if p.went_at is not None]
     assert len(going) == stepping and len(live) - stepping == max(2, stepping)
     assert not runner.gpu.may_go(live[-1], live)  # its room is not there while the others step
     for probe in going:
@@ -579,7 +581,8 @@ def queue_of(monkeypatch, gib: float, shares: list[float], limit: float):
     queue = PlanQueue(runner, planner, lambda: None)
     for key in keys:
         if key not in leaders:
-            queue.add(probes.Shared(key, questions[key], None, runner.cap.process_bytes // 4))
+            queue.add(probes.Shared(question_key=key, question=questions[key], ladder=None,
+                                    room=runner.cap.process_bytes // 4))
     return queue, rank
 
 

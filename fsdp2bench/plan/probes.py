@@ -23,6 +23,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Callable
 
 import torch
@@ -171,7 +172,7 @@ class ProbeRunner:
         for key in sorted(self.searches, key=lambda key: slow_first(self.questions[key].options)):
             if key not in self.leaders:
                 room = self.gpu.shared(key)
-                queue.add(Shared(key, self.questions[key], self.ladder(key, room), room))
+                queue.add(Shared(question_key=key, question=self.questions[key], ladder=self.ladder(key, room), room=room))
         run_queue(queue.pieces, queue.next_piece, 0, self.session.store, self.session.device, queue.started,
                   queue.ended, queue.let_go)
 
@@ -215,14 +216,15 @@ class ProbeRunner:
         meta = {"run_id": s.run_id, "rank": q.rank, "world_size": q.world_size, "simulated": True,
                 "shared": dataclasses.asdict(q)}
         no_batches = self.tokens[:0]  # the child makes each value's own
-        return SeriesJob(q.variant, train, s.device, s.config, no_batches, s.layer_classes, meta, q.rank,
-                         q.world_size, StoreKeys(f"probe/{name}"), directory, simulated=True, question=q,
+        return SeriesJob(name=q.variant, train=train, device=s.device, config=s.config, batches=no_batches,
+                         layer_classes=s.layer_classes, meta=meta, rank=q.rank, world_size=q.world_size,
+                         keys=StoreKeys(f"probe/{name}"), output_dir=directory, simulated=True, question=q,
                          ladder=shared.ladder, tokens=self.tokens)
 
     def take_series(self, shared: Shared, job: SeriesJob, failure: str | None) -> None:
         """What a shared process measured (its points are in the store even when it failed), given to its search:
         an out-of-memory error is the ladder's next value not fitting, in that process."""
-        shared.ended = time.monotonic()
+        shared.ended_at = time.monotonic()
         store, i = self.session.store, 0
         while has_keys(store, [point_key(job, i)]):
             shared.points.append(json.loads(store.get(point_key(job, i))))
@@ -257,14 +259,15 @@ class ProbeRunner:
         os.makedirs(directory, exist_ok=True)
         meta = {"run_id": s.run_id, "rank": q.rank, "world_size": q.world_size, "simulated": True,
                 "probe": dataclasses.asdict(q)}
-        return Job(q.variant, dataclasses.replace(self.train, options=q.options), s.device, s.config, self.tokens[:0],
-                   s.layer_classes, meta, q.rank, q.world_size, StoreKeys(f"probe/{name}"), directory, simulated=True,
+        return Job(name=q.variant, train=dataclasses.replace(self.train, options=q.options), device=s.device,
+                   config=s.config, batches=self.tokens[:0], layer_classes=s.layer_classes, meta=meta, rank=q.rank,
+                   world_size=q.world_size, keys=StoreKeys(f"probe/{name}"), output_dir=directory, simulated=True,
                    gated=True, at_go=AtValue(self.tokens, q, self.inject_oom_above))
 
     def probe_name(self, probe: Probe) -> str:
         q = probe.question
         batch, block = q.batch_and_block(probe.value)
-        return f"{q.option_set}_N{q.world_size}_{q.variant}_B{batch}_L{block}" + ("_alone" if probe.attempt else "")
+        return f"{q.option_set}_N{q.world_size}_{q.variant}_B{batch}_L{block}" + ("_alone" if probe.alone else "")
 
     def file_probe(self, probe: Probe, job: Job, failure: str | None) -> None:
         """A probe set up ahead of its value, ended: its directory named by the value it ran at; stood down before
@@ -286,20 +289,35 @@ class ProbeRunner:
                              f"allocated" if found.peak_mib is not None else "")
         else:
             what = f"out of memory (after {found.detail.get('phase')})"
-        alone = " (again, alone)" if probe.attempt else ""
+        alone = " (again, alone)" if probe.alone else ""
         print(f"[probe] {probe.question.label(probe.value)}{alone}: {what}", flush=True)
+
+
+class Turn(IntEnum):
+    """Where a piece waits in a plan's queue: a lower turn starts first."""
+    ALONE = 0  # a probe run again alone, after it ran out of memory beside others: nothing starts before it
+    NAMED = 1  # a probe whose value its search has named
+    SHARED = 2  # an answer's shared process
+    AHEAD = 3  # a probe set up ahead of its value
 
 
 @dataclass
 class PlanQueue:
-    """A plan's pieces as ``run_queue`` starts them and lets them go, in the order of ``place``.
+    """A plan's pieces as ``run_queue`` starts them and lets them go, in the order of ``queue_order`` (``Turn``).
 
     While a probe steps, its search's next probe is set up beside it (unless either outcome ends the search),
     and so is a follower's first where the probe may end its leader's search; a leader's first is set up while
     its shared process runs. Each waits at its gate until the piece it awaits has ended: then its go names
     the value the search wants, or stands it down where the search wants none. A chain of probes so waits for
     one set-up, not one per link, and a probe set up ahead only ever waits on a piece that is running, so
-    none waits for ever."""
+    none waits for ever.
+
+    A probe's life, each step stamped on it (``*_at``)::
+
+        waiting --start--> setting up --at its gate (ready_at)--> held --let go (went_at)--> stepping --> ended
+                                                             `--no value wanted--> stood down
+        ended out of memory beside others --> a new probe of the same value, alone (Turn.ALONE)
+    """
     runner: ProbeRunner
     planner: Planner
     after: Callable[[], None]
@@ -315,25 +333,24 @@ class PlanQueue:
         return len(self.items) - 1
 
     def enqueue(self, i: int) -> None:
-        """Into the queue at its place (``place``), after those of the same place."""
-        place = self.place(i)
-        self.waiting.insert(next((j for j, w in enumerate(self.waiting) if self.place(w) > place),
+        """Into the queue in its order (``queue_order``), after those of the same order."""
+        order = self.queue_order(i)
+        self.waiting.insert(next((j for j, w in enumerate(self.waiting) if self.queue_order(w) > order),
                                  len(self.waiting)), i)
 
-    def place(self, i: int) -> tuple:
+    def queue_order(self, i: int) -> tuple:
         """A probe to run again alone, then probes with a value, shared processes, probes set up ahead; within
         each, the sets whose steps take longest first (``slow_first``: their searches are the longest chains)."""
         item = self.items[i]
-        kind = 2 if isinstance(item, Shared) else 0 if item.attempt else 1 if item.value is not None else 3
-        return (kind, *slow_first(item.question.options))
+        return (turn_of(item), *slow_first(item.question.options))
 
     def next_piece(self, running: list[int]) -> int | None:
         self.name_values()
         self.set_up_ahead(running)
         live = [self.items[r] for r in running]
-        if any(isinstance(o, Probe) and o.attempt for o in live):
+        if any(isinstance(o, Probe) and o.alone for o in live):
             return None  # one run again alone has the GPU to itself
-        alone = [i for i in self.waiting if isinstance(self.items[i], Probe) and self.items[i].attempt]
+        alone = [i for i in self.waiting if isinstance(self.items[i], Probe) and self.items[i].alone]
         if alone:  # nothing else starts before it
             return None if live else self.start(alone[0])
         i = next((i for i in self.waiting if not live or self.runner.gpu.may_start(self.items[i], live)), None)
@@ -352,8 +369,8 @@ class PlanQueue:
         for key, value in self.planner.wanted():
             i = self.ahead.pop(key, None)
             if i is None:
-                self.add(Probe(key, self.runner.questions[key], value, 0, self.runner.gpu.probe(key, value),
-                               setup=self.runner.gpu.setup(key)))
+                self.add(Probe(question_key=key, question=self.runner.questions[key], value=value,
+                               room=self.runner.gpu.probe(key, value), setup=self.runner.gpu.setup(key)))
                 continue
             self.items[i].value, self.items[i].room = value, self.runner.gpu.probe(key, value)
             if i in self.waiting:
@@ -370,32 +387,32 @@ class PlanQueue:
         runner = self.runner
         for key in awaited - set(self.ahead):
             room = runner.cap.process_bytes if runner.cap and runner.session.device.type == "cuda" else 0
-            self.ahead[key] = self.add(Probe(key, runner.questions[key], None, 0, room, setup=runner.gpu.setup(key),
-                                             ahead=True))
+            self.ahead[key] = self.add(Probe(question_key=key, question=runner.questions[key], value=None, room=room,
+                                             setup=runner.gpu.setup(key), ahead=True))
 
     def awaited(self, running: list[int]) -> set:
         """The searches whose next probe may be wanted once a piece running now ends: a leader's while its shared
         process runs, and those a stepping probe may move (``moved_by``); none while a probe waits to run
         again alone."""
         items = [self.items[i] for i in [*running, *self.waiting]]
-        if any(isinstance(o, Probe) and o.attempt for o in items):
+        if any(isinstance(o, Probe) and o.alone for o in items):
             return set()
         keys = set()
         for item in (self.items[r] for r in running):
             if isinstance(item, Shared):
                 keys.add(item.question_key)
-            elif item.went and item.value is not None:
+            elif item.went_at is not None and item.value is not None:
                 keys |= moved_by(item, self.runner.searches, self.runner.leaders)
         return {key for key in keys if not self.runner.searches[key].done}
 
     def started(self, i: int) -> None:
-        self.items[i].started, self.items[i].ended = time.monotonic(), math.inf
+        self.items[i].started_at, self.items[i].ended_at = time.monotonic(), math.inf
 
     def let_go(self, i: int, held: str, running: list[int]) -> str | None:
         """A probe at its gate: its value once named and the GPU holds its room; stood down where it was set up
         ahead and its search awaits nothing now."""
         probe, runner = self.items[i], self.runner
-        probe.ready = probe.ready or time.monotonic()
+        probe.ready_at = probe.ready_at or time.monotonic()
         probe.setup = int(held) + (runner.cap.context if runner.cap else 0)
         if probe.value is None:
             if probe.question_key in self.awaited(running):
@@ -405,12 +422,12 @@ class PlanQueue:
             return STAND_DOWN
         if not runner.gpu.may_go(probe, [self.items[r] for r in running]):
             return None
-        probe.went = time.monotonic()
+        probe.went_at = time.monotonic()
         return str(probe.value)
 
     def ended(self, i: int, failure: str | None) -> None:
         item, job, runner = self.items[i], self.pieces[i].args[0], self.runner
-        item.ended = time.monotonic()
+        item.ended_at = time.monotonic()
         if isinstance(item, Shared):
             runner.take_series(item, job, failure)
             self.planner.ready(item.question_key)
@@ -421,8 +438,8 @@ class PlanQueue:
             if runner.took_probe(item, job, failure, [o for o in self.items if item.overlaps(o)]):
                 self.planner.took(item.question_key, item.value, item.found)
             else:
-                self.add(Probe(item.question_key, item.question, item.value, 1, runner.cap.process_bytes,
-                               setup=item.setup))
+                self.add(Probe(question_key=item.question_key, question=item.question, value=item.value,
+                               room=runner.cap.process_bytes, alone=True, setup=item.setup))
         self.name_values()
         self.after()
 
@@ -439,6 +456,12 @@ class PlanQueue:
             search.stop(f"{probe.question.title} (set up ahead): {failure}")
 
 
+def turn_of(item: Probe | Shared) -> Turn:
+    if isinstance(item, Shared):
+        return Turn.SHARED
+    return Turn.ALONE if item.alone else Turn.NAMED if item.value is not None else Turn.AHEAD
+
+
 def moved_by(probe: Probe, searches: dict[object, Search], leaders: dict[object, tuple[object, int]]) -> set:
     """The searches whose next probe a stepping probe may call for: its own, unless either outcome ends it; the
     followers not yet started of a search it may end."""
@@ -453,10 +476,10 @@ def moved_by(probe: Probe, searches: dict[object, Search], leaders: dict[object,
 def probe_outcome(probe: Probe, job: Job, failure: str | None, session: Session, t0: float) -> Outcome | str:
     """Fits, with its peaks; out of memory, with where it stood; or the other failure, as a string."""
     q, store = probe.question, session.store
-    common = {"kind": "fresh", "attempt": probe.attempt, "room_mib": probe.room / MIB,
-              "started_s": probe.started - t0, "wall_s": probe.ended - probe.started,
-              "set_up_s": probe.ready - probe.started if probe.ready else None,
-              "waited_s": probe.went - probe.ready if probe.went else None, "set_up_mib": probe.setup / MIB,
+    common = {"kind": "fresh", "attempt": int(probe.alone), "room_mib": probe.room / MIB,
+              "started_s": probe.started_at - t0, "wall_s": probe.ended_at - probe.started_at,
+              "set_up_s": probe.ready_at - probe.started_at if probe.ready_at is not None else None,
+              "waited_s": probe.went_at - probe.ready_at if probe.went_at is not None else None, "set_up_mib": probe.setup / MIB,
               "set_up_ahead": probe.ahead}
     if failure is None:
         record, = gather_records(store, job.keys, [q.rank])

@@ -16,12 +16,12 @@ def plan_record(meta: dict, questions: dict, searches: dict[Hashable, Search], p
     limit = (meta.get("gpu_memory") or {}).get("allocator_limit_mib")
     answers = [{**answer_of(questions[key], search, limit),
                 "shared_process": shared.get(key)} for key, search in searches.items()]
-    reruns = sum(1 for p in probes if p.attempt)
+    reruns = sum(1 for p in probes if p.alone)
     meta = {**meta, "probes": len(probes), "probes_run_again_alone": reruns, "interrupted": interrupted,
             "probes_per_answer": len(probes) / len(answers) if answers else None,
             "shared_processes": len(shared), "shared_values": sum(len(s["values"]) for s in shared.values()),
             "probes_set_up_ahead": sum(1 for p in probes if p.ahead), "stood_down": len(stood_down),
-            "stood_down_process_s": sum(p.ended - p.started for p in stood_down)}
+            "stood_down_process_s": sum(p.ended_at - p.started_at for p in stood_down)}
     return {"meta": meta, "answers": answers, "findings": findings(answers, meta["variants"][0], meta["device"])}
 
 

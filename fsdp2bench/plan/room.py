@@ -30,34 +30,34 @@ WAITING_AT_LEAST = 2  # fresh probes set up and waiting at their gates, at least
 PHYSICAL_SLACK_MIB = 512  # free on the GPU beyond a refused allocation that says the cap refused it, not the GPU
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Probe:
     question_key: object
     question: Question
     value: int | None  # None until its search names it: a probe set up ahead, whose go will carry it
-    attempt: int  # 0, or 1 when run again alone
     room: int  # bytes of GPU it was given for its steps beside others (0 on a CPU run)
-    started: float = 0.0
-    ended: float = 0.0
+    alone: bool = False  # run again with the GPU to itself, after it ran out of memory beside others
+    started_at: float = 0.0
+    ended_at: float = 0.0
     found: Outcome | str | None = None
     setup: int = 0  # bytes of GPU it holds before its steps: estimated, then what it said at its gate
-    ready: float = 0.0  # when its parent saw it at its gate
-    went: float = 0.0  # when its parent let it go on to its steps
+    ready_at: float | None = None  # when its parent saw it at its gate
+    went_at: float | None = None  # when its parent let it go on to its steps
     ahead: bool = False  # started before its value was known (``PlanQueue``)
 
     def overlaps(self, other: Probe | Shared) -> bool:
-        return other is not self and self.started < other.ended and other.started < self.ended
+        return other is not self and self.started_at < other.ended_at and other.started_at < self.ended_at
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Shared:
     """One answer's shared process (shared.py): the values it measured, and how it ended."""
     question_key: object
     question: Question
     ladder: Ladder
     room: int  # bytes of GPU it was given (its allocator limit and the context; 0 on a CPU run)
-    started: float = 0.0
-    ended: float = 0.0
+    started_at: float = 0.0
+    ended_at: float = 0.0
     points: list[dict] = dataclasses.field(default_factory=list)
     error: str | None = None  # its out-of-memory error (the value after its points) or another failure
     setup_s: float | None = None
@@ -65,7 +65,8 @@ class Shared:
     overlaps = Probe.overlaps
 
     def as_dict(self, t0: float) -> dict:
-        return {"room_mib": self.room / MIB, "started_s": self.started - t0, "wall_s": self.ended - self.started,
+        return {"room_mib": self.room / MIB, "started_s": self.started_at - t0,
+                "wall_s": self.ended_at - self.started_at,
                 "setup_s": self.setup_s,
                 "values": [p["value"] for p in self.points], "error": self.error}
 
@@ -127,7 +128,7 @@ class GpuRoom:
     @staticmethod
     def holding(item: Probe | Shared) -> int:
         """What a piece may hold on the GPU now: a fresh probe before its go its set-up, after it its room."""
-        return item.room if isinstance(item, Shared) or item.went else item.setup
+        return item.room if isinstance(item, Shared) or item.went_at is not None else item.setup
 
     def may_start(self, item: Probe | Shared, live: list[Probe | Shared]) -> bool:
         """Whether ``item`` can start beside the pieces ``live``: the GPU holds its set-up (a shared process's
@@ -141,7 +142,7 @@ class GpuRoom:
         held = sum(self.holding(o) for o in live)
         gpu = held + self.holding(item) <= self.cap.total
         if isinstance(item, Probe):
-            pending = [o for o in live if isinstance(o, Probe) and not o.went] + [item]
+            pending = [o for o in live if isinstance(o, Probe) and o.went_at is None] + [item]
             gpu = gpu and sum(o.setup for o in pending) + max(o.room - o.setup for o in pending) <= self.cap.total \
                 and (len(pending) <= WAITING_AT_LEAST or sum(o.room for o in pending) <= self.cap.total)
         host = (len(live) + 1) * host_bytes(self.session.shapes, item.question.world_size, [item.question.variant],
@@ -152,8 +153,8 @@ class GpuRoom:
         """Whether a probe at its gate can go on to its steps: the GPU holds its room beside what the others
         hold (one run again alone started with the GPU to itself)."""
         if self.session.device.type != "cuda" or self.cap is None:
-            return not any(isinstance(o, Shared) or o.went for o in live if o is not probe)  # one steps at a time
-        if probe.attempt:
+            return not any(isinstance(o, Shared) or o.went_at is not None for o in live if o is not probe)  # one steps at a time
+        if probe.alone:
             return True
         return sum(self.holding(o) for o in live if o is not probe) + probe.room <= self.cap.total
 
@@ -161,7 +162,7 @@ class GpuRoom:
         """Ran out of memory beside others where it may have found the GPU full before its cap: torch's message
         says the GPU had less free than the allocation (more free: its own limit refused it); without that
         figure, its room was less than the cap, or a probe beside it may have held more than its own room."""
-        if not isinstance(probe.found, Outcome) or probe.found.fits or probe.attempt:
+        if not isinstance(probe.found, Outcome) or probe.found.fits or probe.alone:
             return False
         error = probe.found.detail.get("error", "")
         free, tried = gpu_free_mib(error), failed_allocation_mib(error)

@@ -16,6 +16,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,9 @@ from fsdp2bench.processes.isolation import name_process
 from fsdp2bench.train.data import rank_batches
 from fsdp2bench.train.runner import FailureSpec, Job, TrainStep, collector_paused, prepare, run_variant_child
 from measure import MemoryTracker
+
+if TYPE_CHECKING:  # probes.py starts shared processes: the type alone, no cycle
+    from fsdp2bench.plan.probes import Question
 
 
 PROBE_STEPS = 2  # per value, in a probe of either kind: the first creates AdamW's state; the second runs with it
@@ -58,10 +62,10 @@ class AtValue:
                                    train=dataclasses.replace(job.train, inject_failure=inject))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SeriesJob(Job):
     """A ``Job`` whose batches are made here, per value, from ``tokens`` (probes.probe_batches)."""
-    question: object = None  # probes.Question
+    question: Question
     ladder: Ladder | None = None
     tokens: torch.Tensor | None = None
 

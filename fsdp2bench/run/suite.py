@@ -54,8 +54,9 @@ class Suite:
             simulated: bool = False, position: int = 0) -> Job:
         meta = {**self.meta, "rank": rank, "world_size": world_size, "simulated": simulated}
         s = self.session
-        return Job(name, self.train, s.device, s.config, self.batches, s.layer_classes, meta, rank, world_size, keys,
-                   output_dir, simulated, position)
+        return Job(name=name, train=self.train, device=s.device, config=s.config, batches=self.batches,
+                   layer_classes=s.layer_classes, meta=meta, rank=rank, world_size=world_size, keys=keys,
+                   output_dir=output_dir, simulated=simulated, position=position)
 
 
 # --------------------------------------------------------------------------- the benchmark

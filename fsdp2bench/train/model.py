@@ -12,7 +12,7 @@ from torch import nn
 
 from fsdp2bench.cli import UserError, from_hub, one_line, say
 from fsdp2bench.files import expect_path, looks_like_a_path
-from fsdp2bench.train.weights import SharedWeights, place
+from fsdp2bench.train.weights import SharedWeights, give_weights
 
 # Built-in model shapes, so that no run needs the Hub. All are Qwen2 decoders;
 # the Qwen2.5 entries copy the published configs' shapes.
@@ -102,7 +102,7 @@ def build_model(config, device: torch.device, seed: int, threads: int = 1,
     def draw(named: list) -> None:
         random_init(named, getattr(config, "initializer_range", 0.02), seed, threads)
 
-    source = place(model, weights, draw, threads) if weights is not None else None
+    source = give_weights(model, weights, draw, threads) if weights is not None else None
     if source is None:
         materialize(model, device)
         draw(list(model.named_parameters()))

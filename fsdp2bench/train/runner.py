@@ -60,7 +60,7 @@ class TrainConfig:
     allocator_limit: int | None = None  # bytes PyTorch may reserve on the GPU (--gpu_memory), None: all
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Job:
     """Everything one rank needs to run one variant (inherited by a forked child, pickled for
     one from the fork server)."""
@@ -116,7 +116,7 @@ class TrainStep:
             prep.backward(loss)
         return loss.detach()
 
-    def __call__(self, input_ids: torch.Tensor, before_zero_grad: Callable[[], None] | None = None,
+    def __call__(self, input_ids: torch.Tensor, *, before_zero_grad: Callable[[], None] | None = None,
                  between_microbatches: Callable[[], None] | None = None) -> torch.Tensor:
         prep, k = self.prep, self.microbatches
         if k == 1:
@@ -303,9 +303,11 @@ def train_busy(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: d
         for step, batch in enumerate(batches):
             injected_failure(job, step, tracker, prep.model)
             tracker.polling = not (job.train.tracker_overhead and step % 2)
-            hooks = [(lambda phase=phase: accounting.update({phase: held()}))
-                     if step == last else None for phase in ("before_zero_grad", MICROBATCH_PHASE)]
-            readback.queued(step, train_step(batch.to(job.device, non_blocking=True), *hooks))
+            counted = {phase: (lambda phase=phase: accounting.update({phase: held()})) if step == last else None
+                       for phase in ("before_zero_grad", MICROBATCH_PHASE)}  # the last step's state, by phase
+            readback.queued(step, train_step(batch.to(job.device, non_blocking=True),
+                                             before_zero_grad=counted["before_zero_grad"],
+                                             between_microbatches=counted[MICROBATCH_PHASE]))
             tracker.record_step(step)["runs_beside"] = share.others()
             if step > 0:
                 read_back(step - 1)  # the previous step, while the device runs this one

@@ -45,7 +45,7 @@ def create() -> SharedWeights | None:
     return SharedWeights(os.getpid(), os.memfd_create("fsdp2bench-weights"))
 
 
-def place(model: nn.Module, weights: SharedWeights, draw, threads: int) -> str | None:
+def give_weights(model: nn.Module, weights: SharedWeights, draw, threads: int) -> str | None:
     """Give the model's parameters (on the meta device) the rank's weights, drawn first by
     ``draw(named_tensors)`` if no variant has: "drew" or "mapped"; None where the file cannot be
     used (the parameters are then untouched)."""

@@ -102,11 +102,11 @@ def assess(candidate: Candidate, setup: Setup) -> Assessed:
                                    setup.block, candidate.microbatches)
     found = Assessed(candidate, estimate, collectives, sum(c.seconds(setup.links) for c in collectives))
     found.memory = {"estimated_gib": estimate / GIB}
-    place(found, setup, 1.0, "estimated (memory model)")
+    judge_by_estimate(found, setup, 1.0, "estimated (memory model)")
     return found
 
 
-def place(found: Assessed, setup: Setup, ratio: float, how: str) -> None:
+def judge_by_estimate(found: Assessed, setup: Setup, ratio: float, how: str) -> None:
     """Where an estimate (the memory model's, times ``ratio``) puts a candidate not yet measured: more than
     ``EDGE`` over the cap it does not fit, and by how much is said; more than ``EDGE`` under it fits; between, only
     a run decides."""
@@ -132,7 +132,7 @@ def calibrate(found: list[Assessed], setup: Setup, ratios: dict) -> None:
         if ratio is None or "measured_gib" in f.memory or f.out_of_memory:
             continue
         f.memory["calibrated_gib"] = f.estimated_bytes * ratio / GIB
-        place(f, setup, ratio, f"estimated (memory model x {ratio:.2f}, measured under the same levers)")
+        judge_by_estimate(f, setup, ratio, f"estimated (memory model x {ratio:.2f}, measured under the same levers)")
 
 
 def lever_factor(c: Candidate) -> float:
