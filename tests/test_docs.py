@@ -45,23 +45,57 @@ def test_each_docs_page_starts_with_the_question_it_answers():
         assert lines[0].startswith("# ") and lines[2].startswith("*") and lines[2].rstrip().endswith("?*"), page.name
 
 
-def readme_command_lines() -> list[tuple[str, list[str]]]:
-    """(script, its arguments) of every command of the README's code blocks that runs one of the scripts."""
+# The pages whose commands a newcomer copies: the README and the page that holds its figures.
+COMMAND_PAGES = [ROOT / "README.md", ROOT / "docs" / "results-overview.md"]
+SCRIPT = re.compile(r"\w+\.py")
+LAUNCHERS = ("python3", "python", "torchrun", "accelerate")
+
+
+def code_of(page: Path) -> list[str]:
+    """Every command a page shows: the lines of its indented and fenced code blocks, and each inline code span
+    that starts with a launcher or with a script and its options (`plan.py --find layout ...`)."""
+    found, prose, fenced = [], [], False
+    for line in page.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif fenced or line.startswith("    "):
+            found.append(line)
+        else:
+            prose.append(line)
+    for span in re.findall(r"`([^`]+)`", "\n".join(prose)):  # a span may run over a line break
+        words = span.split()
+        if words and (words[0] in LAUNCHERS or (SCRIPT.fullmatch(words[0]) and len(words) > 1)):
+            found.append(" ".join(words))
+    return found
+
+
+def command_lines(page: Path) -> list[tuple[str, list[str]]]:
+    """(script, its arguments) of every command on the page that runs one of the scripts."""
     found = []
-    for line in (ROOT / "README.md").read_text().splitlines():
-        if not line.startswith("    "):
-            continue
+    for line in code_of(page):
         for command in line.split("&&"):
             words = command.split()
-            script = next((w for w in words if re.fullmatch(r"\w+\.py", w)), None)
+            script = next((w for w in words if SCRIPT.fullmatch(w)), None)
             if script:
                 found.append((script, words[words.index(script) + 1:]))
     return found
 
 
+def readme_command_lines() -> list[tuple[str, list[str]]]:
+    return command_lines(ROOT / "README.md")
+
+
+def test_code_spans_and_fenced_blocks_are_read_as_commands(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("Run `python3 plan.py\n--world_size 8` or `plan.py --find layout`, not `matrix.py`.\n\n"
+                    "```\ntorchrun --nproc_per_node 2 main.py --max_steps 3\n```\n\n    python3 visualize.py --dir out\n")
+    assert sorted(command_lines(page)) == [("main.py", ["--max_steps", "3"]), ("plan.py", ["--find", "layout"]),
+                                           ("plan.py", ["--world_size", "8"]), ("visualize.py", ["--dir", "out"])]
+
+
 def test_every_command_line_of_the_readme_is_one_its_script_takes():
-    """Each option and value as its script's parser reads it (matrix.py's others as main.py's); among them the
-    Trainer's loop and liger's loss, which a newcomer looks for."""
+    """Each option and value as its script's parser reads it (matrix.py's others as main.py's), on the README and on
+    the page of its figures; among them the Trainer's loop and liger's loss, which a newcomer looks for."""
     import loading
     import matrix
     import plan
@@ -70,7 +104,7 @@ def test_every_command_line_of_the_readme_is_one_its_script_takes():
 
     commands = readme_command_lines()
     assert {script for script, _ in commands} >= {"main.py", "visualize.py", "plan.py", "matrix.py"}
-    for script, argv in commands:
+    for script, argv in [command for page in COMMAND_PAGES for command in command_lines(page)]:
         if script == "matrix.py":
             _, forwarded = matrix.parse_args(argv)
             arguments.parse_args(forwarded)
