@@ -143,3 +143,21 @@ def test_more_ranks_than_gpus_is_refused_with_the_ways_out():
 def test_the_unfixed_variants_loss_is_said_as_it_moved(drop, said):
     """No "fell 0.0% ... only because the batches differ" where nothing fell."""
     assert console.unfixed_loss_said(drop) == said
+
+
+@pytest.mark.parametrize("device, levers, tolerance", [
+    ("cpu", {}, 0.0), ("cuda", {}, 1e-2),
+    ("cpu", {"compile": True}, 1e-2), ("cuda", {"compile": True}, 1e-2), ("cuda", {"float8": True}, 1e-2),
+])
+def test_the_losses_may_differ_only_where_the_variants_run_other_kernels(device, levers, tolerance):
+    """Bit-identical on the CPU, unless a lever has accelerate compile or convert its model by its own path: then a
+    loss one bf16 step apart is the kernels', not a failure (a 2-rank CPU run under --compile differed so)."""
+    from fsdp2bench.options.fsdp import FsdpOptions
+
+    losses = [2.0 - 0.05 * i for i in range(12)]
+    apart = [x * (1 + 2 ** -8) if i == 5 else x for i, x in enumerate(losses)]  # one bf16 step at one step
+    variants = entries(losses, losses)
+    variants["accelerate"]["losses"] = apart
+    checks = run_checks(variants, device, FsdpOptions(**levers))
+    matched = checks["intended_losses_match"]
+    assert matched["relative_tolerance"] == tolerance and matched["ok"] is (tolerance > 0), matched

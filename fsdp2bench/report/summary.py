@@ -14,8 +14,21 @@ from fsdp2bench.options.fsdp import FsdpOptions
 from fsdp2bench.processes.isolation import UNSUPPORTED
 
 # Losses are compared step by step. On CPU the intended variants are bit-identical; on GPUs
-# accelerate groups its parameters differently, which may change bf16 rounding a little.
+# accelerate groups its parameters differently, which may change bf16 rounding a little. Compiled, the variants
+# run different kernels on either device (torch's blocks are compiled one by one, accelerate's by its own regional
+# compilation, which fuses and orders them otherwise): a tiny model on 2 CPU ranks then differed by one bf16 step
+# in 8 of 640 steps.
 LOSS_TOLERANCE = {"cpu": 0.0, "cuda": 1e-2}  # relative
+KERNELS_DIFFER_TOLERANCE = 1e-2
+
+
+def loss_tolerance(device_type: str, options: FsdpOptions) -> tuple[float, str]:
+    """The relative difference the intended variants' losses may show, and why."""
+    if options.compile or options.float8:
+        return KERNELS_DIFFER_TOLERANCE, "compiled or float8: the variants run different kernels"
+    if device_type == "cpu":
+        return LOSS_TOLERANCE["cpu"], "the same kernels on the CPU: bit-identical"
+    return LOSS_TOLERANCE["cuda"], "accelerate groups its parameters otherwise: bf16 rounding may differ"
 # Whether a loss fell is read against the spread of the loss over the run's batches: a drop counts when
 # it exceeds this many standard errors of the drop a model that never changes would show on them.
 STANDARD_ERRORS = 3
@@ -219,7 +232,7 @@ def first_non_finite(losses: list) -> int | None:
     return next((i for i, loss in enumerate(losses) if loss is None or not math.isfinite(loss)), None)
 
 
-def run_checks(variants: dict, device_type: str) -> dict:
+def run_checks(variants: dict, device_type: str, options: FsdpOptions = FsdpOptions()) -> dict:
     """The upstream's equality check, plus: every loss is a number, the intended variants train,
     the state bytes are what FSDP2's rule predicts, and the unfixed variant does not train."""
     checks = {}
@@ -229,12 +242,13 @@ def run_checks(variants: dict, device_type: str) -> dict:
         checks["losses_finite"] = {"ok": not non_finite, "first_non_finite_step": non_finite}
     ran = [n for n in INTENDED if n in ok]
     if len(ran) >= 2:
-        tol = LOSS_TOLERANCE[device_type]
+        tol, why = loss_tolerance(device_type, options)
         ref = variants[ran[0]]["losses"]
         diffs = {n: None if non_finite else max(abs(a - b) / abs(b) for a, b in zip(variants[n]["losses"], ref))
                  for n in ran[1:]}
         checks["intended_losses_match"] = {"ok": not non_finite and all(d <= tol for d in diffs.values()),
-                                           "reference": ran[0], "relative_tolerance": tol, "max_relative_diff": diffs}
+                                           "reference": ran[0], "relative_tolerance": tol, "tolerance_why": why,
+                                           "max_relative_diff": diffs}
     for check, field in (("accounting_matches_expected", "accounting_matches_expected"),
                          ("options_applied", "applied_matches_options")):
         counted = {n: v[field] for n, v in ok.items()}

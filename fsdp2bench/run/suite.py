@@ -155,7 +155,7 @@ def record_group(suite: Suite, jobs: list[Job], failures: list[str | None], star
                   file=sys.stderr if failed(failure) else sys.stdout, flush=True)
         if job.name in (shared_failure or {}):
             variants[job.name]["rerun_alone_after"] = shared_failure[job.name]
-    suite.summary["checks"] = run_checks(variants, s.device.type)
+    suite.summary["checks"] = run_checks(variants, s.device.type, suite.train.options)
     suite.summary["unsupported"] = unsupported_findings(list(variants.items()))
     suite.summary["accelerate_vs_torch"] = accelerate_vs_torch(variants)
     suite.summary["projection"] = projection_summary(s.shapes, variants, s.world_size, suite.train.options)
