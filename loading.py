@@ -33,13 +33,16 @@ from fsdp2bench.cli import OneLineParser, UserError, check_ranges, exit_with, pa
 from fsdp2bench.files import check_output_dir, expect_path, refuse_foreign, save_summary, unwritten
 from fsdp2bench.loading.checkpoints import FORMATS, Checkpoint
 from fsdp2bench.loading.modes import (CHECKPOINT_DTYPES, MODES, NEEDS_PEERS, SIMULABLE, LoadConfig, LoadJob,
-                                      load_process, print_simulated, print_table, summarise, trace_file,
+                                      host_need, load_process, print_simulated, print_table, summarise, trace_file,
                                       write_checkpoint_process)
+from fsdp2bench.memory.estimate import HOST_RUNTIME
+from fsdp2bench.names import GIB
 from fsdp2bench.options import accelerate_config
 from fsdp2bench.processes import simulation
 from fsdp2bench.processes.isolation import (Interrupted, Piece, StoreKeys, gather_records, launcher_keeps_to_one_thread,
                                             leave_together, run_isolated, wait_for_keys)
 from fsdp2bench.run.arguments import add_config_option, check_wrapped_classes
+from fsdp2bench.run.concurrency import host_memory_for_launch
 from fsdp2bench.run.session import ModelFacts, Session, model_facts, open_session, say_interrupted
 from fsdp2bench.run.versions import check_releases
 from fsdp2bench.train import weights
@@ -176,7 +179,28 @@ def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[st
     check_wrapped_classes(config, facts.layer_classes)
     if checkpoint is not None:
         checkpoint.check_against(facts.named_shapes)
+    check_host_fits(args, modes, facts, checkpoint, device_type)
     return args, modes, facts, checkpoint
+
+
+def check_host_fits(args: argparse.Namespace, modes: list[str], facts: ModelFacts, checkpoint: Checkpoint | None,
+                    device_type: str) -> None:
+    """A launch whose largest host peak (writing the checkpoint, or a mode at one of its N) exceeds the host's
+    memory is refused before anything is built: the kernel would kill it minutes in, with no line."""
+    simulated = args.simulate_world_size is not None
+    sizes = simulation.parse_world_sizes(args.simulate_world_size) if simulated else \
+        [int(os.environ.get("WORLD_SIZE", 1))]
+    local = 1 if simulated else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    itemsize = (4 if checkpoint.dtype_name() in ("F32", "float32") else 2) if checkpoint else \
+        CHECKPOINT_DTYPES[args.checkpoint_dtype].itemsize
+    ran = [m for m in modes if m in SIMULABLE] if simulated else modes
+    need, what = host_need(ran, sizes, local, facts.num_parameters, itemsize, device_type, checkpoint is None)
+    total, available = local * HOST_RUNTIME + need, host_memory_for_launch()
+    if total > available:
+        raise UserError(f"--model {facts.name} needs about {total / GIB:.1f} GiB of host memory at its peak ({what}: "
+                        f"{need / GIB:.1f} GiB, beside {local} process(es) of {HOST_RUNTIME / GIB:.0f} GiB); "
+                        f"{available / GIB:.1f} GiB are available: leave that out (--modes, --checkpoint of one "
+                        f"already written), or run on a larger host")
 
 
 # This script's own run without --model on the CPU, measured: torchrun --nproc_per_node 2 loading.py --device cpu,

@@ -254,3 +254,33 @@ def test_a_run_without_a_model_on_the_cpu_says_its_own_model_and_time(tmp_path):
         "--nproc_per_node 2 on 2 cores). The real one on the CPU: add --model qwen2.5-1.5b.")
     assert "main.py" not in proc.stdout
     assert (tmp_path / "out" / "loading_summary.json").exists()
+
+
+def test_the_host_memory_each_mode_holds_is_counted_by_hand():
+    """P = 1000 parameters, a bf16 checkpoint, N = 4 with 2 ranks on the node. On a CPU run each rank's fp32 shard
+    (1000 bytes) is on the host: naive holds the whole fp32 model in each process, 2 x 4000, and the shards, 2000;
+    broadcast and shared memory the checkpoint once, 2000, and the shards; accelerate one fp32 model; sharded
+    reading the shards alone. On a GPU the shards are on the GPU."""
+    from fsdp2bench.loading.modes import host_need, mode_host_bytes
+
+    cpu = {m: mode_host_bytes(m, 4, 2, 1000, 2, "cpu") for m in loading.MODES}
+    assert cpu == {"naive": 10000, "rank0_broadcast": 4000, "accelerate": 6000, "sharded_read": 2000,
+                   "shared_memory": 4000}
+    gpu = {m: mode_host_bytes(m, 4, 2, 1000, 2, "cuda") for m in loading.MODES}
+    assert gpu == {"naive": 8000, "rank0_broadcast": 2000, "accelerate": 4000, "sharded_read": 0, "shared_memory": 2000}
+    assert host_need(["sharded_read"], [4], 2, 1000, 2, "cpu", True) == (4000, "writing the checkpoint (the model "
+                                                                              "built in fp32 first)")
+    assert host_need(["naive", "sharded_read"], [2, 8], 1, 1000, 2, "cpu", False) == (6000, "naive at N = 2")
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--simulate_world_size", "8,32"], "naive at N = 8"),
+    (["--simulate_world_size", "8", "--modes", "sharded_read"], "writing the checkpoint"),
+])
+def test_a_launch_the_host_cannot_hold_is_refused_with_the_figure_it_needs(argv, said, tmp_path, monkeypatch):
+    """Before anything is built (the kernel would kill it minutes in): how much, for what, and what is there."""
+    monkeypatch.setattr(loading, "host_memory_for_launch", lambda: 3 << 30)
+    line = refusal(loading.validate, ["--model", "qwen2.5-1.5b", "--device", "cpu", "--output_dir",
+                                      str(tmp_path / "out"), *argv])
+    assert line is not None and line.startswith("error: --model qwen2.5-1.5b needs about ") and said in line, line
+    assert "3.0 GiB are available" in line and not (tmp_path / "out").exists()
