@@ -280,6 +280,9 @@ def test_a_cpu_search_cannot_tell_what_fits_ranks_every_candidate_and_its_comman
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     said = " ".join(proc.stdout.split())
     assert "a CPU run: no cap, so it cannot tell what fits" in said and "estimated (e) on the rest" in said
+    # No GPU words on a CPU run: its ranks, what it can tell and what it cannot.
+    assert "tok/s/GPU" not in proc.stdout and "tok/s/rank" in proc.stdout and "one GPU first" not in said
+    assert "A CPU run checks the search, not the speed" in said and "Check it here first" in said
     result = load(out / "plan.json")
     assert result["meta"]["timings"] == 2 and all(c["fits"] is None for c in result["candidates"])
     ranked = [c for c in result["candidates"] if c["projected"]]

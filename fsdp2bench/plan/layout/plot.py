@@ -1,4 +1,5 @@
-"""layout.png: the layout search's candidates, rank 0's memory against projected tokens per second per GPU."""
+"""layout.png: the layout search's candidates, rank 0's memory against projected tokens per second per GPU (per rank,
+and the memory estimated, on a CPU run)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,14 @@ GROUPS = (  # (fits, compute measured), marker, label
     ((None, False), ".", "cannot tell if it fits, compute estimated"))
 
 
+# The axes by the device the search ran on: a CPU run measures no GPU memory, and its ranks would share one host.
+AXES = {"cuda": ("rank 0's peak reserved, GiB (measured + the memory model's difference where its shapes ran, else "
+                 "estimated, calibrated where its levers were timed)",
+                 "tokens/s per GPU, projected (compute + communication, no overlap)"),
+        "cpu": ("rank 0's GPU memory, GiB, estimated by the memory model (a CPU run measures none)",
+                "tokens/s per rank, projected (a CPU run: one rank alone on this host, GPU links assumed)")}
+
+
 def plot_layout_search(plan: dict, path: str) -> None:
     """Each ranked candidate as a point, marked by whether it fits and whether its compute was measured; the cap
     as a vertical line; the winner ringed. Candidates that do not fit have no projected speed and are not drawn
@@ -43,11 +52,12 @@ def plot_layout_search(plan: dict, path: str) -> None:
     if cap:
         ax.axvline(cap * MIB / (1 << 30), color="grey", linestyle="--", label="the allocator's limit")
     meta = plan["meta"]
-    ax.set_xlabel("rank 0's peak reserved, GiB (measured + the memory model's difference where its shapes ran, "
-                  "else estimated, calibrated where its levers were timed)", fontsize=8)
-    ax.set_ylabel("tokens/s per GPU, projected (compute + communication, no overlap)", fontsize=8)
+    x_label, y_label = AXES["cpu" if meta.get("device") == "cpu" else "cuda"]
+    ax.set_xlabel(x_label, fontsize=8)
+    ax.set_ylabel(y_label, fontsize=8)
+    ended = " (interrupted: only the timings that ended are measured)" if meta.get("interrupted") else ""
     ax.set_title(f"{meta['model']}: N = {meta['world_size']}, {meta['global_batch']} x {meta['block_size']} tokens "
-                 f"a step", fontsize=10)
+                 f"a step{ended}", fontsize=10)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

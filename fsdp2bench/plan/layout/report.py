@@ -18,8 +18,9 @@ SHOWN = 15  # ranked rows on the console (plan.json holds every candidate)
 
 def table(found: list[Assessed], setup: Setup) -> list[str]:
     """The fitting candidates, fastest first by projected tokens/s (no overlap), each figure with its label."""
+    per = "GPU" if setup.cap else "rank"  # a CPU run has ranks, no GPU
     lines = [f"{'#':>3} {'candidate':58} {'memory GiB':>17} {'compute s':>10} {'comm s':>8} "
-             f"{'tok/s/GPU':>10} {'full overlap':>12}",
+             f"{'tok/s/' + per:>10} {'full overlap':>12}",
              f"{'':>3} {'':58} {'':>17} {'':>10} {'project.':>8} {'projected':>10} {'projected':>12}"]
     for i, f in enumerate(ranked(found)[:SHOWN], 1):
         p = f.projected
@@ -89,8 +90,11 @@ def print_search(found: list[Assessed], setup: Setup, notes: list[str], timings:
     config = (f"accelerate config fields ({CONFIG_NAME}; the loss, selective checkpointing and the accumulation stay "
               f"main.py flags):\n    {json.dumps(said['accelerate_config'])}" if not said["accelerate_refuses"] else
               f"accelerate refuses this layout ({said['accelerate_refuses']}): train it with torchrun")
-    print(f"\nThe fastest measured by projection{above}: {said['name']}\n    {said['torchrun']}\nCheck it on one "
-          f"GPU first:\n    {said['one_gpu_check']}\n{config}", flush=True)
+    check = "Check it on one GPU first" if setup.cap else "Check it here first (a CPU run: one process plays rank 0)"
+    print(f"\nThe fastest measured by projection{above}: {said['name']}\n    {said['torchrun']}\n{check}:\n"
+          f"    {said['one_gpu_check']}\n{config}", flush=True)
+    if not setup.cap:
+        say(CPU_TELLS)
 
 
 def winner_said(found: list[Assessed], setup: Setup) -> dict | None:
@@ -105,11 +109,20 @@ def winner_said(found: list[Assessed], setup: Setup) -> dict | None:
     return said
 
 
+# What a search on the CPU can and cannot tell, said where its winner is.
+CPU_TELLS = ("A CPU run checks the search, not the speed: each timing is one simulated rank alone on this host's cores "
+             "(N ranks here would share them), the communication is projected over GPU links it does not have, and "
+             "the memory column is the memory model's estimate for a GPU (its CUDA context and workspaces included), "
+             "not this host's. What it does tell: which layouts and levers this model admits at N, that each "
+             "candidate's commands run, and how the search would rank them. A real ranking needs a GPU.")
+
+
 def legend(found: list[Assessed], setup: Setup, timings: list[dict]) -> str:
     cap = f"under {setup.cap.gib:g} GiB" if setup.cap else "(a CPU run: no cap, so it cannot tell what fits)"
+    per = "GPU" if setup.cap else "rank"
     rows = ranked(found)
     measured = sum(f.projected["compute_measured"] for f in rows)
-    return (f"Ranked by projected tokens per second per GPU {cap}, {len(rows)} candidates: compute measured on "
+    return (f"Ranked by projected tokens per second per {per} {cap}, {len(rows)} candidates: compute measured on "
             f"{measured} (one simulated rank alone on the device, {len(timings)} timings; ~ where other runs shared "
             f"it) and estimated (e) on the rest from the nearest timing's FLOP/s and the levers' ratios; "
             f"communication projected over {setup.links.within_gbps:g} GB/s within a node of "
