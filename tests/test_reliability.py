@@ -158,7 +158,7 @@ def test_every_entry_script_takes_interrupts_in_one_line_before_any_other_import
         assert before == ["from __future__ import annotations", "import sys",
                           "from fsdp2bench.processes.first import one_line_interrupts"], script
         assert ast.unparse(body[handler]) == "if __name__ == '__main__':\n    one_line_interrupts()", script
-    first = ast.parse((ROOT / "fsdp2bench" / "first.py").read_text())
+    first = ast.parse((ROOT / "fsdp2bench" / "processes" / "first.py").read_text())
     imported = {alias.name for node in ast.walk(first) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(first) if isinstance(node, ast.ImportFrom)}
     assert imported == {"__future__", "os", "signal", "sys"}
