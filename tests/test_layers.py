@@ -97,6 +97,7 @@ def test_the_layer_check_fails_on_an_import_that_runs_up(tmp_path):
 
 MODULE_TEXT = re.compile(r"(?<![\w./-])fsdp2bench(?:\.[a-z_]+)+")
 PATH_TEXT = re.compile(r"(?<![\w./-])fsdp2bench/[\w/]+\.py")
+JOINED_PATH = re.compile(r'"fsdp2bench"((?:\s*[/,]\s*"[\w.]+")+)')  # a path joined of parts
 TEXT_FILES = [*ROOT.glob("*.py"), *ROOT.glob("fsdp2bench/**/*.py"), *ROOT.glob("tests/*.py"), *ROOT.glob("docs/*.md"),
               ROOT / "README.md"]
 
@@ -119,6 +120,8 @@ def test_every_module_path_written_as_text_is_there(path):
     dotted = {m for m in MODULE_TEXT.findall(text) if m not in OLDER_TREES}
     missing = [m for m in sorted(dotted) if not names_a_module(m)]
     files = {m for m in PATH_TEXT.findall(text) if m not in OLDER_TREES}
+    files |= {"/".join(["fsdp2bench", *re.findall(r'"([\w.]+)"', parts)]) for parts in JOINED_PATH.findall(text)}
+    files = {f for f in files if f.endswith(".py") and f not in OLDER_TREES}
     missing += [f for f in sorted(files) if not (ROOT / f).is_file()]
     assert not missing, missing
 
