@@ -90,6 +90,7 @@ def run(argv: list[str] | None = None) -> int:
             "options_from": accelerate_config.summary_of(checked.config, args.option_sources),
             "per_optimizer_step": per_optimizer_step(args, fsdp_options, session.world_size),
             "gpu_memory": checked.cap.as_dict() if checked.cap else None,
+            "emulated_links": vars(checked.links) if checked.links else None,
             "args": {k: (v if k != "inject_failure" or v is None else vars(v)) for k, v in vars(args).items()}}
     shared = weights.create() if args.init_device == "cpu" else None
     concurrent, room = variants_at_once(args, session, names, fsdp_options, checked.cap, shared is not None)
@@ -101,7 +102,8 @@ def run(argv: list[str] | None = None) -> int:
                         inject_failure=args.inject_failure, init_device=args.init_device, build_threads=cores,
                         compute_threads=meta["threads_per_variant"],
                         weights=shared, quiet=args.quiet,
-                        options=fsdp_options, allocator_limit=checked.cap.allocator_bytes if checked.cap else None)
+                        options=fsdp_options, allocator_limit=checked.cap.allocator_bytes if checked.cap else None,
+                        links=checked.links)
     suite = Suite(session, names, train, batches, meta, args.output_dir, concurrent,
                   {"meta": {**meta, "timeline": timeline}}, room)
     line = accelerate_config.said(checked.config, args.option_sources, args)

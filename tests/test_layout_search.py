@@ -18,9 +18,10 @@ from fsdp2bench.names import GIB, MIB
 from fsdp2bench.options import accelerate_config
 from fsdp2bench.options.fsdp import FsdpOptions
 from fsdp2bench.options.layout import Degrees
+from fsdp2bench.options.links import Links, parse_links
 from fsdp2bench.plan.layout import report, search as layout_search, timing as layout_timing
 from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, Levers, candidates_of, layouts_of, parse_levers
-from fsdp2bench.plan.layout.traffic import Links, parse_links, step_collectives
+from fsdp2bench.plan.layout.traffic import step_collectives
 from fsdp2bench.run import arguments
 from fsdp2bench.run.session import model_facts
 

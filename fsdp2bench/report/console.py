@@ -4,7 +4,7 @@ the checks, and why a run failed; every figure is summary.json's (summary.py).""
 from __future__ import annotations
 
 from fsdp2bench.cli import say
-from fsdp2bench.names import INTENDED, MIB, MICROBATCH_PHASE, UNFIXED, size_said
+from fsdp2bench.names import INTENDED, MIB, MICROBATCH_PHASE, UNFIXED, short_name, size_said
 from fsdp2bench.options.layout import AXES
 from fsdp2bench.options.step import MODEL, UPSTREAM
 from fsdp2bench.report.summary import (ACCELERATE, MEASURED_FIGURES, TORCH, worst_rank, compared_sizes, failed_status,
@@ -79,6 +79,9 @@ def speed_said(summary: dict, entries: list[dict]) -> str:
             f"model FLOPs per token (docs/levers.md) against {peak}.")
     if any(f["compute_only"] for f in figures):
         line += " *: compute only (a simulated rank: no communication happens)."
+    if any(f.get("emulated") for f in figures):
+        line += (" +: communication emulated (each collective's time, by the links in summary.json's "
+                 "meta.emulated_links, waited on the GPU stream FSDP2 issues it on; what the compute hides is hidden).")
     missing = next((f["not_measured"] for f in figures if f["not_measured"]), None)
     if missing:
         line += f" n/a: {missing}."
@@ -198,6 +201,21 @@ def accumulation_sentences(summary: dict) -> list[str]:
     return out
 
 
+def emulated_said(summary: dict) -> list[str]:
+    """Per run with emulated communication: each kind of collective a step issued, and the time it was given."""
+    lines = []
+    for n, rank, name, v in simulated_entries(summary["simulated"]):
+        emulated = (v.get("emulated") or [None])[0]
+        if v["status"] != "ok" or not emulated:
+            continue
+        kinds = "; ".join(f"{kind} {e['calls']:g} calls, {size_said(e['bytes'])}, {e['emulated_s'] * 1e3:.2f} ms"
+                          for kind, e in emulated["per_step"].items())
+        how = "waited on the GPU" if emulated["waited_on_the_gpu"] else "priced only: on a CPU nothing waits"
+        lines.append(f"Emulated a step, N = {n} rank {rank} {short_name(name)}: {kinds or 'no collective'}; "
+                     f"{emulated['emulated_s_per_step'] * 1e3:.2f} ms of communication in all ({how}).")
+    return lines
+
+
 def print_sweep_table(summary: dict) -> None:
     sim = summary["meta"]["simulated"]
     say(f"\nSimulated world sizes ({summary['meta']['model']}): one process played each rank shown, on a fake "
@@ -226,6 +244,8 @@ def print_sweep_table(summary: dict) -> None:
         "every byte of the state, at every moment, with the FSDP2 sharding rule.", indent="     ")
     say(speed_said(summary, [v for *_, v in simulated_entries(summary["simulated"]) if v["status"] == "ok"]),
         indent="     ")
+    for line in emulated_said(summary):
+        say(line, indent="     ")
     crossover = summary["simulation_findings"]["unfixed_exceeds_intended_from_world_size"]
     exact = (summary.get("projection") or {}).get("unfixed_costs_more_from_world_size")
     rule = f"; by the sharding rule from N = {exact} on" if exact else ""

@@ -18,6 +18,7 @@ from fsdp2bench.memory import estimate
 from fsdp2bench.names import VARIANTS, rank_file
 from fsdp2bench.options import accelerate_config, levers, fsdp as options, step
 from fsdp2bench.options.layout import CP_STRATEGIES, Layout
+from fsdp2bench.options.links import Links, check_nodes_fit, parse_links
 from fsdp2bench.processes import simulation
 from fsdp2bench.processes.isolation import launcher_keeps_to_one_thread
 from fsdp2bench.processes.starting import check_launcher_env
@@ -46,6 +47,9 @@ def parse_failure(text: str) -> FailureSpec:
 
 
 SIMULATE_RANK_DEFAULT = "0"
+
+
+DEFAULT_LINKS = "h100-h200-sxm"  # --emulate_communication alone: Links' defaults
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,6 +104,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --simulate_world_size: the rank(s) R to play, integers in [0, N) or 'last' for N-1; "
                         "'last' is skipped where the sharding rule gives it the bytes of a rank already played "
                         "(default: 0)")
+    p.add_argument("--emulate_communication", nargs="?", const=DEFAULT_LINKS, default=None,
+                   metavar="WITHIN,ACROSS|FILE",
+                   help="with --simulate_world_size: each collective the simulated rank issues costs its time, as a "
+                        "sleep on the GPU stream it is issued on, over links of WITHIN GB/s within a node and ACROSS "
+                        "per NIC, or a JSON FILE of the links (docs/links.md); alone: 8-GPU H100/H200 SXM nodes, "
+                        "400 Gb/s a GPU (default: off: compute only)")
     add_fsdp_options(p)
     add_step_options(p)
     p.add_argument("--inject_failure", type=parse_failure, default=None,
@@ -430,7 +440,7 @@ def versions() -> dict:
             "transformers": transformers.__version__, "python": sys.version.split()[0]}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Checked:
     """A command line that main.py accepts, and what checking it produced."""
     args: argparse.Namespace
@@ -440,6 +450,20 @@ class Checked:
     batches: torch.Tensor  # this rank's: (steps, sequences, block)
     cap: estimate.GpuCap | None  # --gpu_memory
     config: accelerate_config.ConfigOptions | None  # the user's accelerate config, where one is read
+    links: Links | None  # --emulate_communication
+
+
+def emulation_links(args: argparse.Namespace) -> Links | None:
+    """--emulate_communication's links, for the simulated ranks only: real ranks communicate for real."""
+    if args.emulate_communication is None:
+        return None
+    if not args.simulate_world_size:
+        raise UserError("--emulate_communication needs --simulate_world_size: real ranks communicate for real")
+    given = args.emulate_communication
+    links = parse_links(None if given == DEFAULT_LINKS else given, "--emulate_communication")
+    for n in simulation.parse_world_sizes(args.simulate_world_size):
+        check_nodes_fit(links, n, "--emulate_communication")
+    return links
 
 
 def validate(argv: list[str] | None = None, world_size: int | None = None) -> Checked:
@@ -490,7 +514,8 @@ def checked_launch(args: argparse.Namespace, world_size: int | None) -> Checked:
                            device_type, fsdp_options,
                            estimate.rank_logits_bytes(args.batch_size, args.block_size, facts.config, fsdp_options))
     cap = None if args.gpu_memory is None else estimate.gpu_cap(args.gpu_memory, pick_device(args.device).index)
-    return Checked(args, names, fsdp_options, facts, batches, cap, config)
+    return Checked(args=args, names=names, fsdp_options=fsdp_options, facts=facts, batches=batches, cap=cap,
+                   config=config, links=emulation_links(args))
 
 
 def check_wrapped_classes(config: accelerate_config.ConfigOptions | None, layer_classes: list[str]) -> None:

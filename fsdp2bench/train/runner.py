@@ -19,8 +19,10 @@ from fsdp2bench.memory.accounting import account, applied_setup, gathered_block_
 from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, rank_file
 from fsdp2bench.options.fsdp import FsdpOptions
 from fsdp2bench.options.layout import Meshes
+from fsdp2bench.options.links import Links
 from fsdp2bench.options.step import kept_output_bytes
 from fsdp2bench.processes.child import TracedChild, run_traced_child
+from fsdp2bench.processes.emulation import emulated
 from fsdp2bench.processes.isolation import STAND_DOWN, StoreKeys, init_group, name_process, wait_at_gate
 from fsdp2bench.processes.simulation import init_simulated_group
 from fsdp2bench.train import throughput
@@ -58,6 +60,7 @@ class TrainConfig:
     quiet: bool  # no progress lines
     options: FsdpOptions = FsdpOptions()  # the FSDP2 options every variant applies
     allocator_limit: int | None = None  # bytes PyTorch may reserve on the GPU (--gpu_memory), None: all
+    links: Links | None = None  # a simulated rank's collectives cost their time over these (--emulate_communication)
 
 
 @dataclass(kw_only=True)
@@ -299,7 +302,8 @@ def train_busy(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: d
                       runs_beside=max(record["runs_beside"], share.others()))
         progress.update(step, record["loss"], record["peak_allocated_mib"], seconds)
 
-    with collector_paused():
+    links = job.train.links if job.simulated else None
+    with collector_paused(), emulated(links, job.device) as tally:
         for step, batch in enumerate(batches):
             injected_failure(job, step, tracker, prep.model)
             tracker.polling = not (job.train.tracker_overhead and step % 2)
@@ -319,7 +323,8 @@ def train_busy(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: d
     found = {"wall_s": time.perf_counter() - start, "accounting": {**accounting, "end_of_training": held()},
              "expected_kept_output_bytes": expected_kept_outputs(job), "applied": applied,
              "gathered_block_bytes": gathered_block_bytes(prep.model, job.layer_classes),
-             "speed": run_speed(job, prep.model, tracker.steps),
+             "speed": run_speed(job, prep.model, tracker.steps, emulated=tally is not None and tally.waited),
+             "emulated": None if tally is None else tally.per_step(len(job.batches)),
              "allocator": tracker.allocator_stats(), "counter_peaks": tracker.counter_peaks(),
              "polled_peaks": tracker.polled_peaks()}
     if records_history(job):  # while the model exists to name the blocks
@@ -329,18 +334,20 @@ def train_busy(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: d
     return found
 
 
-def run_speed(job: Job, model: torch.nn.Module, steps: list[dict]) -> dict:
-    return steps_speed(steps, job.batches.shape, job.train.options, model, job.config, job.device, job.simulated)
+def run_speed(job: Job, model: torch.nn.Module, steps: list[dict], emulated: bool) -> dict:
+    return steps_speed(steps, job.batches.shape, job.train.options, model, job.config, job.device, job.simulated,
+                       emulated)
 
 
 def steps_speed(steps: list[dict], batches_shape, options: FsdpOptions, model: torch.nn.Module, config,
-                device: torch.device, simulated: bool) -> dict:
+                device: torch.device, simulated: bool, emulated: bool = False) -> dict:
     """Tokens per second per GPU and MFU of a run's clean steps (throughput.py), from its batches'
     (steps, sequences, block) and its model (main.py's runs and the bare loop alike)."""
     _, sequences, block = batches_shape
     tokens = sequences * block / (options.layout.cp_size * options.layout.tp_size)
     flops = throughput.model_flops_per_token(sum(p.numel() for p in model.parameters()), config, block)
-    return throughput.speed(steps, tokens, flops, gpu_name(device), options.compile, simulated)
+    return throughput.speed(steps, tokens, flops, gpu_name(device), options.compile, simulated and not emulated,
+                            emulated)
 
 
 def gpu_name(device: torch.device) -> str | None:

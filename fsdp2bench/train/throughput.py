@@ -54,8 +54,9 @@ def warmup_steps(compiled: bool) -> int:
 
 
 def speed(steps: list[dict], tokens_per_step: float, flops_per_token: int, gpu_name: str | None, compiled: bool,
-          simulated: bool) -> dict:
-    """One run's speed figures from its step records (``step_time_s``, ``runs_beside``)."""
+          compute_only: bool, emulated: bool = False) -> dict:
+    """One run's speed figures from its step records (``step_time_s``, ``runs_beside``): compute only on a
+    simulated rank, or with its communication emulated (processes/emulation.py)."""
     warm = warmup_steps(compiled)
     timed = [s for s in steps[warm:] if s.get("step_time_s") is not None]
     clean_steps = [s for s in timed if not s.get("runs_beside")]
@@ -63,7 +64,7 @@ def speed(steps: list[dict], tokens_per_step: float, flops_per_token: int, gpu_n
     peak = peak_flops(gpu_name)
     figures = {"tokens_per_step_per_gpu": tokens_per_step, "model_flops_per_token": flops_per_token,
                "warmup_steps": warm, "timed_steps": len(clean), "shared_steps": len(timed) - len(clean),
-               "compute_only": simulated, "peak_bf16_tflops": None if peak is None else peak / 1e12,
+               "compute_only": compute_only, "emulated": emulated, "peak_bf16_tflops": None if peak is None else peak / 1e12,
                "median_step_time_s": None, "median_optimizer_s": None, "tokens_per_s_per_gpu": None, "mfu": None,
                "compile_s": None, "not_measured": None}
     if len(clean) < MIN_TIMED_STEPS:
@@ -89,10 +90,12 @@ def unmeasured_reason(steps: int, warm: int, shared: int) -> str:
 
 
 def rate_said(figures: dict | None) -> str:
-    """Tokens per second per GPU for a table cell: n/a where not measured, * where compute only."""
+    """Tokens per second per GPU for a table cell: n/a where not measured, * where compute only, + where its
+    communication was emulated."""
     if not figures or figures.get("tokens_per_s_per_gpu") is None:
         return "n/a"
-    return f"{figures['tokens_per_s_per_gpu']:.0f}{'*' if figures['compute_only'] else ''}"
+    mark = "*" if figures["compute_only"] else "+" if figures.get("emulated") else ""
+    return f"{figures['tokens_per_s_per_gpu']:.0f}{mark}"
 
 
 def mfu_said(figures: dict | None) -> str:

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fsdp2bench.names import GIB
+from fsdp2bench.options.links import Links
 from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, estimated_bytes
-from fsdp2bench.plan.layout.traffic import Links, step_collectives
+from fsdp2bench.plan.layout.traffic import step_collectives
 from fsdp2bench.train.throughput import model_flops_per_token, peak_flops
 
 if TYPE_CHECKING:  # the types alone: the search runs in the planner's process, which never imports torch's models

@@ -13,90 +13,39 @@ and 2(G-1)/G of an all-reduce's), from the exact parameter shapes of the memory 
 * CP (all-gather): per block and microbatch, the keys and values all-gathered in forward and in backward and
   their gradients reduce-scattered (one more all-gather under full checkpointing).
 
-Left out: the embedding's and head's TP collectives, latency and the ring's start-up, overlap with compute (the
-caller combines by a stated rule), congestion, stragglers. No torch: the planner imports it.
+Each is priced over its group's shape (``Links.gbps``: NVLink within a node, one NIC per member of the group in a
+node across nodes). Left out: the embedding's and head's TP collectives, latency and the ring's start-up, overlap
+with compute (the caller combines by a stated rule), congestion, stragglers. No torch: the planner imports it.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
 from dataclasses import asdict, dataclass
 
-from fsdp2bench.cli import UserError
 from fsdp2bench.memory.accounting import float8_weight, reduce_dtype_bytes, tp_local_shape
 from fsdp2bench.options.fsdp import FP32, FULL_AC, FsdpOptions
 from fsdp2bench.options.layout import Degrees
+from fsdp2bench.options.links import Links
 
 BF16 = 2
 
 
 @dataclass(frozen=True)
-class Links:
-    """GB/s (1e9 bytes) per direction per GPU within a node of ``node_size`` GPUs and across nodes. The defaults:
-    NVLink 4 (H100 and H200 SXM, 900 GB/s both ways) and 400 Gb/s RDMA per GPU."""
-    node_size: int = 8
-    within_gbps: float = 450.0
-    across_gbps: float = 50.0
-
-    def gbps(self, span: int) -> float:
-        """A group whose ranks lie within ``span`` consecutive ranks runs at the slowest link it crosses."""
-        return self.within_gbps if span <= self.node_size else self.across_gbps
-
-
-def parse_links(text: str | None) -> Links:
-    """``--links``: WITHIN,ACROSS in GB/s, or a JSON file with node_size, within_gbps and across_gbps."""
-    if text is None:
-        return Links()
-    if os.path.isfile(text):
-        return links_from_file(text)
-    if os.path.exists(text):
-        raise UserError(f"--links {text}: not a regular file (a JSON file with node_size, within_gbps and "
-                        "across_gbps, or WITHIN,ACROSS in GB/s)")
-    try:
-        within, across = (float(part) for part in text.split(","))
-    except ValueError:
-        raise UserError(f"--links {text!r}: expected WITHIN,ACROSS in GB/s per direction (450,50) or a JSON "
-                        "file with node_size, within_gbps and across_gbps") from None
-    return checked_links(Links(within_gbps=within, across_gbps=across), "--links")
-
-
-def links_from_file(path: str) -> Links:
-    try:
-        with open(path) as f:
-            fields = json.load(f)
-        links = Links(**{k: fields[k] for k in fields})
-    except (OSError, ValueError, TypeError) as exc:
-        raise UserError(f"--links {path}: not a JSON object of node_size, within_gbps and across_gbps "
-                        f"({type(exc).__name__}: {exc})") from None
-    return checked_links(links, f"--links {path}")
-
-
-def checked_links(links: Links, said: str) -> Links:
-    good = [isinstance(links.node_size, int) and links.node_size >= 1,
-            *(isinstance(v, (int, float)) and 0 < v < math.inf for v in (links.within_gbps, links.across_gbps))]
-    if not all(good):
-        raise UserError(f"{said}: node_size must be a positive integer and each GB/s a positive number, got "
-                        f"{asdict(links)}")
-    return links
-
-
-@dataclass(frozen=True)
 class Collective:
-    """One kind of collective in a step: its group's size, the consecutive ranks the group spans (which says
-    whether it leaves a node), and the bytes one rank receives in the step."""
+    """One kind of collective in a step: its group's size, the consecutive ranks the group spans (with the size,
+    its shape over the nodes: options/links.py), and the bytes one rank receives in the step."""
     name: str
     group: int
     span: int
     bytes: int
 
     def seconds(self, links: Links) -> float:
-        return self.bytes / (links.gbps(self.span) * 1e9)
+        return self.bytes / (links.gbps(self.group, self.span) * 1e9)
 
     def as_dict(self, links: Links) -> dict:
-        return {**asdict(self), "gbps": links.gbps(self.span), "projected_s": self.seconds(links)}
+        return {**asdict(self), "gbps": links.gbps(self.group, self.span), "projected_s": self.seconds(links)}
 
 
 @functools.lru_cache(maxsize=4096)

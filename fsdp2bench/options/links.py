@@ -1,0 +1,123 @@
+"""The cluster's links, and what a collective over a group of ranks costs on them: a ring over the group's shape.
+
+Within a node a GPU moves ``within_gbps`` per direction (NVLink 4 on H100 and H200 SXM: 900 GB/s both ways). Across
+nodes every GPU has a NIC of its own (``across_gbps``, 400 Gb/s RDMA: 50 GB/s), one rail per local GPU, and NCCL
+runs a ring channel per rail: a group that holds k GPUs of each node it spans crosses between nodes on k NICs at
+once (k x ``across_gbps``, capped by NVLink), while a group of one GPU per node (HSDP's replicas) has one NIC.
+Each ring step adds a latency: ``latency_within_us`` inside a node, ``latency_across_us`` between nodes
+(assumed, of the order NCCL's own tuning model gives its ring's per-hop latency on NVLink and on a network).
+
+A ring all-gather or reduce-scatter of a whole of B bytes over G ranks moves (G-1)/G B into each rank in G-1 steps;
+an all-reduce twice that. NCCL switches to trees at large G and small messages, and to NVLS on NVSwitch systems;
+neither is modelled (docs/links.md). No torch here: the planner and the command lines import it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from fsdp2bench.cli import UserError
+
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, BROADCAST = "all_gather", "reduce_scatter", "all_reduce", "broadcast"
+# How many times the whole a ring moves into each rank, over (G-1)/G: an all-reduce is a reduce-scatter and an
+# all-gather; a broadcast (pipelined along the ring) about one whole.
+RING_WHOLES = {ALL_GATHER: 1, REDUCE_SCATTER: 1, ALL_REDUCE: 2, BROADCAST: 1}
+
+
+@dataclass(frozen=True)
+class Links:
+    """GB/s (1e9 bytes) per direction per GPU within a node of ``node_size`` GPUs and per NIC across nodes, and the
+    latency of one ring step in microseconds. The defaults: 8-GPU H100 or H200 SXM nodes, one 400 Gb/s NIC a GPU."""
+    node_size: int = 8
+    within_gbps: float = 450.0
+    across_gbps: float = 50.0
+    latency_within_us: float = 1.0
+    latency_across_us: float = 5.0
+
+    def group_gbps(self, ranks: Sequence[int]) -> float:
+        """A ring over ``ranks``: NVLink inside one node; across nodes one rail per member of the group in the node
+        that holds fewest of them (the ring is as fast as its slowest crossing), capped by NVLink."""
+        nodes = members_per_node(ranks, self.node_size)
+        if len(nodes) <= 1:
+            return self.within_gbps
+        return min(self.within_gbps, min(nodes.values()) * self.across_gbps)
+
+    def gbps(self, group: int, span: int) -> float:
+        """The same for a group of ``group`` ranks evenly spread over ``span`` consecutive ranks (rank 0's groups
+        in a layout: tp innermost, then cp, then the shards, then the replicas)."""
+        return self.group_gbps(range(0, span, max(1, span // group)))
+
+    def collective_s(self, kind: str, whole_bytes: int, ranks: Sequence[int]) -> float:
+        """Seconds of one ring collective over ``ranks`` of a whole of ``whole_bytes`` (the gathered output, the
+        reduce-scattered input, the all-reduced or broadcast tensor)."""
+        g = len(ranks)
+        if g <= 1:
+            return 0.0
+        steps = (g - 1) * RING_WHOLES[kind]
+        crosses = len(members_per_node(ranks, self.node_size)) > 1
+        latency = (self.latency_across_us if crosses else self.latency_within_us) * 1e-6
+        return RING_WHOLES[kind] * (g - 1) / g * whole_bytes / (self.group_gbps(ranks) * 1e9) + steps * latency
+
+
+def members_per_node(ranks: Sequence[int], node_size: int) -> dict[int, int]:
+    """How many of ``ranks`` each node holds (node n holds ranks n x node_size to (n + 1) x node_size - 1)."""
+    counts: dict[int, int] = {}
+    for rank in ranks:
+        counts[rank // node_size] = counts.get(rank // node_size, 0) + 1
+    return counts
+
+
+def parse_links(text: str | None, flag: str = "--links") -> Links:
+    """WITHIN,ACROSS in GB/s, or a JSON file of ``Links``' fields (node_size, within_gbps, across_gbps, and the
+    latencies where other than the defaults)."""
+    if text is None:
+        return Links()
+    if os.path.isfile(text):
+        return links_from_file(text, flag)
+    if os.path.exists(text):
+        raise UserError(f"{flag} {text}: not a regular file (a JSON file with node_size, within_gbps and "
+                        "across_gbps, or WITHIN,ACROSS in GB/s)")
+    try:
+        within, across = (float(part) for part in text.split(","))
+    except ValueError:
+        raise UserError(f"{flag} {text!r}: expected WITHIN,ACROSS in GB/s per direction (450,50) or a JSON "
+                        "file with node_size, within_gbps and across_gbps") from None
+    return checked_links(Links(within_gbps=within, across_gbps=across), flag)
+
+
+REQUIRED = ("node_size", "within_gbps", "across_gbps")  # a file's latencies may be left at the defaults
+
+
+def links_from_file(path: str, flag: str) -> Links:
+    try:
+        with open(path) as f:
+            fields = json.load(f)
+        missing = [k for k in REQUIRED if k not in fields]
+        if missing:
+            raise UserError(f"{flag} {path}: no {', '.join(missing)} (a file gives {', '.join(REQUIRED)})")
+        links = Links(**{k: fields[k] for k in fields})
+    except (OSError, ValueError, TypeError) as exc:
+        raise UserError(f"{flag} {path}: not a JSON object of node_size, within_gbps and across_gbps "
+                        f"({type(exc).__name__}: {exc})") from None
+    return checked_links(links, f"{flag} {path}")
+
+
+def checked_links(links: Links, said: str) -> Links:
+    rates = (links.within_gbps, links.across_gbps, links.latency_within_us, links.latency_across_us)
+    good = [isinstance(links.node_size, int) and not isinstance(links.node_size, bool) and links.node_size >= 1,
+            *(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in rates[:2]),
+            *(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf for v in rates[2:])]
+    if not all(good):
+        raise UserError(f"{said}: node_size must be a positive integer, each GB/s a positive number and each "
+                        f"latency a number of microseconds, got {asdict(links)}")
+    return links
+
+
+def check_nodes_fit(links: Links, world_size: int, said: str) -> None:
+    """Nodes of ``node_size`` GPUs must make up N (or N one part of a node)."""
+    if world_size > links.node_size and world_size % links.node_size:
+        raise UserError(f"{said}: nodes of {links.node_size} GPUs do not make up N = {world_size}")

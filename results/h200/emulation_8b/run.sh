@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# torchtitan's Llama-3.1-8B rows (local batch 2 x 8192, selective op checkpointing, bf16 parameters with fp32
+# reduction) at N = 8 and 128 on one GPU: rank 0 of each simulated N, compute only and with its communication
+# emulated (--emulate_communication, the default links: 8-GPU nodes, NVLink 450 GB/s, a 400 Gb/s NIC a GPU),
+# each pair in the same call. Run from the repository root:
+#   bash results/h200/emulation_8b/run.sh OUT ROW...   ROW: fsdp, compile, float8, or links_<WITHIN>_<ACROSS>
+# Each run writes OUT/<row>_<kind>/summary.json and console.txt (the traces stay in /tmp/emulation_8b).
+set -u
+out=$1
+shift
+nvidia-smi --query-gpu=name,power.limit,memory.total,clocks.max.sm --format=csv > "$out/gpu.txt" 2>&1
+python3 -c "import torch, accelerate, transformers, sys; print(torch.__version__, accelerate.__version__, \
+transformers.__version__, sys.version.split()[0])" > "$out/versions.txt"
+run() {  # $1: the run's name; the rest: its flags beyond the common ones
+    local name=$1
+    shift
+    mkdir -p "$out/$name"
+    local start=$SECONDS
+    python3 main.py --model results/h200/long_context_8b/model --simulate_world_size 8,128 --batch_size 2 \
+        --block_size 8192 --mixed_precision_policy bf16_params_fp32_reduce --loop trainer --init_device cuda \
+        --max_steps 6 --concurrent_variants 1 --quiet --variants torch_optimizer_after_fsdp \
+        --activation_checkpointing selective "$@" --output_dir "/tmp/emulation_8b/$name" > "$out/$name/console.txt" 2>&1
+    echo "$name: exit $? in $((SECONDS - start)) s"
+    cp "/tmp/emulation_8b/$name/summary.json" "$out/$name/"
+}
+for row in "$@"; do
+    case $row in
+        fsdp) flags=() ;;
+        compile) flags=(--compile) ;;
+        float8) flags=(--compile --float8) ;;
+        links_*) IFS=_ read -r _ within across <<< "$row"; run "$row" --emulate_communication "$within,$across"
+                 continue ;;
+        *) echo "unknown row $row"; exit 2 ;;
+    esac
+    run "${row}_compute_only" "${flags[@]}"
+    run "${row}_emulated" "${flags[@]}" --emulate_communication
+done
