@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp2bench.cli import OneLineParser, UserError, check_ranges, parse_names, pick_device
+from fsdp2bench.cli import OneLineParser, UserError, check_ranges, gpu_memory_gib, parse_names, pick_device
 from fsdp2bench.files import check_output_dir, expect_path, looks_like_a_path, refuse_foreign
 from fsdp2bench.memory import estimate
 from fsdp2bench.names import VARIANTS, rank_file
@@ -84,10 +84,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tracker_overhead", action="store_true",
                    help="pause memory polling on every other step, to measure what polling costs (default: off)")
     p.add_argument("--quiet", action="store_true", help="no progress lines while the variants train (default: off)")
-    p.add_argument("--gpu_memory", type=float, default=None, metavar="GIB",
-                   help="train as on a GPU of GIB GiB: PyTorch's allocator gets GIB less the CUDA context a process "
-                        "holds (measured here), and a step that needs more runs out of memory; CUDA only "
-                        "(default: the whole GPU)")
+    p.add_argument("--gpu_memory", type=gpu_memory_gib, default=None, metavar="SIZE",
+                   help="train as on a GPU of SIZE: 80GB (10^9 bytes: 74.5 GiB), 80GiB, or a bare "
+                        "number of GiB; PyTorch's allocator gets SIZE less the CUDA context a process holds (measured "
+                        "here), and a step that needs more runs out of memory. A SIZE up to "
+                        f"{estimate.CARD_SHORTFALL * 100:.0f}%% above this GPU's is taken for the card's nominal "
+                        "size (80 on an 80 GB H100, which reports 79.2 GiB), said in one line; CUDA only (default: "
+                        "the whole GPU)")
     p.add_argument("--init_device", choices=["cpu", "cuda"], default="cpu",
                    help="where the model is built: cpu (the upstream's path: fully_shard moves each rank's shard "
                         "to the GPU; the weights are drawn once per rank on its share of the host's cores) or cuda (built on "
@@ -240,8 +243,7 @@ NUMBER_RANGES = {"batch_size": (1, 1 << 16), "block_size": (2, 1 << 20), "max_st
                  "ac_every": (1, 1 << 16),
                  "gradient_accumulation_steps": (1, 1 << 16), "dp_replicate_size": (1, 1 << 16),
                  "dp_shard_size": (1, 1 << 16), "cp_size": (1, 1 << 16), "tp_size": (1, 1 << 16),
-                 "learning_rate": (1e-12, 10.0), "seed": (0, 2**32 - 1), "log_interval": (0.001, 60.0),
-                 "gpu_memory": (0.001, 1 << 20)}
+                 "learning_rate": (1e-12, 10.0), "seed": (0, 2**32 - 1), "log_interval": (0.001, 60.0)}
 
 
 def option_defaults() -> dict:
