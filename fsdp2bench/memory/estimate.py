@@ -175,6 +175,11 @@ class GpuCap:
         return {"gib": self.gib, "gpu_total_mib": self.total / MIB, "cuda_context_mib": self.context / MIB,
                 "allocator_limit_mib": self.allocator_bytes / MIB, "asked_gib": self.asked}
 
+    def flags(self) -> list[str]:
+        """main.py's flags that give a run this cap on this GPU: none where it is the whole GPU, which a printed
+        command then means on the user's card too."""
+        return [] if self.gib >= self.total / GIB else ["--gpu_memory", f"{self.gib:g}"]
+
     def said(self) -> str | None:
         """The line that says the cap is the card's own, not the size asked, where the two differ."""
         if self.asked is None:

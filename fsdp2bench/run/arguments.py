@@ -24,7 +24,7 @@ from fsdp2bench.processes.starting import check_launcher_env
 from fsdp2bench.run import concurrency
 from fsdp2bench.run.session import ModelFacts, model_facts
 from fsdp2bench.run.versions import check_releases
-from fsdp2bench.train.data import load_tokens, rank_batches
+from fsdp2bench.train.data import builtin_for_steps, load_tokens, rank_batches
 from fsdp2bench.train.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS, default_model, max_positions
 from fsdp2bench.train.runner import FailureSpec
 
@@ -60,8 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fraction of the dataset's blocks to use, in (0, 1] (default: 1.0)")
     p.add_argument("--learning_rate", type=float, default=3e-5, help="AdamW learning rate (default: 3e-5)")
     p.add_argument("--seed", type=int, default=421, help="seed for the initial weights (default: 421)")
-    p.add_argument("--max_steps", type=int, default=None, help="stop each variant after this many steps "
-                   f"(default: one pass over the data; {simulation.DEFAULT_STEPS} with --simulate_world_size)")
+    p.add_argument("--max_steps", type=int, default=None, help="stop each variant after this many steps; the "
+                   "built-in text is repeated as often as they need, a --dataset gives at most one pass (default: one "
+                   f"pass over the data, at least one step; {simulation.DEFAULT_STEPS} with --simulate_world_size)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated variants, run in the order given: {', '.join(VARIANTS)} (default: all four)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
@@ -394,6 +395,18 @@ def files_written(args: argparse.Namespace, names: list[str], world: int) -> lis
             *(os.path.join(where, rank_file(name, kind, r)) for where, r in places for name in names for kind in kinds)]
 
 
+def run_batches(args: argparse.Namespace, fsdp_options: options.FsdpOptions, vocab_size: int, data_rank: int,
+                data_ranks: int) -> torch.Tensor:
+    """This rank's batches: of the user's --dataset as it is, or of the built-in text repeated to the steps asked."""
+    tokens = load_tokens(args.dataset, args.tokenizer, vocab_size)
+    microbatches = fsdp_options.gradient_accumulation_steps
+    if args.dataset is None:
+        tokens = builtin_for_steps(tokens, args.block_size, args.batch_size * microbatches, args.dataset_fraction,
+                                   data_ranks, args.max_steps)
+    return rank_batches(tokens, args.block_size, args.batch_size, args.dataset_fraction, data_rank, data_ranks,
+                        args.max_steps, microbatches)
+
+
 def data_share(args: argparse.Namespace, fsdp_options: options.FsdpOptions, rank: int, world: int) -> tuple[int, int]:
     """(which batches, out of how many shares): a rank's cp and tp peers train on its batches. A simulated
     rank has no peers to share the data with: every run takes the batches of a world of one."""
@@ -479,10 +492,8 @@ def checked_launch(args: argparse.Namespace, world_size: int | None) -> Checked:
         check_step(fsdp_options, facts.config, device_type)
     except UserError as error:
         raise accelerate_config.with_fields(error, args.config_fields) from None
-    tokens = load_tokens(args.dataset, args.tokenizer, facts.config.vocab_size)
-    batches = rank_batches(tokens, args.block_size, args.batch_size, args.dataset_fraction,
-                           *data_share(args, fsdp_options, launch_rank, launch_world), args.max_steps,
-                           fsdp_options.gradient_accumulation_steps)
+    batches = run_batches(args, fsdp_options, facts.config.vocab_size, *data_share(args, fsdp_options, launch_rank,
+                                                                                   launch_world))
     if args.inject_failure:
         check_failure_reachable(args.inject_failure, names, len(batches),
                                 played_ranks(args) or set(range(launch_world)))
