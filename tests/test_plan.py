@@ -14,7 +14,7 @@ import torch
 from conftest import child_running, load, refusal, run_script, start_script
 
 import plan
-from fsdp2bench.cli import OneLineParser, UserError
+from fsdp2bench.cli import OneLineParser, UserError, gpu_memory_gib
 from fsdp2bench.memory import estimate
 from fsdp2bench.names import MIB
 from fsdp2bench.plan import checks, report as plan_report, search as plan_search
@@ -353,6 +353,16 @@ def test_a_cap_beyond_the_card_says_what_this_card_can_do(monkeypatch):
     assert str(refused.value) == ("--gpu_memory 141 GiB: more than this GPU's 79.2 GiB (a cap is made real on a GPU "
                                   "at least as large): leave --gpu_memory out to run at this GPU's own 79.2 GiB, or "
                                   "pass --gpu_memory 79.1 or less")
+
+
+def test_a_printed_command_names_the_cap_only_where_it_is_less_than_the_gpu(monkeypatch):
+    """The layout search's check and timings: the whole GPU is no flag (on the user's card, that card), a smaller
+    cap its size in GiB, which reads back to the same bytes."""
+    monkeypatch.setattr(estimate, "measure_gpu", lambda index: (H100, 527 * MIB))
+    assert estimate.gpu_cap(None, 0).flags() == estimate.gpu_cap(80, 0).flags() == []
+    flags = estimate.gpu_cap(gpu_memory_gib("80GB"), 0).flags()
+    assert flags == ["--gpu_memory", "74.5058"]
+    assert estimate.gpu_cap(gpu_memory_gib(flags[1]), 0).process_bytes == pytest.approx(80e9, rel=1e-6)
 
 
 def test_a_launch_with_a_bad_flag_ends_in_one_line(tmp_path):
