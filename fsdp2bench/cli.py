@@ -245,7 +245,7 @@ GPU_MEMORY_RANGE = (0.001, 1 << 20)  # GiB
 
 
 def gpu_memory_gib(text: str) -> float:
-    """``--gpu_memory``, in GiB, from the size a user thinks in: ``80GB`` (10^9 bytes, as cards are sold), ``80GiB``,
+    """``--gpu_memory``, in GiB, from the size a user thinks in: ``80GB`` (10^9 bytes), ``80GiB``,
     ``80 GiB``, any case, or a bare number of GiB. Every script that takes the flag parses it here, so that
     a bad value gets the same one line everywhere."""
     match = re.fullmatch(r"\s*(.*?)\s*(gib|gb)?\s*", text, re.IGNORECASE)
