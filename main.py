@@ -109,6 +109,8 @@ def run(argv: list[str] | None = None) -> int:
     line = accelerate_config.said(checked.config, args.option_sources, args)
     if session.rank == 0 and line:
         say(line)
+    if session.rank == 0 and checked.cap is not None and checked.cap.said():
+        say(checked.cap.said())
     if session.rank == 0 and session.device.type == "cpu":
         print(f"Running on CPU{'' if args.simulate_world_size else ' with gloo'}: a functional run. Allocator "
               "figures are n/a; RSS is host memory, not GPU memory.")

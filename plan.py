@@ -70,6 +70,9 @@ def questions_of(checked: Checked) -> tuple[dict, dict]:
 def run(argv: list[str] | None = None) -> int:
     started = time.time()
     checked = validate(argv)
+    cap = checked.setup.cap if isinstance(checked, CheckedSearch) else checked.cap
+    if cap is not None and cap.said():
+        say(cap.said())
     if isinstance(checked, CheckedSearch):
         return run_search(checked, started)
     args = checked.args

@@ -10,6 +10,7 @@ import faulthandler
 import io
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -237,6 +238,26 @@ def check_ranges(args, ranges: dict[str, tuple[float, float]]) -> None:
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and low <= value <= high):
             raise UserError(f"--{name} must be in [{_number(low)}, {_number(high)}], got {value}")
+
+
+GPU_MEMORY_UNITS = {"": 1.0, "gib": 1.0, "gb": 1e9 / 2**30}  # in GiB: a bare number is GiB, GB is 10^9 bytes
+GPU_MEMORY_RANGE = (0.001, 1 << 20)  # GiB
+
+
+def gpu_memory_gib(text: str) -> float:
+    """``--gpu_memory``, in GiB, from the size a user thinks in: ``80GB`` (10^9 bytes), ``80GiB``,
+    ``80 GiB``, any case, or a bare number of GiB. Every script that takes the flag parses it here, so that
+    a bad value gets the same one line everywhere."""
+    match = re.fullmatch(r"\s*(.*?)\s*(gib|gb)?\s*", text, re.IGNORECASE)
+    try:
+        gib = float(match.group(1)) * GPU_MEMORY_UNITS[(match.group(2) or "").lower()]
+    except ValueError:
+        gib = math.nan
+    low, high = GPU_MEMORY_RANGE
+    if not (math.isfinite(gib) and low <= gib <= high):
+        raise UserError(f"--gpu_memory must be in [{low:g}, {high}] GiB, written as 80GB (10^9 bytes), 80GiB or "
+                        f"80 (GiB): got {text!r}")
+    return gib
 
 
 def _number(x: float) -> str:

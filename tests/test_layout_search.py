@@ -24,6 +24,7 @@ from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, Levers, candid
 from fsdp2bench.plan.layout.traffic import step_collectives
 from fsdp2bench.run import arguments
 from fsdp2bench.run.session import model_facts
+from fsdp2bench.train import data
 
 TINY = model_facts("tiny", 421)  # hidden 64, MLP 170, 2 blocks, 4 heads, 2 key/value heads, vocabulary 509, tied
 
@@ -314,6 +315,33 @@ def check_the_winners_commands(winner: dict, out, tmp_path) -> None:
         {axis: record[axis] for axis in ("dp_replicate", "dp_shard", "cp", "tp")}
     assert config.values.get("compile", False) == record["compile"]
     assert (config.values["activation_checkpointing"] == "full") == (record["activation_checkpointing"] == "full")
+
+
+def test_a_long_block_many_microbatch_candidates_commands_run_as_printed(tmp_path):
+    """B2 x 64 microbatches of 512 tokens at N = 4: the check's six steps are 393,216 tokens, more than one pass of the
+    built-in text (it held five; of the 8B search's winner, B4 x 16 of 8192 tokens, none: 'too few for one step').
+    Each command trains every step it names: the check, torchrun's flags and the accelerate config with them."""
+    setup = dataclasses.replace(setup_of(), world_size=4, block=512, global_sequences=4 * 2 * 64)
+    said = layout_search.commands(Candidate(Degrees(replicate=1, shard=4), "none", "model", False, False, 2, 64), setup)
+    assert layout_search.TIMING_STEPS * 2 * 64 * 512 > data.BUILTIN_TOKENS
+    check = shlex.split(said["one_gpu_check"])
+    ran = run_script([*check[1:], "--device", "cpu", "--output_dir", str(tmp_path / "check")], nproc=None)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    summary = load(tmp_path / "check" / "summary.json")
+    assert summary["meta"]["steps_per_variant"] == layout_search.TIMING_STEPS == 6
+    assert summary["meta"]["per_optimizer_step"]["tokens_per_rank"] == 2 * 64 * 512
+    trained = summary["simulated"]["4"]["0"][TRAINED]
+    assert trained["status"] == "ok" and trained["steps"] == 6
+    assert summary["checks"]["accounting_matches_expected"]["ok"]
+    torchrun = shlex.split(said["torchrun"])
+    main_args = torchrun[torchrun.index("main.py") + 1:]
+    assert main_args[-2:] == ["--max_steps", "6"]
+    real = arguments.validate([*main_args, "--device", "cpu", "--output_dir", str(tmp_path / "real")], 4)
+    assert real.batches.shape == (6, 2 * 64, 512)  # rank 0's: every step of its data rank's share
+    config = tmp_path / "accelerate_config.json"
+    assert report.write_unmarked(str(config), said["accelerate_config"]) is None
+    assert arguments.validate(["--config_file", str(config), *main_args, "--device", "cpu", "--output_dir",
+                               str(tmp_path / "accelerate")], 4).fsdp_options.gradient_accumulation_steps == 64
 
 
 @pytest.mark.parametrize("degrees, refused", [

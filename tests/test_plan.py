@@ -14,7 +14,7 @@ import torch
 from conftest import child_running, load, refusal, run_script, start_script
 
 import plan
-from fsdp2bench.cli import OneLineParser, UserError
+from fsdp2bench.cli import OneLineParser, UserError, gpu_memory_gib
 from fsdp2bench.memory import estimate
 from fsdp2bench.names import MIB
 from fsdp2bench.plan import checks, report as plan_report, search as plan_search
@@ -287,6 +287,82 @@ def test_a_cap_becomes_the_allocator_limit_less_the_context(monkeypatch):
     cap = estimate.gpu_cap(24, 0)
     assert cap.allocator_bytes == 24 * 1024 * MIB - 527 * MIB
     assert estimate.gpu_cap(None, 0).process_bytes == int(139.8 * 1024 * MIB)
+
+
+H100 = 85_031_714_816  # bytes, as torch reports an 80 GB H100: 79.2 GiB
+GPU_MEMORY_REFUSED = ("error: --gpu_memory must be in [0.001, 1048576] GiB, written as 80GB (10^9 bytes), 80GiB or "
+                      "80 (GiB): got {!r}")
+
+
+@pytest.mark.parametrize("text, process_bytes", [
+    ("80GB", 80 * 10**9), ("80gb", 80 * 10**9), ("80 GB", 80 * 10**9), ("7.5e1 GB", 75 * 10**9),
+    ("24GiB", 24 * 2**30), ("24 GiB", 24 * 2**30), ("24gib", 24 * 2**30), ("24", 24 * 2**30), ("2.5", 5 * 2**29),
+])
+def test_gpu_memory_takes_the_size_a_user_thinks_in(monkeypatch, text, process_bytes):
+    """Both parsers read it alike, and the cap made of it on an H100 is that many bytes."""
+    from fsdp2bench.run import arguments
+
+    gib = checks.parse_args(["--gpu_memory", text])[0].gpu_memory
+    assert gib == arguments.parse_args(["--gpu_memory", text]).gpu_memory
+    monkeypatch.setattr(estimate, "measure_gpu", lambda index: (H100, 527 * MIB))
+    cap = estimate.gpu_cap(gib, 0)
+    assert abs(cap.process_bytes - process_bytes) <= 1 and cap.said() is None
+
+
+@pytest.mark.parametrize("text", ["80XB", "80G", "nan", "inf", "-1", "0", "1e30", "", "GB", "nan GB", "80 GB GB"])
+def test_a_bad_gpu_memory_gets_the_same_line_from_every_script(text, tmp_path):
+    import speed
+    from fsdp2bench.run import arguments
+
+    out = ["--output_dir", str(tmp_path / "out")]
+    said = {refusal(plan.validate, ["--device", "cpu", *out, "--gpu_memory", text]),
+            refusal(arguments.validate, ["--device", "cpu", "--model", "tiny", *out, "--gpu_memory", text]),
+            refusal(speed.validate, ["--nproc_per_node", "1", *out, "--", "--gpu_memory", text])}
+    assert said == {GPU_MEMORY_REFUSED.format(text)}
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("script", ["main.py", "plan.py"])
+def test_a_launch_with_a_bad_gpu_memory_ends_in_one_line(script, tmp_path):
+    proc = run_script([script, "--device", "cpu", "--gpu_memory", "80XB", "--output_dir", str(tmp_path)], nproc=None)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [GPU_MEMORY_REFUSED.format("80XB")], \
+        proc.stderr
+
+
+@pytest.mark.parametrize("gib, total, cap_gib, said", [
+    (80, H100, H100 / 2**30, "--gpu_memory 80 GiB is taken for this card's nominal size: it reports 79.2 GiB, the "
+                             "cap here (cards report up to 8% under their nominal size)"),
+    (85, H100, H100 / 2**30, "--gpu_memory 85 GiB is taken for this card's nominal size: it reports 79.2 GiB"),
+    (80e9 / 2**30, H100, 80e9 / 2**30, None),  # 80GB: 74.5 GiB, under the card
+    (79.1, H100, 79.1, None),  # what the refusal of a larger cap offers
+    (141, 150_100_000_000, 150_100_000_000 / 2**30, "--gpu_memory 141 GiB is taken for this card's nominal size: "
+                                                    "it reports 139.8 GiB"),  # a 141 GB H200
+])
+def test_a_cap_at_the_cards_nominal_size_is_the_card_said_in_one_line(monkeypatch, gib, total, cap_gib, said):
+    monkeypatch.setattr(estimate, "measure_gpu", lambda index: (total, 527 * MIB))
+    cap = estimate.gpu_cap(gib, 0)
+    assert cap.gib == cap_gib and cap.process_bytes <= total
+    assert cap.said() is None if said is None else cap.said().startswith(said)
+    assert cap.as_dict()["asked_gib"] == (None if said is None else gib)
+
+
+def test_a_cap_beyond_the_card_says_what_this_card_can_do(monkeypatch):
+    monkeypatch.setattr(estimate, "measure_gpu", lambda index: (H100, 527 * MIB))
+    with pytest.raises(UserError) as refused:
+        estimate.gpu_cap(141, 0)
+    assert str(refused.value) == ("--gpu_memory 141 GiB: more than this GPU's 79.2 GiB (a cap is made real on a GPU "
+                                  "at least as large): leave --gpu_memory out to run at this GPU's own 79.2 GiB, or "
+                                  "pass --gpu_memory 79.1 or less")
+
+
+def test_a_printed_command_names_the_cap_only_where_it_is_less_than_the_gpu(monkeypatch):
+    """The layout search's check and timings: the whole GPU is no flag (on the user's card, that card), a smaller
+    cap its size in GiB, which reads back to the same bytes."""
+    monkeypatch.setattr(estimate, "measure_gpu", lambda index: (H100, 527 * MIB))
+    assert estimate.gpu_cap(None, 0).flags() == estimate.gpu_cap(80, 0).flags() == []
+    flags = estimate.gpu_cap(gpu_memory_gib("80GB"), 0).flags()
+    assert flags == ["--gpu_memory", "74.5058"]
+    assert estimate.gpu_cap(gpu_memory_gib(flags[1]), 0).process_bytes == pytest.approx(80e9, rel=1e-6)
 
 
 def test_a_launch_with_a_bad_flag_ends_in_one_line(tmp_path):

@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
+import torch
 from conftest import TINY, VARIANTS, load, run_script
 
 from fsdp2bench.cli import UserError
 from fsdp2bench.options import fsdp as options
 from fsdp2bench.report.matrix import NOT_OFFERED, fitting_sizes
 from fsdp2bench.run import arguments
+from fsdp2bench.train import data
 
 INTENDED = ["torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_fixed", "accelerate"]
 UNFIXED = "torch_optimizer_before_fsdp_not_fixed"
@@ -135,7 +138,8 @@ def test_matrix_sets_run_only_where_their_shards_divide_n():
      "--requires_all_reduce false needs HSDP"),
     (["--dp_replicate_size", "2", "--requires_all_reduce", "false"], "2", "--requires_all_reduce false needs HSDP"),
     (["--gradient_accumulation_steps", "0"], "1", "--gradient_accumulation_steps must be in [1, 65536], got 0"),
-    (["--gradient_accumulation_steps", "60000", "--max_steps", "1"], "1", "too few for one step"),
+    (["--gradient_accumulation_steps", "60000", "--batch_size", "16", "--block_size", "2048", "--max_steps", "1"], "1",
+     "960000 x 2048 tokens on 1 rank.s. would repeat the built-in text to 1,966,082,048 tokens, more than its 1,073,"),
 ])
 def test_a_bad_combination_is_refused_in_one_line_before_anything_runs(monkeypatch, tmp_path, flags, world, message):
     for name, value in {"RANK": "0", "WORLD_SIZE": world, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": world,
@@ -167,3 +171,27 @@ def test_an_option_the_installed_libraries_lack_is_refused(monkeypatch):
     with pytest.raises(UserError, match="GradientAccumulationPlugin has no sync_each_batch"):
         options.check(options.OPTION_SETS["accumulate"])
     options.check(options.OPTION_SETS["default"])  # nothing asked, nothing to refuse
+
+
+def test_a_run_asking_more_than_the_builtin_text_trains_every_step_it_asks(tmp_path):
+    """6 steps of 8 microbatches of 8 x 1024 tokens: 393,216, more than one pass of the built-in text."""
+    steps, k, b, block = 6, 8, 8, 1024
+    assert steps * k * b * block > data.BUILTIN_TOKENS
+    proc = run_script(["main.py", "--model", "tiny", "--device", "cpu", "--variants", INTENDED[0], "--batch_size",
+                       str(b), "--gradient_accumulation_steps", str(k), "--block_size", str(block), "--max_steps",
+                       str(steps), "--output_dir", str(tmp_path)], nproc=None)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = load(tmp_path / "summary.json")
+    assert summary["meta"]["steps_per_variant"] == steps and summary["meta"]["per_optimizer_step"]["tokens"] == 65536
+    losses = summary["variants"][INTENDED[0]]["losses"]
+    assert len(losses) == steps and all(math.isfinite(loss) and 5 < loss < 7 for loss in losses), losses
+
+
+def test_the_builtin_text_is_repeated_end_to_end_only_where_one_pass_is_short():
+    tokens = data.load_tokens(None, None, 509)
+    n = tokens.numel()
+    long = data.builtin_for_steps(tokens, 1024, 64, 1.0, 1, 6)  # 6 x 64 x 1024 tokens, and a block for the rounding
+    assert long.numel() == 2 * n and torch.equal(long[n:], tokens) and 6 * 64 * 1024 + 1024 <= long.numel()
+    assert torch.equal(data.builtin_for_steps(tokens, 128, 2, 1.0, 8, None), tokens)  # one pass holds it: as ever
+    half = data.builtin_for_steps(tokens, 2048, 100, 0.5, 2, None)  # one step of 2 ranks, half of the blocks kept
+    assert data.rank_batches(half, 2048, 100, 0.5, 1, 2, None).shape == (1, 100, 2048)

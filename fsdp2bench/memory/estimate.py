@@ -6,6 +6,7 @@ layout search all price a step with it; ``GpuCap`` is the GPU a run is given (``
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -147,6 +148,11 @@ def tokens_said(token_bytes: int) -> str:
     return f"{token_bytes / GIB:.1f} GiB of it the activations and logits of a step, by the planner's rule"
 
 
+# What a card reports short of its nominal size (the driver's and ECC's share): 80 GB H100 79.2 GiB,
+# 141 GB H200 139.8, 24 GB L4 22.5, 16 GB T4 15.0. A cap within it of the card is taken for the card.
+CARD_SHORTFALL = 0.08
+
+
 @dataclass(frozen=True)
 class GpuCap:
     """``--gpu_memory``: a GPU of ``gib`` GiB made real on a larger one. A process there holds its CUDA
@@ -155,6 +161,7 @@ class GpuCap:
     gib: float
     total: int  # this GPU's memory, as torch reports it
     context: int  # GPU memory in use once a fresh process has made its CUDA context
+    asked: float | None = None  # --gpu_memory in GiB, where it named this card's size and the card reports less
 
     @property
     def process_bytes(self) -> int:
@@ -166,7 +173,19 @@ class GpuCap:
 
     def as_dict(self) -> dict:
         return {"gib": self.gib, "gpu_total_mib": self.total / MIB, "cuda_context_mib": self.context / MIB,
-                "allocator_limit_mib": self.allocator_bytes / MIB}
+                "allocator_limit_mib": self.allocator_bytes / MIB, "asked_gib": self.asked}
+
+    def flags(self) -> list[str]:
+        """main.py's flags that give a run this cap on this GPU: none where it is the whole GPU, which a printed
+        command then means on the user's card too."""
+        return [] if self.gib >= self.total / GIB else ["--gpu_memory", f"{self.gib:g}"]
+
+    def said(self) -> str | None:
+        """The line that says the cap is the card's own, not the size asked, where the two differ."""
+        if self.asked is None:
+            return None
+        return (f"--gpu_memory {self.asked:g} GiB is taken for this card's nominal size: it reports {self.gib:.1f} "
+                f"GiB, the cap here (cards report up to {CARD_SHORTFALL:.0%} under their nominal size)")
 
 
 MIN_ALLOCATOR = 256 * MIB  # less than this beside the context could not hold one block of any model
@@ -186,12 +205,16 @@ def measure_gpu(index: int) -> tuple[int, int]:
 
 
 def gpu_cap(gib: float | None, index: int) -> GpuCap:
-    """``--gpu_memory GIB`` on GPU ``index`` (None: the whole GPU), refused in one line where it cannot
-    be made real here."""
+    """``--gpu_memory GIB`` on GPU ``index`` (None: the whole GPU). A cap up to ``CARD_SHORTFALL`` above what
+    the GPU reports is the card's nominal size (80 on an 80 GB H100, which reports 79.2 GiB): the cap is
+    the whole GPU, said. A larger one, or one that leaves PyTorch no room, is refused in one line."""
     total, context = measure_gpu(index)
-    cap = GpuCap(total / GIB if gib is None else gib, total, context)
-    if cap.process_bytes > total:
-        raise UserError(f"--gpu_memory {cap.gib:g}: more than this GPU's {total / GIB:.1f} GiB")
+    card = total / GIB
+    if gib is not None and gib > card * (1 + CARD_SHORTFALL):
+        raise UserError(f"--gpu_memory {gib:g} GiB: more than this GPU's {card:.1f} GiB (a cap is made real on a GPU "
+                        f"at least as large): leave --gpu_memory out to run at this GPU's own {card:.1f} GiB, or pass "
+                        f"--gpu_memory {math.floor(card * 10) / 10:g} or less")
+    cap = GpuCap(card, total, context, gib) if gib is not None and gib > card else GpuCap(gib or card, total, context)
     if cap.allocator_bytes < MIN_ALLOCATOR:
         raise UserError(f"--gpu_memory {cap.gib:g}: under the {context / MIB:.0f} MiB that a process's CUDA context "
                         f"holds on this GPU, plus {MIN_ALLOCATOR / MIB:.0f} MiB for PyTorch; give at least "

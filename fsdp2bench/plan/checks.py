@@ -11,7 +11,8 @@ import os
 import subprocess
 from dataclasses import dataclass
 
-from fsdp2bench.cli import OneLineParser, UserError, check_ranges, given_options, parse_names, pick_device, say
+from fsdp2bench.cli import (OneLineParser, UserError, check_ranges, given_options, gpu_memory_gib, parse_names,
+                            pick_device, say)
 from fsdp2bench.files import check_output_dir, is_ours, refuse_foreign
 from fsdp2bench.memory import estimate
 from fsdp2bench.names import VARIANTS
@@ -39,7 +40,7 @@ DEFAULT_UPPER = {BATCH: 4096, BLOCK: 1 << 20}  # the block's is lowered to the m
 CPU_UPPER = {BATCH: 8, BLOCK: 1024}
 NUMBER_RANGES = {"global_batch": (1, 1 << 24), "global_batch_tokens": (1, 1 << 40), "max_timings": (1, 1000),
                  "confirm": (1, 1000), "time_budget_s": (0, 1 << 20),
-                 "batch_size": (1, 1 << 16), "upper_bound": (1, 1 << 20), "gpu_memory": (0.001, 1 << 20),
+                 "batch_size": (1, 1 << 16), "upper_bound": (1, 1 << 20),
                  "inject_oom_above": (0, 1 << 20), "ac_every": arguments.NUMBER_RANGES["ac_every"]}
 
 LAYOUT_ONLY = ("global_batch", "global_batch_tokens", "levers", "links", "max_timings", "confirm", "time_budget_s")
@@ -74,9 +75,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[s
                         f"on a GPU, {CPU_DEFAULT_MODEL} on a CPU run)")
     p.add_argument("--world_size", default="8", metavar="N[,N...]",
                    help="the world sizes N to plan for, each played by one simulated rank (default: 8)")
-    p.add_argument("--gpu_memory", type=float, default=None, metavar="GIB",
-                   help="the GPU's memory, GIB GiB, made real on this one: the probes' allocator gets it less the "
-                        "CUDA context (default: this GPU's)")
+    p.add_argument("--gpu_memory", type=gpu_memory_gib, default=None, metavar="SIZE",
+                   help="the GPU's memory, made real on this one: 80GB (10^9 bytes: 74.5 GiB), "
+                        "80GiB, or a bare number of GiB; the probes' allocator gets it less the CUDA context. A SIZE "
+                        f"up to {estimate.CARD_SHORTFALL * 100:.0f}%% above this GPU's is taken for the card's "
+                        "nominal size (80 on an 80 GB H100, which reports 79.2 GiB), said in one line (default: this "
+                        "GPU's)")
     p.add_argument("--sets", default=",".join(options.PLUGIN_SETS),
                    help=f"comma-separated option sets of matrix.py ({', '.join(options.OPTION_SETS)}), or "
                         f"{options.EACH} for every one of them (default: {','.join(options.PLUGIN_SETS)})")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from fsdp2bench.options.layout import Meshes
 from fsdp2bench.plan.search import Ladder
 from fsdp2bench.processes.isolation import name_process
-from fsdp2bench.train.data import rank_batches
+from fsdp2bench.train.data import rank_batches, repeated
 from fsdp2bench.train.runner import FailureSpec, Job, TrainStep, collector_paused, prepare, run_variant_child
 from measure import MemoryTracker
 
@@ -38,9 +37,8 @@ PROBE_STEPS = 2  # per value, in a probe of either kind: the first creates AdamW
 def probe_batches(tokens: torch.Tensor, batch: int, block: int, microbatches: int) -> torch.Tensor:
     """``PROBE_STEPS`` steps of data at any batch and block: the built-in text repeated as often as it
     takes (a simulated rank's losses mean nothing, its memory is the same for any tokens)."""
-    need = PROBE_STEPS * microbatches * batch * block
-    repeated = tokens.repeat(max(1, math.ceil(need / max(1, tokens.numel()))))
-    return rank_batches(repeated, block, batch, 1.0, 0, 1, PROBE_STEPS, microbatches)
+    return rank_batches(repeated(tokens, PROBE_STEPS * microbatches * batch * block), block, batch, 1.0, 0, 1,
+                        PROBE_STEPS, microbatches)
 
 
 @dataclass(frozen=True)

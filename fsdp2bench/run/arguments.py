@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp2bench.cli import OneLineParser, UserError, check_ranges, parse_names, pick_device
+from fsdp2bench.cli import OneLineParser, UserError, check_ranges, gpu_memory_gib, parse_names, pick_device
 from fsdp2bench.files import check_output_dir, expect_path, looks_like_a_path, refuse_foreign
 from fsdp2bench.memory import estimate
 from fsdp2bench.names import VARIANTS, rank_file
@@ -25,7 +25,7 @@ from fsdp2bench.processes.starting import check_launcher_env
 from fsdp2bench.run import concurrency
 from fsdp2bench.run.session import ModelFacts, model_facts
 from fsdp2bench.run.versions import check_releases
-from fsdp2bench.train.data import load_tokens, rank_batches
+from fsdp2bench.train.data import builtin_for_steps, load_tokens, rank_batches
 from fsdp2bench.train.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS, default_model, max_positions
 from fsdp2bench.train.runner import FailureSpec
 
@@ -64,8 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fraction of the dataset's blocks to use, in (0, 1] (default: 1.0)")
     p.add_argument("--learning_rate", type=float, default=3e-5, help="AdamW learning rate (default: 3e-5)")
     p.add_argument("--seed", type=int, default=421, help="seed for the initial weights (default: 421)")
-    p.add_argument("--max_steps", type=int, default=None, help="stop each variant after this many steps "
-                   f"(default: one pass over the data; {simulation.DEFAULT_STEPS} with --simulate_world_size)")
+    p.add_argument("--max_steps", type=int, default=None, help="stop each variant after this many steps; the "
+                   "built-in text is repeated as often as they need, a --dataset gives at most one pass (default: one "
+                   f"pass over the data, at least one step; {simulation.DEFAULT_STEPS} with --simulate_world_size)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated variants, run in the order given: {', '.join(VARIANTS)} (default: all four)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
@@ -88,10 +89,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tracker_overhead", action="store_true",
                    help="pause memory polling on every other step, to measure what polling costs (default: off)")
     p.add_argument("--quiet", action="store_true", help="no progress lines while the variants train (default: off)")
-    p.add_argument("--gpu_memory", type=float, default=None, metavar="GIB",
-                   help="train as on a GPU of GIB GiB: PyTorch's allocator gets GIB less the CUDA context a process "
-                        "holds (measured here), and a step that needs more runs out of memory; CUDA only "
-                        "(default: the whole GPU)")
+    p.add_argument("--gpu_memory", type=gpu_memory_gib, default=None, metavar="SIZE",
+                   help="train as on a GPU of SIZE: 80GB (10^9 bytes: 74.5 GiB), 80GiB, or a bare "
+                        "number of GiB; PyTorch's allocator gets SIZE less the CUDA context a process holds (measured "
+                        "here), and a step that needs more runs out of memory. A SIZE up to "
+                        f"{estimate.CARD_SHORTFALL * 100:.0f}%% above this GPU's is taken for the card's nominal "
+                        "size (80 on an 80 GB H100, which reports 79.2 GiB), said in one line; CUDA only (default: "
+                        "the whole GPU)")
     p.add_argument("--init_device", choices=["cpu", "cuda"], default="cpu",
                    help="where the model is built: cpu (the upstream's path: fully_shard moves each rank's shard "
                         "to the GPU; the weights are drawn once per rank on its share of the host's cores) or cuda (built on "
@@ -250,8 +254,7 @@ NUMBER_RANGES = {"batch_size": (1, 1 << 16), "block_size": (2, 1 << 20), "max_st
                  "ac_every": (1, 1 << 16),
                  "gradient_accumulation_steps": (1, 1 << 16), "dp_replicate_size": (1, 1 << 16),
                  "dp_shard_size": (1, 1 << 16), "cp_size": (1, 1 << 16), "tp_size": (1, 1 << 16),
-                 "learning_rate": (1e-12, 10.0), "seed": (0, 2**32 - 1), "log_interval": (0.001, 60.0),
-                 "gpu_memory": (0.001, 1 << 20)}
+                 "learning_rate": (1e-12, 10.0), "seed": (0, 2**32 - 1), "log_interval": (0.001, 60.0)}
 
 
 def option_defaults() -> dict:
@@ -402,6 +405,18 @@ def files_written(args: argparse.Namespace, names: list[str], world: int) -> lis
             *(os.path.join(where, rank_file(name, kind, r)) for where, r in places for name in names for kind in kinds)]
 
 
+def run_batches(args: argparse.Namespace, fsdp_options: options.FsdpOptions, vocab_size: int, data_rank: int,
+                data_ranks: int) -> torch.Tensor:
+    """This rank's batches: of the user's --dataset as it is, or of the built-in text repeated to the steps asked."""
+    tokens = load_tokens(args.dataset, args.tokenizer, vocab_size)
+    microbatches = fsdp_options.gradient_accumulation_steps
+    if args.dataset is None:
+        tokens = builtin_for_steps(tokens, args.block_size, args.batch_size * microbatches, args.dataset_fraction,
+                                   data_ranks, args.max_steps)
+    return rank_batches(tokens, args.block_size, args.batch_size, args.dataset_fraction, data_rank, data_ranks,
+                        args.max_steps, microbatches)
+
+
 def data_share(args: argparse.Namespace, fsdp_options: options.FsdpOptions, rank: int, world: int) -> tuple[int, int]:
     """(which batches, out of how many shares): a rank's cp and tp peers train on its batches. A simulated
     rank has no peers to share the data with: every run takes the batches of a world of one."""
@@ -501,10 +516,8 @@ def checked_launch(args: argparse.Namespace, world_size: int | None) -> Checked:
         check_step(fsdp_options, facts.config, device_type)
     except UserError as error:
         raise accelerate_config.with_fields(error, args.config_fields) from None
-    tokens = load_tokens(args.dataset, args.tokenizer, facts.config.vocab_size)
-    batches = rank_batches(tokens, args.block_size, args.batch_size, args.dataset_fraction,
-                           *data_share(args, fsdp_options, launch_rank, launch_world), args.max_steps,
-                           fsdp_options.gradient_accumulation_steps)
+    batches = run_batches(args, fsdp_options, facts.config.vocab_size, *data_share(args, fsdp_options, launch_rank,
+                                                                                   launch_world))
     if args.inject_failure:
         check_failure_reachable(args.inject_failure, names, len(batches),
                                 played_ranks(args) or set(range(launch_world)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import random
 
@@ -94,6 +95,29 @@ def load_tokenizer(tokenizer: str):
         return AutoTokenizer.from_pretrained(tokenizer)
     except Exception as exc:
         raise UserError(f"--tokenizer {tokenizer}: cannot load it ({type(exc).__name__})") from None
+
+
+# The built-in text is repeated at most to this many tokens: every rank keeps its share of them as int64 batches.
+MAX_BUILTIN_TOKENS = 1 << 30
+
+
+def repeated(tokens: torch.Tensor, need: int) -> torch.Tensor:
+    """``tokens`` repeated end to end as often as it takes to hold ``need`` of them (once where they already do)."""
+    return tokens.repeat(max(1, math.ceil(need / max(1, tokens.numel()))))
+
+
+def builtin_for_steps(tokens: torch.Tensor, block_size: int, sequences: int, fraction: float, world_size: int,
+                      max_steps: int | None) -> torch.Tensor:
+    """The built-in text's tokens, repeated as often as the steps asked need: ``max_steps`` steps of ``sequences``
+    blocks on each of ``world_size`` ranks (without it, one pass, and at least one step), so that any step of
+    any block, batch and accumulation exists. A run that fits one pass trains on the same tokens as ever."""
+    blocks = math.ceil((max_steps or 1) * world_size * sequences / fraction) + 1  # + 1: the fraction's rounding
+    need = blocks * block_size
+    if need > MAX_BUILTIN_TOKENS:
+        raise UserError(f"{max_steps or 1} step(s) of {sequences} x {block_size} tokens on {world_size} rank(s) "
+                        f"would repeat the built-in text to {need:,} tokens, more than its {MAX_BUILTIN_TOKENS:,} "
+                        f"(each rank keeps its share as int64): give fewer --max_steps, or a --dataset")
+    return repeated(tokens, need)
 
 
 def rank_batches(tokens: torch.Tensor, block_size: int, batch_size: int, fraction: float,

@@ -253,9 +253,10 @@ def commands(winner: Candidate, setup: Setup) -> dict:
     else:
         launcher = ["torchrun", "--nnodes", str(math.ceil(n / node)), "--nproc_per_node", str(node),
                     "--rdzv_backend", "c10d", "--rdzv_endpoint", "HOST:29500"]
-    check = ["python3", "main.py", *flags, "--simulate_world_size", str(n), "--max_steps", str(TIMING_STEPS),
-             *(["--gpu_memory", f"{setup.cap.gib:g}"] if setup.cap else [])]
-    return {"torchrun": shlex.join([*launcher, "main.py", *flags]), "one_gpu_check": shlex.join(check),
+    steps = ["--max_steps", str(TIMING_STEPS)]  # the same steps on the nodes as in the check, so that they compare
+    check = ["python3", "main.py", *flags, "--simulate_world_size", str(n), *steps,
+             *(setup.cap.flags() if setup.cap else [])]
+    return {"torchrun": shlex.join([*launcher, "main.py", *flags, *steps]), "one_gpu_check": shlex.join(check),
             "accelerate_config": accelerate_fields(winner, setup)}
 
 

@@ -87,7 +87,7 @@ def timing_command(candidate: Candidate, setup: Setup, output_dir: str) -> list[
     one = dataclasses.replace(candidate, microbatches=1, sync_each_batch=False)
     return [sys.executable, "main.py", *main_flags(one, setup), "--simulate_world_size", str(setup.world_size),
             "--max_steps", str(TIMING_STEPS), "--concurrent_variants", "1", "--quiet", "--output_dir", output_dir,
-            *(["--gpu_memory", f"{setup.cap.gib:g}"] if setup.cap else []),
+            *(setup.cap.flags() if setup.cap else []),
             *(["--init_device", setup.init_device] if setup.device_type == "cuda" else ["--device", "cpu"])]
 
 
