@@ -21,6 +21,7 @@ from fsdp2bench.options.layout import Degrees
 from fsdp2bench.plan.layout import report, search as layout_search, timing as layout_timing
 from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, Levers, candidates_of, layouts_of, parse_levers
 from fsdp2bench.plan.layout.traffic import Links, parse_links, step_collectives
+from fsdp2bench.processes.starting import LAUNCHER_VARS, one_rank_env
 from fsdp2bench.run import arguments
 from fsdp2bench.run.session import model_facts
 
@@ -236,6 +237,31 @@ def test_a_timing_never_reads_an_earlier_searchs_summary_as_its_own(tmp_path, mo
         returncode=1, stderr="error: killed before its summary\n"))
     timing = layout_timing.run_timing(layout_search.assess(flat(1), setup), setup, 0)
     assert timing["fits"] is None and timing["error"] == "error: killed before its summary"
+
+
+def test_a_timing_that_fails_does_not_fail_the_next(tmp_path, monkeypatch):
+    """plan.py holds a store of its own and its variables (``one_rank_env``, before its imports). A timing launched
+    with them shared that store: the first that failed set its abort key, and every later timing read it and ended
+    at once with the same reason. Here the first timing fails (an injected failure), and the next is measured."""
+    for name in (*LAUNCHER_VARS, "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.setenv(name, "")  # put back as they were after the test
+        monkeypatch.delenv(name)
+    one_rank_env()  # as plan.py starts
+    setup = dataclasses.replace(setup_of(), output_dir=str(tmp_path))
+    first, second = (layout_search.assess(flat(1, ac), setup) for ac in ("none", "full"))
+    commands = layout_timing.timing_command
+    monkeypatch.setattr(layout_timing, "timing_command", lambda candidate, setup, directory: [
+        *commands(candidate, setup, directory), *(["--inject_failure", f"{TRAINED}:1:0"] if candidate.ac == "none"
+                                                  else [])])
+    failed, measured = (layout_timing.run_timing(each, setup, i) for i, each in enumerate((first, second)))
+    assert failed["fits"] is None and "injected" in failed["error"], failed
+    assert measured["fits"] is True and measured["exit_code"] == 0 and measured["microbatch_s"] > 0, measured
+    found = [first, second]
+    layout_timing.take_timing(failed, first, found, setup)
+    layout_timing.take_timing(measured, second, found, setup)
+    for each in found:
+        layout_search.project(each, setup, [(second.candidate, measured)])
+    assert [f.candidate.ac for f in layout_search.ranked(found)] == ["full"] and first.failed
 
 
 def test_the_timings_stop_at_max_timings_and_at_the_time_budget(monkeypatch):

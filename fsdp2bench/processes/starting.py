@@ -144,6 +144,18 @@ def one_rank_env() -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
 
 
+# What a launcher sets beside LAUNCHER_VARS (torchrun's agent: its group, its role, its run and restart).
+LAUNCHER_EXTRA = ("GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE")
+
+
+def own_launch_env() -> dict[str, str]:
+    """The environment of a launch that must stand alone (a layout search's timing): this process's, without its
+    launcher's variables, so that the launch meets no rank but its own and starts a store of its own. With them it
+    shared this process's store and every key in it, and one launch's abort ended each launch after it."""
+    return {name: value for name, value in os.environ.items()
+            if name not in (*LAUNCHER_VARS, *LAUNCHER_EXTRA, START_GATE) and not name.startswith("TORCHELASTIC_")}
+
+
 # The store's process: it ignores Ctrl-C and SIGTERM (the run it serves decides what an interrupt means, and
 # needs the store to say so: a terminal's Ctrl-C or a kill of the process group reaches this process too, and a
 # store gone first made every process still asking it print torch's C++ stack) and ends with the process that

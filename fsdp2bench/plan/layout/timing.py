@@ -23,6 +23,7 @@ from fsdp2bench.names import GIB, MIB
 from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, estimated_bytes
 from fsdp2bench.plan.layout.search import (TIMING_STEPS, Assessed, Setup, calibrate, decided, local_share, main_flags,
                                            prior_speed, project, ranked)
+from fsdp2bench.processes.starting import own_launch_env
 
 
 def exact_key(found: Assessed) -> tuple:
@@ -100,7 +101,7 @@ def run_timing(found: Assessed, setup: Setup, index: int) -> dict:
         os.remove(summary)
     command = timing_command(found.candidate, setup, directory)
     began = time.monotonic()
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=PROJECT_ROOT)
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=PROJECT_ROOT, env=own_launch_env())
     record = {"candidate": found.candidate.name, "command": shlex.join(["python3", *command[1:]]),
               "exit_code": proc.returncode, "wall_s": round(time.monotonic() - began, 1),
               "local_share": local_share(found.candidate)}
