@@ -39,10 +39,11 @@ def rank_processes(agent) -> dict[int, psutil.Process]:
 LONG_STEPS = 80  # the first variant trains them all; the second is signalled 2 s after it starts
 
 
-def start_long_run(out):
-    """Two ranks, a finished first variant, then a long second one: returned once the second runs."""
+def start_long_run(out, nproc: int | None = 2, own_group: bool = False):
+    """Two ranks (or ``nproc``), a finished first variant, then a long second one: returned once the second runs."""
     proc = start_script(["main.py", "--model", "tiny", "--device", "cpu", "--max_steps", str(LONG_STEPS),
-                         "--variants", "torch_optimizer_after_fsdp,accelerate", "--output_dir", str(out)])
+                         "--variants", "torch_optimizer_after_fsdp,accelerate", "--output_dir", str(out)],
+                        nproc=nproc, own_group=own_group)
     for line in proc.stdout:
         if line.startswith("[accelerate]"):
             break
@@ -103,6 +104,25 @@ def test_sigterm_keeps_finished_variants_and_marks_the_interrupted_one(tmp_path)
         assert partial["status"] == "interrupted" and 0 < len(partial["steps"]) < LONG_STEPS
     assert not list(tmp_path.glob("*.tmp*"))
     assert "Interrupted (SIGTERM) during accelerate" in stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_a_plain_run_and_its_processes_ends_it_as_ctrl_c_does(tmp_path, signum):
+    """``python main.py`` in a terminal that closes: SIGHUP reaches every process of its job (main.py, its store,
+    the variant's process), as a kill of the job's group sends SIGTERM to each. One line; the finished variant
+    kept, the running one marked interrupted; the directory unlocked."""
+    proc = start_long_run(tmp_path, nproc=None, own_group=True)
+    os.killpg(proc.pid, signum)
+    _, stderr = proc.communicate(timeout=120)
+    lines = stderr.strip().splitlines()
+    assert proc.returncode == 130 and len(lines) == 1, stderr
+    assert lines[0].startswith(f"Interrupted ({signal.Signals(signum).name}) during accelerate"), stderr
+    summary = load(tmp_path / "summary.json")
+    assert {n: v["status"] for n, v in summary["variants"].items()} == {
+        "torch_optimizer_after_fsdp": "ok", "accelerate": "interrupted"}
+    partial = load(tmp_path / "accelerate_memory_usage.json")
+    assert partial["status"] == "interrupted" and 0 < len(partial["steps"]) < LONG_STEPS
+    assert not (tmp_path / ".fsdp2bench.lock").exists() and not list(tmp_path.glob("*.tmp*"))
 
 
 def digest(directory) -> dict:

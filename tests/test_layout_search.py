@@ -357,10 +357,10 @@ def test_the_accelerate_config_reads_back_through_accelerate_or_says_why_not(deg
     assert config.values.get("dp_replicate_size", 1) == degrees.replicate
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_during_the_timings_ends_in_one_line_and_ranks_what_they_measured(tmp_path, signum):
-    """A terminal's Ctrl-C (or a SIGTERM) reaches plan.py and the timing it waits for: the timings that ended are
-    ranked in plan.json, marked interrupted, and one line says so."""
+    """A terminal's Ctrl-C (or a SIGTERM, or its SIGHUP as it closes) reaches plan.py and the timing it waits for:
+    the timings that ended are ranked in plan.json, marked interrupted, and one line says so."""
     out = tmp_path / "search"
     proc = start_script(["plan.py", "--find", "layout", "--device", "cpu", "--world_size", "4", "--block_size", "64",
                          "--global_batch", "4", "--levers", "none,full,model", "--output_dir", str(out)],

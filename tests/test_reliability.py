@@ -158,13 +158,13 @@ def test_every_entry_script_takes_interrupts_in_one_line_before_any_other_import
         assert before == ["from __future__ import annotations", "import sys",
                           "from fsdp2bench.processes.first import one_line_interrupts"], script
         assert ast.unparse(body[handler]) == "if __name__ == '__main__':\n    one_line_interrupts()", script
-    first = ast.parse((ROOT / "fsdp2bench" / "first.py").read_text())
+    first = ast.parse((ROOT / "fsdp2bench" / "processes" / "first.py").read_text())
     imported = {alias.name for node in ast.walk(first) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(first) if isinstance(node, ast.ImportFrom)}
     assert imported == {"__future__", "os", "signal", "sys"}
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_while_loading_starts_gives_one_line_and_no_traceback(tmp_path, signum):
     """loading.py during its imports and checks: one line, nothing written."""
     proc = start_script(["loading.py", "--device", "cpu", "--model", "small", "--output_dir", str(tmp_path / "out")],

@@ -17,7 +17,7 @@ from fsdp2bench.run import arguments
 
 def run_search(search: CheckedSearch, started: float) -> int:
     """Assess every candidate, time the most promising, rank, print and write plan.json."""
-    interrupts_raise()  # a Ctrl-C or SIGTERM raises: during the timings what they measured is still written
+    interrupts_raise()  # a Ctrl-C, SIGTERM or SIGHUP raises: during the timings what they measured is still written
     setup = search.setup
     prepare_output_dir(setup.output_dir)
     found = [assess(c, setup) for c in search.candidates]
