@@ -264,6 +264,38 @@ def test_a_timing_that_fails_does_not_fail_the_next(tmp_path, monkeypatch):
     assert [f.candidate.ac for f in layout_search.ranked(found)] == ["full"] and first.failed
 
 
+def test_a_timing_beside_other_runs_is_taken_again_and_never_decides_the_ranking(monkeypatch, tmp_path):
+    """R8xS1 and R1xS8 at B1x2 share their per-rank shapes and differ in their optimizer's share (all of it, an
+    eighth). Timed beside other runs, a timing has no optimizer time: the two tied on compute, and R8xS1, which
+    projects less communication, was named fastest. Here the first two timings are not clean: the row they rest on
+    is timed again once, then the other is, and the winner is the one a clean timing puts first, R1xS8 (0.4 s of
+    optimizer against 0.05 s); the console and plan.json say which timings decided nothing."""
+    setup = dataclasses.replace(setup_of(), confirm=1, max_timings=6, output_dir=str(tmp_path))
+    found = [layout_search.assess(Candidate(d, "none", "model", False, False, 1, 2), setup)
+             for d in (Degrees(replicate=8, shard=1), Degrees(replicate=1, shard=8))]
+    order = []
+
+    def fake_timing(each, setup, index):
+        order.append(each.candidate.degrees.replicate)
+        share = layout_search.local_share(each.candidate)
+        timing = {**timed(0.1, None, each.candidate.name, optimizer_s=0.4 * share), "local_share": share}
+        if len(order) <= 2:
+            return {**timing, "clean": False, "optimizer_s": None, "unclean": "steps shared with another run"}
+        return timing
+
+    monkeypatch.setattr(layout_timing, "run_timing", fake_timing)
+    timings = []
+    layout_timing.choose_and_time(found, setup, lambda line: None, timings)
+    assert len(order) == 3 and order[0] == order[1]  # the row on top, taken again; then the other row, clean
+    winner, place = layout_search.winner_of(found, setup)
+    assert winner.candidate.degrees == Degrees(replicate=1, shard=8) and winner.projected["compute_clean"]
+    assert winner.projected["optimizer_s"] == pytest.approx(0.05)
+    said = report.unclean_said(timings)
+    assert said.startswith("2 of 3 timing(s) not clean (steps shared with another run)") and "never the winner" in said
+    path = report.write_search(found, setup, [], timings, {}, None)
+    assert load(path)["meta"]["unclean_timings"] == said
+
+
 def test_the_timings_stop_at_max_timings_and_at_the_time_budget(monkeypatch):
     setup = dataclasses.replace(setup_of(), confirm=100, max_timings=2)
     found = [layout_search.assess(c, setup) for c in candidates_of([Degrees(replicate=1, shard=8)],
