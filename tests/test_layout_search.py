@@ -417,3 +417,74 @@ def test_an_accelerate_config_not_beside_our_plan_is_left_untouched(tmp_path):
                                    "--output_dir", str(tmp_path)])
     assert said is not None and "accelerate_config.json is there and this run would replace it" in said
     assert (tmp_path / "accelerate_config.json").read_text() == "{}"
+
+
+def test_a_hand_edited_accelerate_config_beside_our_plan_is_refused_and_ours_is_replaced(tmp_path):
+    """plan.json records the digest of the accelerate config its search wrote: the same file is the search's to
+    replace; one edited since is a user's, and the next search is refused in one line, the file untouched."""
+    from fsdp2bench.files import digest_of, write_json
+
+    config = tmp_path / "accelerate_config.json"
+    config.write_text('{"distributed_type": "FSDP"}')
+    write_json(str(tmp_path / "plan.json"), {"winner": {"commands": {report.CONFIG_DIGEST: digest_of(str(config))}}})
+    argv = ["--find", "layout", "--device", "cpu", "--world_size", "4", "--global_batch", "4", "--output_dir",
+            str(tmp_path)]
+    assert refusal(plan.validate, argv) is None
+    config.write_text('{"distributed_type": "FSDP", "num_processes": 16}')
+    said = refusal(plan.validate, argv)
+    assert said == (f"error: --output_dir: {config} is not the file the search of {tmp_path / 'plan.json'} wrote "
+                    "(edited since?) and this run would replace it; it is left untouched: move it away or choose "
+                    "another --output_dir")
+    assert config.read_text() == '{"distributed_type": "FSDP", "num_processes": 16}'
+
+
+@pytest.mark.parametrize("place, content, message", [
+    ("timings", "a file", "timings is a file, where a timing's folder goes"),
+    ("timings/t1", "a file", "t1 is a file, where a timing's folder goes"),
+    ("timings/t0/summary.json", '{"run_id": 1}', "summary.json was not written by this benchmark"),
+])
+def test_what_is_where_a_timing_folder_goes_is_refused_before_anything_runs(tmp_path, place, content, message):
+    """A file where a timing's folder goes, or another program's summary.json in it: main.py refused it, and the
+    search reported the candidate as failing and went on (exit 0); now one line before anything runs."""
+    (tmp_path / place).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / place).write_text(content)
+    said = refusal(plan.validate, ["--find", "layout", "--device", "cpu", "--world_size", "4", "--global_batch", "4",
+                                   "--max_timings", "2", "--output_dir", str(tmp_path)])
+    assert said is not None and said.startswith("error: --output_dir: ") and message in said, said
+    assert (tmp_path / place).read_text() == content and not (tmp_path / "plan.json").exists()
+
+
+def test_a_foreign_summary_where_a_timing_goes_ends_the_search_in_one_line_exit_2(tmp_path):
+    (tmp_path / "timings" / "t0").mkdir(parents=True)
+    (tmp_path / "timings" / "t0" / "summary.json").write_text("{}")
+    proc = run_script(["plan.py", "--find", "layout", "--device", "cpu", "--world_size", "4", "--global_batch", "4",
+                       "--output_dir", str(tmp_path)], nproc=None)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "summary.json was not written by this benchmark" in proc.stderr and not (tmp_path / "plan.json").exists()
+
+
+def test_a_search_run_again_removes_the_earlier_searchs_own_files_and_keeps_the_rest(tmp_path):
+    """layout.png, the accelerate config and the timings' files of the search before (each carrying the mark) go;
+    another program's file stays, and the folder that holds it."""
+    from fsdp2bench.files import write_json
+    from fsdp2bench.plan.layout.run import clear_earlier_search
+    from PIL import Image, PngImagePlugin
+
+    marked = PngImagePlugin.PngInfo()
+    marked.add_text("written_by", "fsdp2bench")
+    Image.new("RGB", (4, 4)).save(tmp_path / "layout.png", pnginfo=marked)
+    (tmp_path / "accelerate_config.json").write_text("{}")
+    for folder in ("t0", "t5", "t5/earlier_runs/before-1"):
+        (tmp_path / "timings" / folder).mkdir(parents=True, exist_ok=True)
+        write_json(str(tmp_path / "timings" / folder / "summary.json"), {})
+    (tmp_path / "timings" / "t0" / "notes.txt").write_text("mine")
+    clear_earlier_search(str(tmp_path))
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert left == ["timings", "timings/t0", "timings/t0/notes.txt"]
+
+
+def test_a_failed_timings_reason_is_whole_in_plan_json_and_cut_at_a_word_on_the_console():
+    why = "error: " + " ".join(f"word{i}" for i in range(60))
+    said = layout_timing.timing_said({"fits": None, "error": why})
+    assert said.startswith("did not run through (error: word0 word1") and said.endswith(" ...)") and len(said) < 200
+    assert said[:-5].rsplit(" ", 1)[-1] in why.split()  # a whole word before the cut

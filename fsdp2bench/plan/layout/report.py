@@ -8,10 +8,10 @@ import os
 import sys
 
 from fsdp2bench.cli import UserError, say
-from fsdp2bench.files import save_summary, write_bytes
+from fsdp2bench.files import digest_of, save_summary, write_bytes
 from fsdp2bench.options import accelerate_config
 from fsdp2bench.plan.layout.search import Assessed, Setup, commands, decided, ranked, record, winner_of
-from fsdp2bench.plan.layout.timing import RETIMES
+from fsdp2bench.plan.layout.timing import RETIMES, clipped
 
 CONFIG_NAME = "accelerate_config.json"
 SHOWN = 15  # ranked rows on the console (plan.json holds every candidate)
@@ -128,7 +128,21 @@ def winner_said(found: list[Assessed], setup: Setup) -> dict | None:
     said = {"name": winner.candidate.name, "place": place, **commands(winner.candidate, setup)}
     path = os.path.join(setup.output_dir, CONFIG_NAME)
     said["accelerate_refuses"] = write_unmarked(path, said["accelerate_config"])
+    said[CONFIG_DIGEST] = None if said["accelerate_refuses"] else digest_of(path)
     return said
+
+
+CONFIG_DIGEST = "accelerate_config_sha256"  # in plan.json: the config as written, told from one edited since
+
+
+def written_config_digest(plan: str) -> str | None:
+    """The digest of the accelerate config the search that wrote ``plan`` (plan.json) wrote beside it, or None."""
+    try:
+        with open(plan) as f:
+            winner = json.load(f).get("winner") or {}
+        return (winner.get("commands") or {}).get(CONFIG_DIGEST)
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 # What a search on the CPU can and cannot tell, said where its winner is.
@@ -157,7 +171,7 @@ def legend(found: list[Assessed], setup: Setup, timings: list[dict]) -> str:
 
 def not_ranked(found: list[Assessed]) -> list[str]:
     failed = [f for f in found if f.failed]
-    return [f"{len(failed)} candidates not ranked: {failed[0].failed[:200]}"] if failed else []
+    return [f"{len(failed)} candidates not ranked: {clipped(failed[0].failed, 240)}"] if failed else []
 
 
 def write_search(found: list[Assessed], setup: Setup, notes: list[str], timings: list[dict], meta: dict,

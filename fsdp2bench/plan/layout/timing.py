@@ -97,10 +97,15 @@ def timing_command(candidate: Candidate, setup: Setup, output_dir: str) -> list[
             *(["--init_device", setup.init_device] if setup.device_type == "cuda" else ["--device", "cpu"])]
 
 
+def timing_dir(output_dir: str, index: int) -> str:
+    """The folder of a search's timing ``index`` (its main.py's --output_dir)."""
+    return os.path.join(output_dir, "timings", f"t{index}")
+
+
 def run_timing(found: Assessed, setup: Setup, index: int) -> dict:
     """One timing: main.py's summary read back into the figures the ranking uses; an out-of-memory error (or
     any other failure) is kept with its words."""
-    directory = os.path.join(setup.output_dir, "timings", f"t{index}")
+    directory = timing_dir(setup.output_dir, index)
     summary = os.path.join(directory, "summary.json")
     if is_ours(summary):  # an earlier search's, in a directory run again: never read as this launch's
         os.remove(summary)
@@ -113,7 +118,7 @@ def run_timing(found: Assessed, setup: Setup, index: int) -> dict:
     entry = summary_entry(summary, setup.world_size)
     if entry is None or entry.get("status") != "ok":
         why = (entry or {}).get("status") or (proc.stderr.strip().splitlines() or ["no summary"])[-1]
-        return {**record, "fits": False if "out of memory" in why else None, "error": why[:300]}
+        return {**record, "fits": False if "out of memory" in why else None, "error": why}
     speed = entry.get("speed") or {}
     unclean = unclean_why(speed)
     clean = unclean is None
@@ -180,9 +185,17 @@ def take_measured(found: Assessed, timing: dict, moved: int, own: bool, setup: S
         found.fits = measured <= setup.cap.allocator_bytes
 
 
+def clipped(text: str, width: int) -> str:
+    """``text`` within ``width`` characters for a console line, cut at a word and said to be cut (plan.json keeps
+    it whole)."""
+    if len(text) <= width:
+        return text
+    return text[:width - 4].rsplit(" ", 1)[0] + " ..."
+
+
 def timing_said(timing: dict) -> str:
     if not timing["fits"]:
-        return f"did not run through ({timing.get('error', '')[:120]})"
+        return f"did not run through ({clipped(timing.get('error', ''), 160)})"
     clean = "" if timing["clean"] else f" (not clean: {timing['unclean']}; it decides no ranking)"
     peak = timing["peak_reserved_mib"]
     return f"{timing['microbatch_s']:.3f} s a microbatch measured{clean}" + \
