@@ -125,6 +125,26 @@ def test_a_signal_to_a_plain_run_and_its_processes_ends_it_as_ctrl_c_does(tmp_pa
     assert not (tmp_path / ".fsdp2bench.lock").exists() and not list(tmp_path.glob("*.tmp*"))
 
 
+# What nohup does: SIGHUP ignored, then the command executed in the same process.
+NOHUP = ["-c", "import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
+               "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"]
+
+
+def test_a_run_started_to_outlive_its_terminal_goes_on_when_the_terminal_closes(tmp_path):
+    """``nohup python main.py``: the terminal's SIGHUP, ignored from the start, stays ignored by every process."""
+    proc = start_script([*NOHUP, "main.py", "--model", "tiny", "--device", "cpu", "--max_steps", "30", "--variants",
+                         "torch_optimizer_after_fsdp,accelerate", "--output_dir", str(tmp_path)], nproc=None,
+                        own_group=True)
+    for line in proc.stdout:
+        if line.startswith("[accelerate]"):
+            break
+    os.killpg(proc.pid, signal.SIGHUP)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert {n: v["status"] for n, v in load(tmp_path / "summary.json")["variants"].items()} == {
+        "torch_optimizer_after_fsdp": "ok", "accelerate": "ok"}
+
+
 def digest(directory) -> dict:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in directory.iterdir()}
 

@@ -1,6 +1,7 @@
 """What every entry script does before any other import: a Ctrl-C, a SIGTERM or a closed terminal's SIGHUP during
-its imports and checks is one line and the exit code of an interrupt, never a traceback. The standard library's modules that Python has
-already loaded when a script starts, nothing more, so that the window before it is the interpreter's own."""
+its imports and checks is one line and the exit code of an interrupt, never a traceback. The standard library's
+modules that Python has already loaded when a script starts, nothing more, so that the window before it is the
+interpreter's own."""
 
 from __future__ import annotations
 
