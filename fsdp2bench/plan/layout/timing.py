@@ -123,7 +123,7 @@ def run_timing(found: Assessed, setup: Setup, index: int) -> dict:
     unclean = unclean_why(speed)
     clean = unclean is None
     return {**record, "fits": True, "clean": clean, **({} if clean else {"unclean": unclean}), "speed": speed,
-            "microbatch_s": speed["median_step_time_s"] if clean else entry.get("median_step_time_s"),
+            "microbatch_s": speed.get("median_step_time_s") or entry.get("median_step_time_s"),
             "optimizer_s": speed.get("median_optimizer_s"),
             "peak_reserved_mib": entry["training_peak_reserved_mib"]["max"],
             "peak_allocated_mib": entry["training_peak_allocated_mib"]["max"]}
