@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import hashlib
 import json
 import math
 import os
@@ -262,6 +263,15 @@ def write_json(path: str, data: dict) -> None:
     benchmark's (``MARK_KEY``)."""
     marked = {**data, MARK_KEY: MARK} if isinstance(data, dict) else data
     write_bytes(path, json.dumps(_finite_or_null(marked), indent=1, allow_nan=False).encode())
+
+
+def digest_of(path: str) -> str | None:
+    """The SHA-256 of a file's bytes (None where it cannot be read): what a run wrote, told from what is there now."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
 
 
 def is_ours(path: str) -> bool:

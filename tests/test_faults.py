@@ -37,12 +37,14 @@ def rank_processes(agent) -> dict[int, psutil.Process]:
 
 
 LONG_STEPS = 80  # the first variant trains them all; the second is signalled 2 s after it starts
+PLAIN_STEPS = 240  # the same for one rank, which runs them faster (80 ended within 2 s on an idle host)
 
 
-def start_long_run(out):
-    """Two ranks, a finished first variant, then a long second one: returned once the second runs."""
-    proc = start_script(["main.py", "--model", "tiny", "--device", "cpu", "--max_steps", str(LONG_STEPS),
-                         "--variants", "torch_optimizer_after_fsdp,accelerate", "--output_dir", str(out)])
+def start_long_run(out, nproc: int | None = 2, own_group: bool = False, steps: int = LONG_STEPS):
+    """Two ranks (or ``nproc``), a finished first variant, then a long second one: returned once the second runs."""
+    proc = start_script(["main.py", "--model", "tiny", "--device", "cpu", "--max_steps", str(steps),
+                         "--variants", "torch_optimizer_after_fsdp,accelerate", "--output_dir", str(out)],
+                        nproc=nproc, own_group=own_group)
     for line in proc.stdout:
         if line.startswith("[accelerate]"):
             break
@@ -103,6 +105,45 @@ def test_sigterm_keeps_finished_variants_and_marks_the_interrupted_one(tmp_path)
         assert partial["status"] == "interrupted" and 0 < len(partial["steps"]) < LONG_STEPS
     assert not list(tmp_path.glob("*.tmp*"))
     assert "Interrupted (SIGTERM) during accelerate" in stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_a_plain_run_and_its_processes_ends_it_as_ctrl_c_does(tmp_path, signum):
+    """``python main.py`` in a terminal that closes: SIGHUP reaches every process of its job (main.py, its store,
+    the variant's process), as a kill of the job's group sends SIGTERM to each. One line; the finished variant
+    kept, the running one marked interrupted; the directory unlocked."""
+    proc = start_long_run(tmp_path, nproc=None, own_group=True, steps=PLAIN_STEPS)
+    os.killpg(proc.pid, signum)
+    _, stderr = proc.communicate(timeout=120)
+    lines = stderr.strip().splitlines()
+    assert proc.returncode == 130 and len(lines) == 1, stderr
+    assert lines[0].startswith(f"Interrupted ({signal.Signals(signum).name}) during accelerate"), stderr
+    summary = load(tmp_path / "summary.json")
+    assert {n: v["status"] for n, v in summary["variants"].items()} == {
+        "torch_optimizer_after_fsdp": "ok", "accelerate": "interrupted"}
+    partial = load(tmp_path / "accelerate_memory_usage.json")
+    assert partial["status"] == "interrupted" and 0 < len(partial["steps"]) < PLAIN_STEPS
+    assert not (tmp_path / ".fsdp2bench.lock").exists() and not list(tmp_path.glob("*.tmp*"))
+
+
+# What nohup does: SIGHUP ignored, then the command executed in the same process.
+NOHUP = ["-c", "import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
+               "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"]
+
+
+def test_a_run_started_to_outlive_its_terminal_goes_on_when_the_terminal_closes(tmp_path):
+    """``nohup python main.py``: the terminal's SIGHUP, ignored from the start, stays ignored by every process."""
+    proc = start_script([*NOHUP, "main.py", "--model", "tiny", "--device", "cpu", "--max_steps", "30", "--variants",
+                         "torch_optimizer_after_fsdp,accelerate", "--output_dir", str(tmp_path)], nproc=None,
+                        own_group=True)
+    for line in proc.stdout:
+        if line.startswith("[accelerate]"):
+            break
+    os.killpg(proc.pid, signal.SIGHUP)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert {n: v["status"] for n, v in load(tmp_path / "summary.json")["variants"].items()} == {
+        "torch_optimizer_after_fsdp": "ok", "accelerate": "ok"}
 
 
 def digest(directory) -> dict:

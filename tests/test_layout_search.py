@@ -22,6 +22,7 @@ from fsdp2bench.options.links import Links, parse_links
 from fsdp2bench.plan.layout import report, search as layout_search, timing as layout_timing
 from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, Levers, candidates_of, layouts_of, parse_levers
 from fsdp2bench.plan.layout.traffic import step_collectives
+from fsdp2bench.processes.starting import LAUNCHER_VARS, one_rank_env
 from fsdp2bench.run import arguments
 from fsdp2bench.run.session import model_facts
 from fsdp2bench.train import data
@@ -240,6 +241,63 @@ def test_a_timing_never_reads_an_earlier_searchs_summary_as_its_own(tmp_path, mo
     assert timing["fits"] is None and timing["error"] == "error: killed before its summary"
 
 
+def test_a_timing_that_fails_does_not_fail_the_next(tmp_path, monkeypatch):
+    """plan.py holds a store of its own and its variables (``one_rank_env``, before its imports). A timing launched
+    with them shared that store: the first that failed set its abort key, and every later timing read it and ended
+    at once with the same reason. Here the first timing fails (an injected failure), and the next is measured."""
+    for name in (*LAUNCHER_VARS, "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.setenv(name, "")  # put back as they were after the test
+        monkeypatch.delenv(name)
+    one_rank_env()  # as plan.py starts
+    setup = dataclasses.replace(setup_of(), output_dir=str(tmp_path))
+    first, second = (layout_search.assess(flat(1, ac), setup) for ac in ("none", "full"))
+    commands = layout_timing.timing_command
+    monkeypatch.setattr(layout_timing, "timing_command", lambda candidate, setup, directory: [
+        *commands(candidate, setup, directory), *(["--inject_failure", f"{TRAINED}:1:0"] if candidate.ac == "none"
+                                                  else [])])
+    failed, measured = (layout_timing.run_timing(each, setup, i) for i, each in enumerate((first, second)))
+    assert failed["fits"] is None and "injected" in failed["error"], failed
+    assert measured["fits"] is True and measured["exit_code"] == 0 and measured["microbatch_s"] > 0, measured
+    found = [first, second]
+    layout_timing.take_timing(failed, first, found, setup)
+    layout_timing.take_timing(measured, second, found, setup)
+    for each in found:
+        layout_search.project(each, setup, [(second.candidate, measured)])
+    assert [f.candidate.ac for f in layout_search.ranked(found)] == ["full"] and first.failed
+
+
+def test_a_timing_beside_other_runs_is_taken_again_and_never_decides_the_ranking(monkeypatch, tmp_path):
+    """R8xS1 and R1xS8 at B1x2 share their per-rank shapes and differ in their optimizer's share (all of it, an
+    eighth). Timed beside other runs, a timing has no optimizer time: the two tied on compute, and R8xS1, which
+    projects less communication, was named fastest. Here the first two timings are not clean: the row they rest on
+    is timed again once, then the other is, and the winner is the one a clean timing puts first, R1xS8 (0.4 s of
+    optimizer against 0.05 s); the console and plan.json say which timings decided nothing."""
+    setup = dataclasses.replace(setup_of(), confirm=1, max_timings=6, output_dir=str(tmp_path))
+    found = [layout_search.assess(Candidate(d, "none", "model", False, False, 1, 2), setup)
+             for d in (Degrees(replicate=8, shard=1), Degrees(replicate=1, shard=8))]
+    order = []
+
+    def fake_timing(each, setup, index):
+        order.append(each.candidate.degrees.replicate)
+        share = layout_search.local_share(each.candidate)
+        timing = {**timed(0.1, None, each.candidate.name, optimizer_s=0.4 * share), "local_share": share}
+        if len(order) <= 2:
+            return {**timing, "clean": False, "optimizer_s": None, "unclean": "steps shared with another run"}
+        return timing
+
+    monkeypatch.setattr(layout_timing, "run_timing", fake_timing)
+    timings = []
+    layout_timing.choose_and_time(found, setup, lambda line: None, timings)
+    assert len(order) == 3 and order[0] == order[1]  # the row on top, taken again; then the other row, clean
+    winner, place = layout_search.winner_of(found, setup)
+    assert winner.candidate.degrees == Degrees(replicate=1, shard=8) and winner.projected["compute_clean"]
+    assert winner.projected["optimizer_s"] == pytest.approx(0.05)
+    said = report.unclean_said(timings)
+    assert said.startswith("2 of 3 timing(s) not clean (steps shared with another run)") and "never the winner" in said
+    path = report.write_search(found, setup, [], timings, {}, None)
+    assert load(path)["meta"]["unclean_timings"] == said
+
+
 def test_the_timings_stop_at_max_timings_and_at_the_time_budget(monkeypatch):
     setup = dataclasses.replace(setup_of(), confirm=100, max_timings=2)
     found = [layout_search.assess(c, setup) for c in candidates_of([Degrees(replicate=1, shard=8)],
@@ -274,26 +332,51 @@ def test_bad_input_is_one_line_before_anything_runs(argv, message, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+CPU_SEARCH = ["plan.py", "--find", "layout", "--device", "cpu", "--world_size", "4", "--block_size", "64",
+              "--global_batch", "4", "--levers", "none,full,model"]
+
+
 def test_a_cpu_search_cannot_tell_what_fits_ranks_every_candidate_and_its_commands_run(tmp_path):
+    """Then run again into the same folder: the earlier search's own files are gone, its accelerate config replaced
+    (or gone with no winner to write one for)."""
     out = tmp_path / "search"
-    proc = run_script(["plan.py", "--find", "layout", "--device", "cpu", "--world_size", "4", "--block_size", "64",
-                       "--global_batch", "4", "--levers", "none,full,model", "--max_timings", "2", "--output_dir",
-                       str(out)], nproc=None, timeout=600)
+    proc = run_script([*CPU_SEARCH, "--max_timings", "2", "--output_dir", str(out)], nproc=None, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     said = " ".join(proc.stdout.split())
     assert "a CPU run: no cap, so it cannot tell what fits" in said and "estimated (e) on the rest" in said
     # No GPU words on a CPU run: its ranks, what it can tell and what it cannot.
     assert "tok/s/GPU" not in proc.stdout and "tok/s/rank" in proc.stdout and "one GPU first" not in said
-    assert "A CPU run checks the search, not the speed" in said and "Check it here first" in said
     result = load(out / "plan.json")
     assert result["meta"]["timings"] == 2 and all(c["fits"] is None for c in result["candidates"])
     ranked = [c for c in result["candidates"] if c["projected"]]
     assert len(ranked) == len(result["candidates"]) == 18  # every candidate ranks, measured or estimated
     measured = {c["name"] for c in ranked if c["projected"]["compute_measured"]}
-    assert 0 < len(measured) < 18 and result["winner"]["name"] in measured
-    check_the_winners_commands(result["winner"]["commands"], out, tmp_path)
+    assert 0 < len(measured) < 18
+    check_the_winner(result, said, measured, out, tmp_path)
     drawn = run_script(["visualize.py", "--dir", str(out)], nproc=None)
     assert drawn.returncode == 0 and (out / "layout.png").stat().st_size > 10_000, drawn.stderr
+    again = run_script([*CPU_SEARCH, "--max_timings", "1", "--output_dir", str(out)], nproc=None, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    result = load(out / "plan.json")
+    assert result["meta"]["timings"] == 1 and sorted(os.listdir(out / "timings")) == ["t0"]
+    assert not (out / "layout.png").exists()
+    from fsdp2bench.files import digest_of
+
+    written = (result["winner"] or {"commands": {}})["commands"].get(report.CONFIG_DIGEST)
+    assert digest_of(str(out / "accelerate_config.json")) == written
+
+
+def check_the_winner(result: dict, said: str, measured: set, out, tmp_path) -> None:
+    """A winner named by a clean timing and its commands run; where another run shared this host's cores with
+    every timing (a shared machine), none is named, and the console and plan.json say why."""
+    unclean = result["meta"]["unclean_timings"]
+    if unclean and result["winner"] is None:
+        assert " ".join(unclean.split()) in said and "No candidate is measured enough to name" in said
+        return
+    winner = next(c for c in result["candidates"] if c["name"] == result["winner"]["name"])
+    assert "A CPU run checks the search, not the speed" in said and "Check it here first" in said
+    assert winner["name"] in measured and winner["projected"]["compute_clean"]
+    check_the_winners_commands(result["winner"]["commands"], out, tmp_path)
 
 
 def check_the_winners_commands(winner: dict, out, tmp_path) -> None:
@@ -360,10 +443,10 @@ def test_the_accelerate_config_reads_back_through_accelerate_or_says_why_not(deg
     assert config.values.get("dp_replicate_size", 1) == degrees.replicate
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_during_the_timings_ends_in_one_line_and_ranks_what_they_measured(tmp_path, signum):
-    """A terminal's Ctrl-C (or a SIGTERM) reaches plan.py and the timing it waits for: the timings that ended are
-    ranked in plan.json, marked interrupted, and one line says so."""
+    """A terminal's Ctrl-C (or a SIGTERM, or its SIGHUP as it closes) reaches plan.py and the timing it waits for:
+    the timings that ended are ranked in plan.json, marked interrupted, and one line says so."""
     out = tmp_path / "search"
     proc = start_script(["plan.py", "--find", "layout", "--device", "cpu", "--world_size", "4", "--block_size", "64",
                          "--global_batch", "4", "--levers", "none,full,model", "--output_dir", str(out)],
@@ -388,3 +471,74 @@ def test_an_accelerate_config_not_beside_our_plan_is_left_untouched(tmp_path):
                                    "--output_dir", str(tmp_path)])
     assert said is not None and "accelerate_config.json is there and this run would replace it" in said
     assert (tmp_path / "accelerate_config.json").read_text() == "{}"
+
+
+def test_a_hand_edited_accelerate_config_beside_our_plan_is_refused_and_ours_is_replaced(tmp_path):
+    """plan.json records the digest of the accelerate config its search wrote: the same file is the search's to
+    replace; one edited since is a user's, and the next search is refused in one line, the file untouched."""
+    from fsdp2bench.files import digest_of, write_json
+
+    config = tmp_path / "accelerate_config.json"
+    config.write_text('{"distributed_type": "FSDP"}')
+    write_json(str(tmp_path / "plan.json"), {"winner": {"commands": {report.CONFIG_DIGEST: digest_of(str(config))}}})
+    argv = ["--find", "layout", "--device", "cpu", "--world_size", "4", "--global_batch", "4", "--output_dir",
+            str(tmp_path)]
+    assert refusal(plan.validate, argv) is None
+    config.write_text('{"distributed_type": "FSDP", "num_processes": 16}')
+    said = refusal(plan.validate, argv)
+    assert said == (f"error: --output_dir: {config} is not the file the search of {tmp_path / 'plan.json'} wrote "
+                    "(edited since?) and this run would replace it; it is left untouched: move it away or choose "
+                    "another --output_dir")
+    assert config.read_text() == '{"distributed_type": "FSDP", "num_processes": 16}'
+
+
+@pytest.mark.parametrize("place, content, message", [
+    ("timings", "a file", "timings is a file, where a timing's folder goes"),
+    ("timings/t1", "a file", "t1 is a file, where a timing's folder goes"),
+    ("timings/t0/summary.json", '{"run_id": 1}', "summary.json was not written by this benchmark"),
+])
+def test_what_is_where_a_timing_folder_goes_is_refused_before_anything_runs(tmp_path, place, content, message):
+    """A file where a timing's folder goes, or another program's summary.json in it: main.py refused it, and the
+    search reported the candidate as failing and went on (exit 0); now one line before anything runs."""
+    (tmp_path / place).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / place).write_text(content)
+    said = refusal(plan.validate, ["--find", "layout", "--device", "cpu", "--world_size", "4", "--global_batch", "4",
+                                   "--max_timings", "2", "--output_dir", str(tmp_path)])
+    assert said is not None and said.startswith("error: --output_dir: ") and message in said, said
+    assert (tmp_path / place).read_text() == content and not (tmp_path / "plan.json").exists()
+
+
+def test_a_foreign_summary_where_a_timing_goes_ends_the_search_in_one_line_exit_2(tmp_path):
+    (tmp_path / "timings" / "t0").mkdir(parents=True)
+    (tmp_path / "timings" / "t0" / "summary.json").write_text("{}")
+    proc = run_script(["plan.py", "--find", "layout", "--device", "cpu", "--world_size", "4", "--global_batch", "4",
+                       "--output_dir", str(tmp_path)], nproc=None)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "summary.json was not written by this benchmark" in proc.stderr and not (tmp_path / "plan.json").exists()
+
+
+def test_a_search_run_again_removes_the_earlier_searchs_own_files_and_keeps_the_rest(tmp_path):
+    """layout.png, the accelerate config and the timings' files of the search before (each carrying the mark) go;
+    another program's file stays, and the folder that holds it."""
+    from fsdp2bench.files import write_json
+    from fsdp2bench.plan.layout.run import clear_earlier_search
+    from PIL import Image, PngImagePlugin
+
+    marked = PngImagePlugin.PngInfo()
+    marked.add_text("written_by", "fsdp2bench")
+    Image.new("RGB", (4, 4)).save(tmp_path / "layout.png", pnginfo=marked)
+    (tmp_path / "accelerate_config.json").write_text("{}")
+    for folder in ("t0", "t5", "t5/earlier_runs/before-1"):
+        (tmp_path / "timings" / folder).mkdir(parents=True, exist_ok=True)
+        write_json(str(tmp_path / "timings" / folder / "summary.json"), {})
+    (tmp_path / "timings" / "t0" / "notes.txt").write_text("mine")
+    clear_earlier_search(str(tmp_path))
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert left == ["timings", "timings/t0", "timings/t0/notes.txt"]
+
+
+def test_a_failed_timings_reason_is_whole_in_plan_json_and_cut_at_a_word_on_the_console():
+    why = "error: " + " ".join(f"word{i}" for i in range(60))
+    said = layout_timing.timing_said({"fits": None, "error": why})
+    assert said.startswith("did not run through (error: word0 word1") and said.endswith(" ...)") and len(said) < 200
+    assert said[:-5].rsplit(" ", 1)[-1] in why.split()  # a whole word before the cut

@@ -512,9 +512,10 @@ def test_an_interrupted_plan_says_what_it_kept_and_claims_nothing(tmp_path, sign
     assert drawn.returncode == 0, drawn.stderr
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_to_the_plan_and_every_process_it_started_ends_in_one_line(tmp_path, signum):
-    """A terminal's Ctrl-C reaches the whole process group: plan.py, its shared processes and its probes."""
+    """A terminal's Ctrl-C (or its SIGHUP as it closes) reaches the whole process group: plan.py, its shared
+    processes and its probes."""
     plan_json = tmp_path / "plan" / "plan.json"
     proc = plan_until(tmp_path, 1, own_group=True)
     os.killpg(proc.pid, signum)

@@ -164,7 +164,7 @@ def test_every_entry_script_takes_interrupts_in_one_line_before_any_other_import
     assert imported == {"__future__", "os", "signal", "sys"}
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_while_loading_starts_gives_one_line_and_no_traceback(tmp_path, signum):
     """loading.py during its imports and checks: one line, nothing written."""
     proc = start_script(["loading.py", "--device", "cpu", "--model", "small", "--output_dir", str(tmp_path / "out")],

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from fsdp2bench.cli import (OneLineParser, UserError, check_ranges, given_options, gpu_memory_gib, parse_names,
                             pick_device, say)
-from fsdp2bench.files import check_output_dir, is_ours, refuse_foreign
+from fsdp2bench.files import check_output_dir, digest_of, is_ours, path_kind, refuse_foreign
 from fsdp2bench.memory import estimate
 from fsdp2bench.names import VARIANTS
 from fsdp2bench.options import accelerate_config, levers as lever_checks, fsdp as options
@@ -22,8 +22,9 @@ from fsdp2bench.options.links import parse_links
 from fsdp2bench.options.step import LIGER, Step, check_liger
 from fsdp2bench.plan.layout.candidates import (COMPILE, FLOAT8, LEVER_NAMES, Levers, candidates_of, layouts_of,
                                                parse_levers)
-from fsdp2bench.plan.layout.report import CONFIG_NAME
+from fsdp2bench.plan.layout.report import CONFIG_NAME, written_config_digest
 from fsdp2bench.plan.layout.search import Setup
+from fsdp2bench.plan.layout.timing import timing_dir
 from fsdp2bench.plan.probes import BATCH, BLOCK, BLOCK_STEP, LAYOUT, block_step
 from fsdp2bench.processes.isolation import launcher_keeps_to_one_thread
 from fsdp2bench.processes.simulation import check_fake_group_available, parse_world_sizes
@@ -361,6 +362,7 @@ def checked_search(args: argparse.Namespace, common: Common) -> CheckedSearch:
     """The layout search's own checks: the global batch, the levers, the links, and a layout that splits it."""
     world_size, block, device = common.sizes[0], common.blocks[0], common.device
     check_config_path(args.output_dir)
+    check_timing_folders(args.output_dir, args.max_timings)
     facts = model_facts(common.model, SEED, lambda config: arguments.check_positions(block, config))
     sequences = global_sequences(args, block)
     chosen, notes = available_levers(args.levers, device.type, facts.config)
@@ -382,11 +384,29 @@ def checked_search(args: argparse.Namespace, common: Common) -> CheckedSearch:
 
 def check_config_path(output_dir: str) -> None:
     """accelerate_config.json carries no mark of this benchmark (accelerate's loader refuses an unknown key): one
-    already there is replaced only beside this benchmark's plan.json, as a file."""
+    already there is replaced only beside this benchmark's plan.json, as a file, as that search wrote it (its
+    digest in plan.json)."""
     path, plan = os.path.join(output_dir, CONFIG_NAME), os.path.join(output_dir, "plan.json")
-    if os.path.lexists(path) and (os.path.islink(path) or not os.path.isfile(path) or not is_ours(plan)):
+    if not os.path.lexists(path):
+        return
+    if os.path.islink(path) or not os.path.isfile(path) or not is_ours(plan):
         raise UserError(f"--output_dir: {path} is there and this run would replace it (it is not beside a plan.json "
                         "of this benchmark); it is left untouched: move it away or choose another --output_dir")
+    if digest_of(path) != written_config_digest(plan):
+        raise UserError(f"--output_dir: {path} is not the file the search of {plan} wrote (edited since?) and this "
+                        "run would replace it; it is left untouched: move it away or choose another --output_dir")
+
+
+def check_timing_folders(output_dir: str, max_timings: int) -> None:
+    """Where each timing's folder goes: a folder or nothing, with no summary.json but this benchmark's in it (main.py
+    would refuse it, and the candidate be reported failing)."""
+    folders = [os.path.dirname(timing_dir(output_dir, 0)), *(timing_dir(output_dir, i) for i in range(max_timings))]
+    for folder in folders:
+        if os.path.lexists(folder) and (os.path.islink(folder) or not os.path.isdir(folder)):
+            what = "a symbolic link" if os.path.islink(folder) else path_kind(folder)
+            raise UserError(f"--output_dir: {folder} is {what}, where a timing's folder goes; it is left untouched: "
+                            "move it away or choose another --output_dir")
+    refuse_foreign([os.path.join(folder, "summary.json") for folder in folders[1:]], "--output_dir")
 
 
 def global_sequences(args: argparse.Namespace, block: int) -> int:

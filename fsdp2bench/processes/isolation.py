@@ -31,13 +31,14 @@ import torch.distributed as dist
 from fsdp2bench.cli import Stopped, set_up_standard_streams
 from fsdp2bench.names import TRACE_KEYS
 from fsdp2bench.options.layout import Degrees, Meshes, build_meshes
+from fsdp2bench.processes.first import handle_ending_signals
 from fsdp2bench.processes.starting import check_launcher_env, child_context, one_rank_env
 from measure import OOM_HELD
 
 STORE_TIMEOUT = timedelta(minutes=30)
 POLL_S = 0.25
 CAUSE_WAIT_S = 1.0
-INTERRUPTED = "interrupted"  # the abort reason the main processes set on SIGINT / SIGTERM
+INTERRUPTED = "interrupted"  # the abort reason the main processes set on SIGINT / SIGTERM / SIGHUP
 STAND_DOWN = "stand down"  # the go that ends a gated piece where it stands, its work no longer wanted
 # After a peer fails or an interrupt, how long a child may take to write its partial results.
 GRACE_S = 30.0
@@ -122,7 +123,7 @@ def describe(exc: BaseException) -> str:
 # --------------------------------------------------------------------------- main process side
 
 class Interrupted(Stopped):
-    """SIGINT or SIGTERM reached this rank's main process."""
+    """SIGINT, SIGTERM or SIGHUP reached this rank's main process."""
 
 
 class StoreLost(Interrupted):
@@ -131,15 +132,13 @@ class StoreLost(Interrupted):
 
 def _raise_interrupted(signum, _frame) -> None:
     # The shutdown that follows (partial results, summary.json) must not itself be interrupted:
-    # a second Ctrl-C or the launcher's own SIGTERM is ignored, and says nothing more.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a second Ctrl-C, the launcher's own SIGTERM or the terminal's SIGHUP is ignored, and says nothing more.
+    handle_ending_signals(signal.SIG_IGN)
     raise Interrupted(signal.Signals(signum).name)
 
 
 def catch_interrupts() -> None:
-    signal.signal(signal.SIGTERM, _raise_interrupted)
-    signal.signal(signal.SIGINT, _raise_interrupted)
+    handle_ending_signals(_raise_interrupted)
     end_with_parent()
 
 
@@ -252,7 +251,7 @@ def run_queue(pieces: list[Piece], next_piece: Callable[[list[int]], int | None]
 
 # Held back from a forked child until it can report them (``run_child``): one that came in its first moments
 # raised into multiprocessing's start-up (the handler is this process's), a traceback and no reason given.
-HELD_AT_START = {signal.SIGINT, signal.SIGTERM}
+HELD_AT_START = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
 def start_holding_signals(child) -> None:
@@ -463,7 +462,8 @@ def run_child(finisher: Finisher, work: Callable[[dist.TCPStore], None]) -> None
         torch.set_num_threads(_launcher_threads)
     # accelerate warns in every process that finds it unset (and sets it): the count is already chosen.
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides what an interrupt means
+    for signum in (signal.SIGINT, signal.SIGHUP):  # the main process decides what an interrupt means
+        signal.signal(signum, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _child_interrupted)
     sys.unraisablehook = _quiet_about_interrupts
     store = connect_store()

@@ -18,7 +18,7 @@ import time
 
 from fsdp2bench.cli import RankError, UserError, set_up_standard_streams
 from fsdp2bench.files import process_running
-from fsdp2bench.processes.first import one_line_interrupts
+from fsdp2bench.processes.first import handle_ending_signals, one_line_interrupts
 
 # The children's targets live in this package; transformers and accelerate are imported lazily by
 # the children, so importing them once in the server is what saves the time.
@@ -80,10 +80,10 @@ def quiet_while_starting() -> None:
 
 
 def interrupts_raise() -> None:
-    """From here on a Ctrl-C or a SIGTERM raises KeyboardInterrupt, which the script handles (as a Ctrl-C:
-    the launch it waits for is told, what was written is kept)."""
+    """From here on a Ctrl-C, a SIGTERM or a SIGHUP raises KeyboardInterrupt, which the script handles (as a
+    Ctrl-C: the launch it waits for is told, what was written is kept)."""
+    handle_ending_signals(_raise_keyboard_interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
 
 
 def _raise_keyboard_interrupt(signum, _frame) -> None:
@@ -144,7 +144,19 @@ def one_rank_env() -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
 
 
-# The store's process: it ignores Ctrl-C and SIGTERM (the run it serves decides what an interrupt means, and
+# What a launcher sets beside LAUNCHER_VARS (torchrun's agent: its group, its role, its run and restart).
+LAUNCHER_EXTRA = ("GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE")
+
+
+def own_launch_env() -> dict[str, str]:
+    """The environment of a launch that must stand alone (a layout search's timing): this process's, without its
+    launcher's variables, so that the launch meets no rank but its own and starts a store of its own. With them it
+    shared this process's store and every key in it, and one launch's abort ended each launch after it."""
+    return {name: value for name, value in os.environ.items()
+            if name not in (*LAUNCHER_VARS, *LAUNCHER_EXTRA, START_GATE) and not name.startswith("TORCHELASTIC_")}
+
+
+# The store's process: it ignores Ctrl-C, SIGTERM and SIGHUP (the run it serves decides what an interrupt means, and
 # needs the store to say so: a terminal's Ctrl-C or a kill of the process group reaches this process too, and a
 # store gone first made every process still asking it print torch's C++ stack) and ends with the process that
 # started it.
@@ -152,6 +164,7 @@ STORE_HOST = """
 import ctypes, os, signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
 port, parent = int(sys.argv[1]), int(sys.argv[2])
 try:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -24,8 +24,8 @@ from fsdp2bench.options.fsdp import OPTION_SETS
 from fsdp2bench.processes.starting import CANCELLED, GO, START_GATE, open_gate
 from fsdp2bench.train import throughput
 
-# A launch's exit code after SIGINT or SIGTERM (main.py's 130; torchrun's 128 + the signal), or killed by one.
-INTERRUPTED_CODES = (130, 143, -2, -15)
+# A launch's exit code after SIGINT, SIGTERM or SIGHUP (main.py's 130; torchrun's 128 + the signal), or killed by one.
+INTERRUPTED_CODES = (130, 143, 129, -2, -15, -1)
 ACCELERATE, REFERENCE = "accelerate", INTENDED[0]  # accelerate against torch's intended way
 SWEEP_DIR = "sweep"
 

@@ -9,6 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from fsdp2bench.names import MIB  # noqa: E402
+from fsdp2bench.report.plots import save  # noqa: E402
 
 
 def memory_gib(candidate: dict) -> float:
@@ -59,6 +60,4 @@ def plot_layout_search(plan: dict, path: str) -> None:
     ax.set_title(f"{meta['model']}: N = {meta['world_size']}, {meta['global_batch']} x {meta['block_size']} tokens "
                  f"a step{ended}", fontsize=10)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)  # marked as the benchmark's: the next search in its folder knows it as its own to remove

@@ -8,9 +8,10 @@ import os
 import sys
 
 from fsdp2bench.cli import UserError, say
-from fsdp2bench.files import save_summary, write_bytes
+from fsdp2bench.files import digest_of, save_summary, write_bytes
 from fsdp2bench.options import accelerate_config
 from fsdp2bench.plan.layout.search import Assessed, Setup, commands, decided, ranked, record, winner_of
+from fsdp2bench.plan.layout.timing import RETIMES, clipped
 
 CONFIG_NAME = "accelerate_config.json"
 SHOWN = 15  # ranked rows on the console (plan.json holds every candidate)
@@ -26,8 +27,26 @@ def table(found: list[Assessed], setup: Setup) -> list[str]:
         p = f.projected
         lines.append(f"{i:>3} {f.candidate.name[:58]:58} {memory_said(f):>17} {p['compute_s']:>9.3f}"
                      f"{compute_mark(p):1} {p['comm_s']:>8.3f} {p['no_overlap_tokens_per_s']:>10,.0f} "
-                     f"{p['full_overlap_tokens_per_s']:>12,.0f}{'' if decided(f, setup) else '  (estimated)'}")
+                     f"{p['full_overlap_tokens_per_s']:>12,.0f}{undecided_said(f, setup)}")
     return lines
+
+
+def undecided_said(found: Assessed, setup: Setup) -> str:
+    """Why a row cannot be named: its compute timed only beside other runs, or not measured enough."""
+    if decided(found, setup):
+        return ""
+    return "  (not clean)" if found.projected["compute_measured"] and not found.projected["compute_clean"] \
+        else "  (estimated)"
+
+
+def unclean_said(timings: list[dict]) -> str | None:
+    """The line that says which timings decide nothing (shared with other runs), or None."""
+    unclean = [t for t in timings if t.get("fits") and not t["clean"]]
+    if not unclean:
+        return None
+    return (f"{len(unclean)} of {len(timings)} timing(s) not clean ({unclean[0]['unclean']}): no clean speed or no "
+            f"optimizer time, each taken again up to {RETIMES} time(s); the rows resting on them (~, marked "
+            "'not clean') rank but decide nothing, never the winner. Run it again with the device to itself.")
 
 
 def compute_mark(projected: dict) -> str:
@@ -79,14 +98,17 @@ def print_search(found: list[Assessed], setup: Setup, notes: list[str], timings:
     for line in table(found, setup):
         print(line, flush=True)
     say(legend(found, setup, timings))
-    for line in not_fitting(found) + not_ranked(found) + [f"Left out: {note}" for note in notes]:
+    unclean = unclean_said(timings)
+    for line in not_fitting(found) + not_ranked(found) + ([unclean] if unclean else []) + \
+            [f"Left out: {note}" for note in notes]:
         say(line)
     if said is None:
         say("No candidate is measured enough to name (see plan.json for every estimate): raise --max_timings or "
             "--time_budget_s.")
         return
     place = said["place"]
-    above = f" (row {place}: the {place - 1} above it rest on estimates)" if place > 1 else ""
+    above = f" (row {place}: the {place - 1} above it rest on estimates or on timings that are not clean)" \
+        if place > 1 else ""
     config = (f"accelerate config fields ({CONFIG_NAME}; the loss, selective checkpointing and the accumulation stay "
               f"main.py flags):\n    {json.dumps(said['accelerate_config'])}" if not said["accelerate_refuses"] else
               f"accelerate refuses this layout ({said['accelerate_refuses']}): train it with torchrun")
@@ -106,7 +128,21 @@ def winner_said(found: list[Assessed], setup: Setup) -> dict | None:
     said = {"name": winner.candidate.name, "place": place, **commands(winner.candidate, setup)}
     path = os.path.join(setup.output_dir, CONFIG_NAME)
     said["accelerate_refuses"] = write_unmarked(path, said["accelerate_config"])
+    said[CONFIG_DIGEST] = None if said["accelerate_refuses"] else digest_of(path)
     return said
+
+
+CONFIG_DIGEST = "accelerate_config_sha256"  # in plan.json: the config as written, told from one edited since
+
+
+def written_config_digest(plan: str) -> str | None:
+    """The digest of the accelerate config the search that wrote ``plan`` (plan.json) wrote beside it, or None."""
+    try:
+        with open(plan) as f:
+            winner = json.load(f).get("winner") or {}
+        return (winner.get("commands") or {}).get(CONFIG_DIGEST)
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 # What a search on the CPU can and cannot tell, said where its winner is.
@@ -135,7 +171,7 @@ def legend(found: list[Assessed], setup: Setup, timings: list[dict]) -> str:
 
 def not_ranked(found: list[Assessed]) -> list[str]:
     failed = [f for f in found if f.failed]
-    return [f"{len(failed)} candidates not ranked: {failed[0].failed[:200]}"] if failed else []
+    return [f"{len(failed)} candidates not ranked: {clipped(failed[0].failed, 240)}"] if failed else []
 
 
 def write_search(found: list[Assessed], setup: Setup, notes: list[str], timings: list[dict], meta: dict,
@@ -143,11 +179,13 @@ def write_search(found: list[Assessed], setup: Setup, notes: list[str], timings:
     """plan.json: every candidate (estimated, measured, projected, each labelled) and every timing."""
     path = os.path.join(setup.output_dir, "plan.json")
     save_summary(path, {"meta": {**meta, "find": "layout", "candidates": len(found), "timings": len(timings),
+                                 "unclean_timings": unclean_said(timings),
                                  "links": vars(setup.links), "left_out": notes,
                                  "labels": {"memory.estimated_gib": "estimated (memory model)",
                                             "memory.measured_gib": "measured (+ the memory model's difference)",
                                             "projected": "compute measured (compute_measured) or estimated, "
-                                                         "communication projected",
+                                                         "communication projected; compute_clean false: measured "
+                                                         "beside other runs, deciding nothing",
                                             "projected_comm_s": "projected"}},
                         "winner": None if said is None else {"name": said["name"], "commands": said},
                         "candidates": [record(f, setup.links) for f in found], "timings": timings})

@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
 
-from fsdp2bench.cli import say
-from fsdp2bench.files import prepare_output_dir
+from fsdp2bench.cli import UserError, say
+from fsdp2bench.files import is_ours, prepare_output_dir
 from fsdp2bench.plan.checks import CheckedSearch
-from fsdp2bench.plan.layout.report import print_search, winner_said, write_search
+from fsdp2bench.plan.layout.report import CONFIG_NAME, print_search, winner_said, write_search
 from fsdp2bench.plan.layout.search import Setup, assess
-from fsdp2bench.plan.layout.timing import choose_and_time
+from fsdp2bench.plan.layout.timing import choose_and_time, timing_dir
 from fsdp2bench.processes.starting import interrupts_raise
 from fsdp2bench.run import arguments
 
 
 def run_search(search: CheckedSearch, started: float) -> int:
     """Assess every candidate, time the most promising, rank, print and write plan.json."""
-    interrupts_raise()  # a Ctrl-C or SIGTERM raises: during the timings what they measured is still written
+    interrupts_raise()  # a Ctrl-C, SIGTERM or SIGHUP raises: during the timings what they measured is still written
     setup = search.setup
     prepare_output_dir(setup.output_dir)
+    clear_earlier_search(setup.output_dir)
     found = [assess(c, setup) for c in search.candidates]
     out = sum(f.fits is False for f in found)
     near = sum(f.fits is None for f in found)
@@ -41,6 +44,25 @@ def run_search(search: CheckedSearch, started: float) -> int:
     path = write_search(found, setup, search.notes, timings, run_meta(setup, started, interrupted=False), said)
     print(f"Wrote {path}; draw it with:\n    python3 visualize.py --dir {setup.output_dir}", flush=True)
     return 0
+
+
+def clear_earlier_search(output_dir: str) -> None:
+    """A search owns its folder: an earlier search's own files there (its accelerate config, checked unedited before
+    anything ran; its layout.png; every marked file of its timings) go before this one writes, so that none is read
+    as this one's. A file without the benchmark's mark stays, and the folders that hold one."""
+    timings = os.path.dirname(timing_dir(output_dir, 0))
+    found = [os.path.join(root, name) for root, _, names in os.walk(timings) for name in names]
+    ours = [path for path in found + [os.path.join(output_dir, "layout.png")] if is_ours(path)]  # judged, then gone
+    config = os.path.join(output_dir, CONFIG_NAME)
+    for path in ours + ([config] if os.path.isfile(config) else []):
+        try:
+            os.remove(path)
+        except OSError as exc:
+            raise UserError(f"--output_dir {output_dir}: cannot remove the earlier search's {path} ({exc.strerror}); "
+                            "move it away or choose another --output_dir") from None
+    for root, _, _ in sorted(os.walk(timings), key=lambda entry: -len(entry[0])):
+        with contextlib.suppress(OSError):  # left where it holds another program's files
+            os.rmdir(root)
 
 
 def run_meta(setup: Setup, started: float, interrupted: bool) -> dict:

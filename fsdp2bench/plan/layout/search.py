@@ -204,9 +204,10 @@ def project(found: Assessed, setup: Setup, references: list) -> None:
 
 
 def decided(found: Assessed, setup: Setup) -> bool:
-    """Measured enough to be named: its own compute timed and, under a cap, its memory measured on its own layout
-    or on a like one with room the memory model's difference cannot eat (``MOVED_MARGIN`` under the limit)."""
-    if not found.projected or not found.projected["compute_measured"]:
+    """Measured enough to be named: its own compute timed cleanly (a timing beside other runs has no clean speed and
+    no optimizer time, and decides nothing) and, under a cap, its memory measured on its own layout or on a like
+    one with room the memory model's difference cannot eat (``MOVED_MARGIN`` under the limit)."""
+    if not found.projected or not found.projected["compute_measured"] or not found.projected["compute_clean"]:
         return False
     if setup.cap is None:
         return True

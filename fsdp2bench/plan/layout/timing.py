@@ -23,6 +23,7 @@ from fsdp2bench.names import GIB, MIB
 from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, estimated_bytes
 from fsdp2bench.plan.layout.search import (TIMING_STEPS, Assessed, Setup, calibrate, decided, local_share, main_flags,
                                            prior_speed, project, ranked)
+from fsdp2bench.processes.starting import own_launch_env
 
 
 def exact_key(found: Assessed) -> tuple:
@@ -30,9 +31,12 @@ def exact_key(found: Assessed) -> tuple:
     return found.candidate.degrees, found.key
 
 
-def next_to_time(found: list[Assessed], setup: Setup, tried: set, references: list) -> Assessed | None:
+RETIMES = 1  # a timing other runs shared (no clean speed, no optimizer time) is taken again this many times
+
+
+def next_to_time(found: list[Assessed], setup: Setup, tried: dict, references: list) -> Assessed | None:
     """The most promising untimed shape by the prior until one timing ran through; then the first row on top that
-    is not yet decided (None once ``confirm`` rows are)."""
+    is not yet decided (None once ``confirm`` rows are): untimed, or timed only beside other runs (``RETIMES``)."""
     if not references:
         shapes = {key for _, key in tried}
         pool = [f for f in found if f.fits is not False and not f.failed and f.key not in shapes]
@@ -43,7 +47,8 @@ def next_to_time(found: list[Assessed], setup: Setup, tried: set, references: li
             confirmed += 1
             if confirmed >= setup.confirm:
                 return None
-        elif exact_key(row) not in tried:
+        elif exact_key(row) not in tried or (row.compute_own and not row.compute["clean"]
+                                             and tried[exact_key(row)] <= RETIMES):
             return row
     return None
 
@@ -51,7 +56,8 @@ def next_to_time(found: list[Assessed], setup: Setup, tried: set, references: li
 def choose_and_time(found: list[Assessed], setup: Setup, say, timings: list[dict]) -> None:
     """Time candidates one at a time (``next_to_time``) and project every candidate after each timing, each
     timing into ``timings`` as it ends (an interrupt keeps those)."""
-    tried, references, ratios = set(), [], {}
+    tried: dict = {}  # each exact key timed: how many times
+    references, ratios = [], {}
     started = time.monotonic()
     while len(timings) < setup.max_timings:
         if timings and time.monotonic() - started > setup.time_budget_s:  # the first runs: it names a reference
@@ -60,7 +66,7 @@ def choose_and_time(found: list[Assessed], setup: Setup, say, timings: list[dict
         each = next_to_time(found, setup, tried, references)
         if each is None:
             break
-        tried.add(exact_key(each))
+        tried[exact_key(each)] = tried.get(exact_key(each), 0) + 1
         timing = run_timing(each, setup, len(timings))
         timings.append(timing)
         take_timing(timing, each, found, setup)
@@ -91,30 +97,46 @@ def timing_command(candidate: Candidate, setup: Setup, output_dir: str) -> list[
             *(["--init_device", setup.init_device] if setup.device_type == "cuda" else ["--device", "cpu"])]
 
 
+def timing_dir(output_dir: str, index: int) -> str:
+    """The folder of a search's timing ``index`` (its main.py's --output_dir)."""
+    return os.path.join(output_dir, "timings", f"t{index}")
+
+
 def run_timing(found: Assessed, setup: Setup, index: int) -> dict:
     """One timing: main.py's summary read back into the figures the ranking uses; an out-of-memory error (or
     any other failure) is kept with its words."""
-    directory = os.path.join(setup.output_dir, "timings", f"t{index}")
+    directory = timing_dir(setup.output_dir, index)
     summary = os.path.join(directory, "summary.json")
     if is_ours(summary):  # an earlier search's, in a directory run again: never read as this launch's
         os.remove(summary)
     command = timing_command(found.candidate, setup, directory)
     began = time.monotonic()
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=PROJECT_ROOT)
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=PROJECT_ROOT, env=own_launch_env())
     record = {"candidate": found.candidate.name, "command": shlex.join(["python3", *command[1:]]),
               "exit_code": proc.returncode, "wall_s": round(time.monotonic() - began, 1),
               "local_share": local_share(found.candidate)}
     entry = summary_entry(summary, setup.world_size)
     if entry is None or entry.get("status") != "ok":
         why = (entry or {}).get("status") or (proc.stderr.strip().splitlines() or ["no summary"])[-1]
-        return {**record, "fits": False if "out of memory" in why else None, "error": why[:300]}
+        return {**record, "fits": False if "out of memory" in why else None, "error": why}
     speed = entry.get("speed") or {}
-    clean = speed.get("tokens_per_s_per_gpu") is not None
-    return {**record, "fits": True, "clean": clean, "speed": speed,
-            "microbatch_s": speed["median_step_time_s"] if clean else entry.get("median_step_time_s"),
+    unclean = unclean_why(speed)
+    clean = unclean is None
+    return {**record, "fits": True, "clean": clean, **({} if clean else {"unclean": unclean}), "speed": speed,
+            "microbatch_s": speed.get("median_step_time_s") or entry.get("median_step_time_s"),
             "optimizer_s": speed.get("median_optimizer_s"),
             "peak_reserved_mib": entry["training_peak_reserved_mib"]["max"],
             "peak_allocated_mib": entry["training_peak_allocated_mib"]["max"]}
+
+
+def unclean_why(speed: dict) -> str | None:
+    """Why a timing's figures cannot rank a candidate (None where they can): steps shared with other runs leave no
+    clean speed and no optimizer time (taken as 0, it made layouts that differ in their optimizer's share tie)."""
+    if speed.get("tokens_per_s_per_gpu") is None:
+        return speed.get("not_measured") or "no clean step"
+    if speed.get("median_optimizer_s") is None:
+        return "no optimizer time measured"
+    return None
 
 
 def summary_entry(path: str, world_size: int) -> dict | None:
@@ -146,8 +168,11 @@ def take_timing(timing: dict, probed: Assessed, everyone: list[Assessed], setup:
 
 def take_measured(found: Assessed, timing: dict, moved: int, own: bool, setup: Setup) -> None:
     """A timing on the candidate's own layout wins over one on a like layout, for its compute (a rank holding
-    more state can run slower than its FLOPs say, its allocator nearer the cap) as for its memory."""
-    if own or found.compute is None or not (found.compute_own or found.compute.get("clean")):
+    more state can run slower than its FLOPs say, its allocator nearer the cap) as for its memory; for its compute,
+    a clean timing wins over both (one beside other runs has no clean speed and no optimizer time)."""
+    held = None if found.compute is None else (bool(found.compute.get("clean")), found.compute_own)
+    new = (bool(timing["clean"]), own)
+    if held is None or new > held or (own and new == held):
         found.compute, found.compute_own = timing, own
     if timing["peak_reserved_mib"] is None or (found.memory.get("own_layout") and not own):
         return  # a CPU run has no allocator peaks
@@ -160,10 +185,18 @@ def take_measured(found: Assessed, timing: dict, moved: int, own: bool, setup: S
         found.fits = measured <= setup.cap.allocator_bytes
 
 
+def clipped(text: str, width: int) -> str:
+    """``text`` within ``width`` characters for a console line, cut at a word and said to be cut (plan.json keeps
+    it whole)."""
+    if len(text) <= width:
+        return text
+    return text[:width - 4].rsplit(" ", 1)[0] + " ..."
+
+
 def timing_said(timing: dict) -> str:
     if not timing["fits"]:
-        return f"did not run through ({timing.get('error', '')[:120]})"
-    clean = "" if timing["clean"] else " (beside other runs: not a clean speed)"
+        return f"did not run through ({clipped(timing.get('error', ''), 160)})"
+    clean = "" if timing["clean"] else f" (not clean: {timing['unclean']}; it decides no ranking)"
     peak = timing["peak_reserved_mib"]
     return f"{timing['microbatch_s']:.3f} s a microbatch measured{clean}" + \
         (f", {peak:,.0f} MiB reserved measured" if peak is not None else "") + f" ({timing['wall_s']:.0f} s)"
