@@ -866,3 +866,17 @@ def test_a_config_whose_layout_divides_n_but_does_not_fill_it_is_told_why(tmp_pa
     said = refusal(plan.validate, ["--device", "cpu", "--world_size", "8", "--config_file", str(path),
                                    "--output_dir", str(tmp_path / "out")])
     assert "N = 8: --dp_replicate_size 2 x --dp_shard_size 2 is not the world size 8" in said, said
+
+
+def test_probes_build_on_the_gpu_where_the_whole_model_fits_under_the_cap():
+    """--init_device auto: the GPU where 1.2 x the fp32 model fits the allocator a probe runs in, else the CPU, and
+    the CPU where there is no cap (a CPU run); a device asked for is kept."""
+    from fsdp2bench.memory.accounting import model_bytes
+    from fsdp2bench.run.session import model_facts
+
+    shapes = model_facts("tiny", 421).shapes
+    fits = estimate.GpuCap(1.21 * model_bytes(shapes) / (1 << 30), 80 << 30, 0)
+    short = estimate.GpuCap(1.19 * model_bytes(shapes) / (1 << 30), 80 << 30, 0)
+    assert checks.build_device("auto", shapes, fits) == "cuda" and checks.build_device("auto", shapes, short) == "cpu"
+    assert checks.build_device("auto", shapes, None) == "cpu"
+    assert checks.build_device("cpu", shapes, fits) == "cpu" and checks.build_device("cuda", shapes, short) == "cuda"

@@ -3,7 +3,7 @@
 # reduction) at N = 8 and 128 on one GPU: rank 0 of each simulated N, compute only and with its communication
 # emulated (--emulate_communication, the default links: 8-GPU nodes, NVLink 450 GB/s, a 400 Gb/s NIC a GPU),
 # each pair in the same call. Run from the repository root:
-#   bash results/h200/emulation_8b/run.sh OUT ROW...   ROW: fsdp, compile, float8, or links_<WITHIN>_<ACROSS>
+#   bash results/h100/emulation_8b/run.sh OUT ROW...   ROW: fsdp, compile, float8, or links_<WITHIN>_<ACROSS>
 # Each run writes OUT/<row>_<kind>/summary.json and console.txt (the traces stay in /tmp/emulation_8b).
 set -u
 out=$1
