@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shlex
 import signal
 import types
@@ -13,6 +14,7 @@ import pytest
 from conftest import load, refusal, run_script, start_script
 
 import plan
+import utils
 from fsdp2bench.memory.estimate import GpuCap
 from fsdp2bench.names import GIB, MIB
 from fsdp2bench.options import accelerate_config
@@ -388,6 +390,9 @@ def check_the_winners_commands(winner: dict, out, tmp_path) -> None:
     torchrun = shlex.split(winner["torchrun"])
     main_args = torchrun[torchrun.index("main.py") + 1:]
     assert arguments.validate([*main_args, "--device", "cpu", "--output_dir", str(tmp_path / "real")], 4)
+    tp = int(re.search(r"xT(\d+)", winner["name"]).group(1))
+    if tp > 1 and utils.name_prepare_cannot_import() is not None:  # main.py reports such a run as unsupported
+        assert winner["accelerate_refuses"].startswith("the installed accelerate cannot prepare FSDP2 + TP"), winner
     if winner["accelerate_refuses"]:
         assert not (out / "accelerate_config.json").exists()
         return

@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+import utils
+
 from fsdp2bench.cli import UserError, say
 from fsdp2bench.files import digest_of, save_summary, write_bytes
 from fsdp2bench.options import accelerate_config
@@ -127,7 +129,7 @@ def winner_said(found: list[Assessed], setup: Setup) -> dict | None:
         return None
     said = {"name": winner.candidate.name, "place": place, **commands(winner.candidate, setup)}
     path = os.path.join(setup.output_dir, CONFIG_NAME)
-    said["accelerate_refuses"] = write_unmarked(path, said["accelerate_config"])
+    said["accelerate_refuses"] = write_unmarked(path, said["accelerate_config"]) or tp_refusal(winner.candidate, path)
     said[CONFIG_DIGEST] = None if said["accelerate_refuses"] else digest_of(path)
     return said
 
@@ -190,6 +192,17 @@ def write_search(found: list[Assessed], setup: Setup, notes: list[str], timings:
                         "winner": None if said is None else {"name": said["name"], "commands": said},
                         "candidates": [record(f, setup.links) for f in found], "timings": timings})
     return path
+
+
+def tp_refusal(candidate, path: str) -> str | None:
+    """accelerate's prepare() under FSDP2 + TP imports a name the installed transformers may lack (main.py reports
+    such a run as unsupported): no config is offered for a layout it could not prepare."""
+    missing = utils.name_prepare_cannot_import() if candidate.degrees.tp > 1 else None
+    if missing is None:
+        return None
+    if os.path.isfile(path):
+        os.remove(path)
+    return f"the installed accelerate cannot prepare FSDP2 + TP with this transformers ({missing})"
 
 
 def write_unmarked(path: str, fields: dict) -> str | None:
