@@ -7,6 +7,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -81,19 +82,26 @@ def nothing_left_in_the_temp_dir():
     assert not left, f"left in the tests' temp dir {TESTS_TMP[0]}: {left}"
 
 
+def hangup_as_from_a_terminal() -> None:
+    """In a launched script, before it runs: SIGHUP as a terminal's shell leaves it, whatever this session inherited
+    (a suite started under nohup ignores it, and a script keeps an ignored SIGHUP ignored, as nohup asks)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def start_script(args: list[str], nproc: int | None = 2, launcher: list[str] | None = None, own_group: bool = False,
                  **env: str) -> subprocess.Popen:
     """The same launch as ``run_script``, left running (to signal it, or to start several); ``own_group``: in a
     process group of its own, which a terminal's Ctrl-C reaches whole (``os.killpg(proc.pid, ...)``)."""
     return subprocess.Popen(command(args, nproc, launcher), cwd=ROOT, env=environment(**env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=own_group)
+                            stderr=subprocess.PIPE, text=True, start_new_session=own_group,
+                            preexec_fn=hangup_as_from_a_terminal)
 
 
 def run_script(args: list[str], nproc: int | None = 2, timeout: int = 300, launcher: list[str] | None = None,
                **env: str) -> subprocess.CompletedProcess:
     """Launch a script of the project as a user does, wait for it, and keep its output."""
     return subprocess.run(command(args, nproc, launcher), cwd=ROOT, env=environment(**env), capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, preexec_fn=hangup_as_from_a_terminal)
 
 
 def child_running(pid: int, marker: str, timeout: float = 60.0):
