@@ -32,6 +32,7 @@ import psutil
 from fsdp2bench.cli import exit_with, say
 from fsdp2bench.memory import estimate
 from fsdp2bench.options import accelerate_config, fsdp as options
+from fsdp2bench.options.levers import FLOAT8_EAGER
 from fsdp2bench.processes import simulation
 from fsdp2bench.processes.isolation import Interrupted
 from fsdp2bench.run import concurrency
@@ -111,6 +112,8 @@ def run(argv: list[str] | None = None) -> int:
         say(line)
     if session.rank == 0 and checked.cap is not None and checked.cap.said():
         say(checked.cap.said())
+    if session.rank == 0 and fsdp_options.float8 and not fsdp_options.compile:
+        say(FLOAT8_EAGER)
     if session.rank == 0 and session.device.type == "cpu":
         print(f"Running on CPU{'' if args.simulate_world_size else ' with gloo'}: a functional run. Allocator "
               "figures are n/a; RSS is host memory, not GPU memory.")

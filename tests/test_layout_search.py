@@ -53,6 +53,11 @@ def test_candidates_reach_the_global_batch_with_every_lever_each_layout_admits()
     assert len(found) == 2 * 2 * 2 * 3
     float8 = candidates_of(layouts_of(4, TINY.config, 128, "cpu")[0], Levers(float8=(False, True)), 4, "cuda")
     assert not any(c.float8 and c.degrees.tp > 1 for c in float8) and any(c.float8 for c in float8)
+    # Beside compile, float8 is searched only with it (eager, its casts cost more than it saves); asked alone, alone.
+    assert {(c.compile, c.float8) for c in float8} == {(False, False), (True, False), (True, True)}
+    alone = candidates_of(layouts_of(4, TINY.config, 128, "cpu")[0], Levers(compile=(False,), float8=(False, True)),
+                          4, "cuda")
+    assert any(c.float8 and not c.compile for c in alone)
 
 
 def test_the_memory_model_prunes_what_cannot_fit_and_says_by_how_much():

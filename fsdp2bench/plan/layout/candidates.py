@@ -119,10 +119,16 @@ def cp_refusal(config, cp: int, block: int, device_type: str) -> str | None:
     return size_refusal(lambda: check_context_parallel(config, cp, block))
 
 
+def admits_float8(degrees: Degrees, compiled: bool, levers: Levers) -> bool:
+    """float8 not under TP, and not without compile where compile is searched too (eager, its casts cost more than
+    it saves: levers.FLOAT8_EAGER); asked alone (float8 in --levers, compile not), it is timed as asked."""
+    return degrees.tp == 1 and (compiled or True not in levers.compile)
+
+
 def candidates_of(layouts: list[Degrees], levers: Levers, global_sequences: int, device_type: str) -> list[Candidate]:
     """Each layout whose data ranks divide the global batch, with every lever combination it admits (float8 not
-    under TP; liger not on the CPU) and every local batch that divides a data rank's share of the global batch;
-    under accumulation each way of reducing its gradients."""
+    under TP, nor without compile beside it; liger not on the CPU) and every local batch that divides a data
+    rank's share of the global batch; under accumulation each way of reducing its gradients."""
     out = []
     for degrees in layouts:
         if global_sequences % degrees.data_ranks:
@@ -131,7 +137,7 @@ def candidates_of(layouts: list[Degrees], levers: Levers, global_sequences: int,
         for ac in levers.ac:
             for loss in (loss for loss in levers.losses if loss != LIGER or device_type == "cuda"):
                 for compiled in levers.compile:
-                    for float8 in (f for f in levers.float8 if not f or degrees.tp == 1):
+                    for float8 in (f for f in levers.float8 if not f or admits_float8(degrees, compiled, levers)):
                         for batch in divisors(share):
                             out += [Candidate(degrees, ac, loss, compiled, float8, batch, share // batch, sync)
                                     for sync in ((False, True) if share // batch > 1 else (False,))]
