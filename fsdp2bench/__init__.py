@@ -8,11 +8,13 @@ where users look for them. Here, one wing a concern, in layers: a module imports
   of values and devices); the files a run writes (output directories, locks, atomic writes, the mark); none imports
   torch: the plots and the first import use them
 - ``options``: what a run is asked to do: ``fsdp`` (the FSDP2 options, the option sets), ``layout`` (R x S x C x T),
-  ``step`` (loop and loss), ``levers`` (checkpointing, compile, float8), ``accelerate_config`` (the user's config)
+  ``step`` (loop and loss), ``levers`` (checkpointing, compile, float8), ``accelerate_config`` (the user's config),
+  ``links`` (the cluster's links, a collective's cost by its group's shape)
 - ``memory``: ``accounting`` (bytes held, counted and expected), ``estimate`` (a step's peak, calibrated; the GPU
   cap), ``snapshots`` (the tensors alive at a peak)
 - ``processes``: ``first`` and ``starting`` (before torch), ``isolation`` (fresh processes on every rank, failures,
-  interrupts), ``child`` (what each does), ``simulation`` (one rank of N alone), ``torchrun`` (quiet launches)
+  interrupts), ``child`` (what each does), ``simulation`` (one rank of N alone), ``emulation`` (its collectives'
+  time), ``torchrun`` (quiet launches)
 - ``train``: ``runner`` (one variant trained), ``model``, ``data``, ``weights``, ``throughput``, ``progress``
 - ``report``: ``summary`` (summary.json and its checks), ``console`` (what a run says), ``matrix`` (matrix.py's rows),
   ``plots`` (the figures) and ``traces`` (the files they are drawn from)
