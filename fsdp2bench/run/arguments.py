@@ -100,6 +100,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the model is built: cpu (the upstream's path: fully_shard moves each rank's shard "
                         "to the GPU; the weights are drawn once per rank on its share of the host's cores) or cuda (built on "
                         "the GPU, faster, but the GPU holds the whole model for a moment) (default: cpu)")
+    add_simulation_options(p)
+    add_fsdp_options(p)
+    add_step_options(p)
+    p.add_argument("--inject_failure", type=parse_failure, default=None,
+                   metavar="VARIANT:STEP:RANK[:kill|:oom|:thread|:nan]",
+                   help="test option: VARIANT raises on RANK before STEP (:kill dies by SIGKILL instead, :oom raises "
+                        "torch's out-of-memory error, :thread raises in the memory tracker's thread, :nan makes a "
+                        "parameter NaN so that the run diverges) (default: off)")
+    return p.parse_args(argv)
+
+
+def add_simulation_options(p: argparse.ArgumentParser) -> None:
+    """One rank of a world of N, played by one process: which N, which ranks, and its communication emulated."""
     p.add_argument("--simulate_world_size", default=None, metavar="N[,N...]",
                    help="measure one rank of a world of N instead of this launch's: one process plays that rank "
                         "on a fake process group (real allocations, no communication, losses meaningless). "
@@ -114,14 +127,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "sleep on the GPU stream it is issued on, over links of WITHIN GB/s within a node and ACROSS "
                         "per NIC, or a JSON FILE of the links (docs/links.md); alone: 8-GPU H100/H200 SXM nodes, "
                         "400 Gb/s a GPU (default: off: compute only)")
-    add_fsdp_options(p)
-    add_step_options(p)
-    p.add_argument("--inject_failure", type=parse_failure, default=None,
-                   metavar="VARIANT:STEP:RANK[:kill|:oom|:thread|:nan]",
-                   help="test option: VARIANT raises on RANK before STEP (:kill dies by SIGKILL instead, :oom raises "
-                        "torch's out-of-memory error, :thread raises in the memory tracker's thread, :nan makes a "
-                        "parameter NaN so that the run diverges) (default: off)")
-    return p.parse_args(argv)
 
 
 def add_step_options(p: argparse.ArgumentParser) -> None:

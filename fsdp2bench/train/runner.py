@@ -22,7 +22,7 @@ from fsdp2bench.options.layout import Meshes
 from fsdp2bench.options.links import Links
 from fsdp2bench.options.step import kept_output_bytes
 from fsdp2bench.processes.child import TracedChild, run_traced_child
-from fsdp2bench.processes.emulation import emulated
+from fsdp2bench.processes.emulation import Tally, emulated
 from fsdp2bench.processes.isolation import STAND_DOWN, StoreKeys, init_group, name_process, wait_at_gate
 from fsdp2bench.processes.simulation import init_simulated_group
 from fsdp2bench.train import throughput
@@ -321,15 +321,21 @@ def train_busy(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: d
     progress.close()
     tracker.mark("training_finished")
     found = {"wall_s": time.perf_counter() - start, "accounting": {**accounting, "end_of_training": held()},
-             "expected_kept_output_bytes": expected_kept_outputs(job), "applied": applied,
-             "gathered_block_bytes": gathered_block_bytes(prep.model, job.layer_classes),
-             "speed": run_speed(job, prep.model, tracker.steps, emulated=tally is not None and tally.waited),
+             "expected_kept_output_bytes": expected_kept_outputs(job), "applied": applied}
+    return {**found, **trained_figures(job, prep.model, tracker, tally)}
+
+
+def trained_figures(job: Job, model: torch.nn.Module, tracker: MemoryTracker, tally: Tally | None) -> dict:
+    """What a finished variant measured beyond its state: gathered bytes, speed, emulated communication, the
+    allocator's figures, and (where recorded) the tensors alive at its peak."""
+    found = {"gathered_block_bytes": gathered_block_bytes(model, job.layer_classes),
+             "speed": run_speed(job, model, tracker.steps, emulated=tally is not None and tally.waited),
              "emulated": None if tally is None else tally.per_step(len(job.batches)),
              "allocator": tracker.allocator_stats(), "counter_peaks": tracker.counter_peaks(),
              "polled_peaks": tracker.polled_peaks()}
     if records_history(job):  # while the model exists to name the blocks
         found["peak_tensors"] = snapshots.peak_tensors(torch.cuda.memory._snapshot(),
-                                                       snapshots.parameter_sizes(prep.model),
+                                                       snapshots.parameter_sizes(model),
                                                        job.device.index or 0, HISTORY_ENTRIES)
     return found
 
