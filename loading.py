@@ -191,10 +191,10 @@ def check_host_fits(args: argparse.Namespace, modes: list[str], facts: ModelFact
     sizes = simulation.parse_world_sizes(args.simulate_world_size) if simulated else \
         [int(os.environ.get("WORLD_SIZE", 1))]
     local = 1 if simulated else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    itemsize = (4 if checkpoint.dtype_name() in ("F32", "float32") else 2) if checkpoint else \
-        CHECKPOINT_DTYPES[args.checkpoint_dtype].itemsize
+    stored = checkpoint.bytes() if checkpoint else \
+        facts.num_parameters * CHECKPOINT_DTYPES[args.checkpoint_dtype].itemsize
     ran = [m for m in modes if m in SIMULABLE] if simulated else modes
-    need, what = host_need(ran, sizes, local, facts.num_parameters, itemsize, device_type, checkpoint is None)
+    need, what = host_need(ran, sizes, local, facts.num_parameters, stored, device_type, checkpoint is None)
     total, available = local * HOST_RUNTIME + need, host_memory_for_launch()
     if total > available:
         raise UserError(f"--model {facts.name} needs about {total / GIB:.1f} GiB of host memory at its peak ({what}: "

@@ -257,20 +257,20 @@ def test_a_run_without_a_model_on_the_cpu_says_its_own_model_and_time(tmp_path):
 
 
 def test_the_host_memory_each_mode_holds_is_counted_by_hand():
-    """P = 1000 parameters, a bf16 checkpoint, N = 4 with 2 ranks on the node. On a CPU run each rank's fp32 shard
+    """P = 1000 parameters, a bf16 checkpoint of 2000 bytes, N = 4 with 2 ranks on the node. On a CPU run each rank's fp32 shard
     (1000 bytes) is on the host: naive holds the whole fp32 model in each process, 2 x 4000, and the shards, 2000;
     broadcast and shared memory the checkpoint once, 2000, and the shards; accelerate one fp32 model; sharded
     reading the shards alone. On a GPU the shards are on the GPU."""
     from fsdp2bench.loading.modes import host_need, mode_host_bytes
 
-    cpu = {m: mode_host_bytes(m, 4, 2, 1000, 2, "cpu") for m in loading.MODES}
+    cpu = {m: mode_host_bytes(m, 4, 2, 1000, 2000, "cpu") for m in loading.MODES}
     assert cpu == {"naive": 10000, "rank0_broadcast": 4000, "accelerate": 6000, "sharded_read": 2000,
                    "shared_memory": 4000}
-    gpu = {m: mode_host_bytes(m, 4, 2, 1000, 2, "cuda") for m in loading.MODES}
+    gpu = {m: mode_host_bytes(m, 4, 2, 1000, 2000, "cuda") for m in loading.MODES}
     assert gpu == {"naive": 8000, "rank0_broadcast": 2000, "accelerate": 4000, "sharded_read": 0, "shared_memory": 2000}
-    assert host_need(["sharded_read"], [4], 2, 1000, 2, "cpu", True) == (4000, "writing the checkpoint (the model "
+    assert host_need(["sharded_read"], [4], 2, 1000, 2000, "cpu", True) == (4000, "writing the checkpoint (the model "
                                                                               "built in fp32 first)")
-    assert host_need(["naive", "sharded_read"], [2, 8], 1, 1000, 2, "cpu", False) == (6000, "naive at N = 2")
+    assert host_need(["naive", "sharded_read"], [2, 8], 1, 1000, 2000, "cpu", False) == (6000, "naive at N = 2")
 
 
 @pytest.mark.parametrize("argv, said", [

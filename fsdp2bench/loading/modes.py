@@ -157,26 +157,25 @@ NEEDS_PEERS = "needs data from the other ranks (a broadcast), which a simulated 
 
 # --------------------------------------------------------------------------- host memory, before anything runs
 
-def mode_host_bytes(mode: str, world_size: int, local_ranks: int, params: int, checkpoint_itemsize: int,
-                    device_type: str) -> int:
+def mode_host_bytes(mode: str, world_size: int, local_ranks: int, params: int, stored: int, device_type: str) -> int:
     """What a mode holds on one node's host at its peak, beyond each process's runtime: the whole model in fp32
-    (4 P) where a process reads it into a full model, the checkpoint's tensors (P in its dtype) where one process
-    or the node holds them, and each rank's fp32 shard (4 P / N) where the shards live on the host (a CPU run)."""
-    full, stored = 4 * params, checkpoint_itemsize * params
+    (4 P) where a process reads it into a full model, the checkpoint's ``stored`` bytes where one process or the
+    node holds them, and each rank's fp32 shard (4 P / N) where the shards live on the host (a CPU run)."""
+    full = 4 * params
     shards = 0 if device_type == "cuda" else local_ranks * full // world_size
     held = {"naive": local_ranks * full, "rank0_broadcast": stored, "accelerate": full, "sharded_read": 0,
             "shared_memory": stored}
     return held[mode] + shards
 
 
-def host_need(modes: list[str], sizes: list[int], local_ranks: int, params: int, checkpoint_itemsize: int,
-              device_type: str, writes_checkpoint: bool) -> tuple[int, str]:
+def host_need(modes: list[str], sizes: list[int], local_ranks: int, params: int, stored: int, device_type: str,
+              writes_checkpoint: bool) -> tuple[int, str]:
     """The largest host peak of a launch (bytes, beyond the processes' runtime) and what holds it: writing the
-    checkpoint (the model built in fp32 on a CPU run), or a mode at one of its world sizes."""
-    needs = [(mode_host_bytes(mode, n, local_ranks, params, checkpoint_itemsize, device_type),
-              f"{mode} at N = {n}") for n in sizes for mode in modes]
+    checkpoint of ``stored`` bytes (the model built in fp32 first on a CPU run), or a mode at one of its N."""
+    needs = [(mode_host_bytes(mode, n, local_ranks, params, stored, device_type), f"{mode} at N = {n}")
+             for n in sizes for mode in modes]
     if writes_checkpoint:
-        needs.append((4 * params if device_type == "cpu" else checkpoint_itemsize * params,
+        needs.append((4 * params if device_type == "cpu" else stored,
                       "writing the checkpoint (the model built in fp32 first)" if device_type == "cpu" else
                       "writing the checkpoint"))
     return max(needs)

@@ -14,6 +14,7 @@ neither is modelled (docs/links.md). No torch here: the planner and the command 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -49,7 +50,7 @@ class Links:
     def gbps(self, group: int, span: int) -> float:
         """The same for a group of ``group`` ranks evenly spread over ``span`` consecutive ranks (rank 0's groups
         in a layout: tp innermost, then cp, then the shards, then the replicas)."""
-        return self.group_gbps(range(0, span, max(1, span // group)))
+        return even_group_gbps(self, group, span)
 
     def collective_s(self, kind: str, whole_bytes: int, ranks: Sequence[int]) -> float:
         """Seconds of one ring collective over ``ranks`` of a whole of ``whole_bytes`` (the gathered output, the
@@ -61,6 +62,13 @@ class Links:
         crosses = len(members_per_node(ranks, self.node_size)) > 1
         latency = (self.latency_across_us if crosses else self.latency_within_us) * 1e-6
         return RING_WHOLES[kind] * (g - 1) / g * whole_bytes / (self.group_gbps(ranks) * 1e9) + steps * latency
+
+
+@functools.cache
+def even_group_gbps(links: Links, group: int, span: int) -> float:
+    """``Links.gbps``, once per shape: the layout search prices tens of thousands of candidates' collectives over a
+    few shapes, and counting a group of N ranks node by node takes O(N)."""
+    return links.group_gbps(range(0, span, max(1, span // group)))
 
 
 def members_per_node(ranks: Sequence[int], node_size: int) -> dict[int, int]:

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import subprocess
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fsdp2bench.cli import (OneLineParser, UserError, check_ranges, given_options, gpu_memory_gib, parse_names,
                             pick_device, say)
@@ -34,6 +35,9 @@ from fsdp2bench.run import arguments
 from fsdp2bench.run.session import ModelFacts, model_facts
 from fsdp2bench.run.versions import check_releases
 from fsdp2bench.train.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, max_positions
+
+if TYPE_CHECKING:  # the type alone: cli.pick_device makes the device
+    import torch
 
 SEED = 421  # main.py's: the weights are drawn the same way
 DEFAULT_VARIANTS = f"{VARIANTS[0]},accelerate"
@@ -146,7 +150,7 @@ class Common:
     """What both modes read, checked once."""
     sizes: list[int]
     blocks: list[int]
-    device: object  # torch.device, made without importing torch here
+    device: torch.device
     model: str
 
 
