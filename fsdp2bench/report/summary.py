@@ -6,8 +6,9 @@ import math
 import statistics
 
 from fsdp2bench.memory import snapshots
-from fsdp2bench.memory.accounting import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_gathered_block_bytes,
-                                          expected_setup, expected_state, projection, unfixed_costs_more_from)
+from fsdp2bench.memory.accounting import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_frozen_bytes,
+                                          expected_gathered_block_bytes, expected_setup, expected_state, projection,
+                                          unfixed_costs_more_from)
 from fsdp2bench.names import (INTENDED, MIB, PEAK_PHASES, PHASES, STATE_KEYS, UNFIXED, phases, state_bytes,
                               step_peak_state)
 from fsdp2bench.options.fsdp import FsdpOptions
@@ -159,12 +160,29 @@ def memory_summary(name: str, per_rank: list[dict], shapes, world_size: int, ran
         "applied": [r["applied"] for r in per_rank],
         "applied_matches_options": all({k: r["applied"][k] for k in setup} == setup for r in per_rank),
         "steady_allocated_minus_state_mib": _across(residual),
+        **frozen_base(per_rank, shapes, world_size, ranks, options, counted),
         **({"peak_tensors": [r["peak_tensors"] for r in per_rank]} if "peak_tensors" in per_rank[0] else {}),
         **({"emulated": [r["emulated"] for r in per_rank]} if per_rank[0].get("emulated") else {}),
         "wall_s": max(r["wall_s"] for r in per_rank),
         "median_step_time_s": statistics.median(s["step_time_s"] for s in per_rank[0]["steps"]),
         **speed_summary([r["speed"] for r in per_rank]),
     }
+
+
+def frozen_base(per_rank: list[dict], shapes, world_size: int, ranks: list[int], options: FsdpOptions,
+                counted: tuple[str, ...]) -> dict:
+    """What the frozen parameters (a LoRA base) held on each rank, against the sharding rule: their chunk after
+    training, and the most gradient and optimizer state they had at any moment counted (none expected). Nothing
+    where the model has no frozen parameter."""
+    expected = [expected_frozen_bytes(shapes, world_size, rank, options) for rank in ranks]
+    if not expected[0]["frozen_full_bytes"]:
+        return {}
+    held = [{"frozen_param_bytes": r["accounting"]["end_of_training"]["frozen_param_bytes"],
+             **{k: max(r["accounting"][phase][k] for phase in counted) for k in ("frozen_grad_bytes",
+                                                                                 "frozen_state_bytes")}}
+            for r in per_rank]
+    return {"frozen_base": held, "expected_frozen_base": expected,
+            "frozen_base_as_expected": all(h == {k: e[k] for k in h} for h, e in zip(held, expected))}
 
 
 def speed_summary(per_rank: list[dict]) -> dict:
@@ -250,13 +268,18 @@ def run_checks(variants: dict, device_type: str, options: FsdpOptions = FsdpOpti
         checks["intended_losses_match"] = {"ok": not non_finite and all(d <= tol for d in diffs.values()),
                                            "reference": ran[0], "relative_tolerance": tol, "tolerance_why": why,
                                            "max_relative_diff": diffs}
-    for check, field in (("accounting_matches_expected", "accounting_matches_expected"),
-                         ("options_applied", "applied_matches_options")):
-        counted = {n: v[field] for n, v in ok.items()}
+    for check, field in CHECKED_FIELDS:
+        counted = {n: v[field] for n, v in ok.items() if field in v}
         if counted:
             checks[check] = {"ok": all(counted.values()), "mismatched": [n for n, good in counted.items() if not good]}
     checks.update(training_checks(ok, ran, non_finite))
     return checks
+
+
+# (check, the field of each variant's entry it reads): the last only where the model has frozen parameters.
+CHECKED_FIELDS = (("accounting_matches_expected", "accounting_matches_expected"),
+                  ("options_applied", "applied_matches_options"),
+                  ("frozen_base_sharded", "frozen_base_as_expected"))
 
 
 def training_checks(ok: dict, ran: list[str], non_finite: dict) -> dict:
@@ -365,11 +388,11 @@ def sweep_checks(simulated: dict) -> dict:
     """Only the accounting can be checked; the convergence checks are reported as skipped."""
     ran = [(n, r, name, e) for n, r, name, e in simulated_entries(simulated) if e["status"] == "ok"]
     checks = {}
-    if ran:
-        for check, field in (("accounting_matches_expected", "accounting_matches_expected"),
-                             ("options_applied", "applied_matches_options")):
-            mismatched = [f"{name} (N={n}, rank {r})" for n, r, name, e in ran if not e[field]]
-            checks[check] = {"ok": not mismatched, "mismatched": mismatched}
+    for check, field in CHECKED_FIELDS:
+        counted = [(n, r, name, e[field]) for n, r, name, e in ran if field in e]
+        if counted:
+            checks[check] = {"ok": all(good for *_, good in counted),
+                             "mismatched": [f"{name} (N={n}, rank {r})" for n, r, name, good in counted if not good]}
     checks["intended_losses_match"] = dict(SKIPPED)
     checks["unfixed_did_not_train"] = dict(SKIPPED)
     return checks

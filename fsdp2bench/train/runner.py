@@ -243,7 +243,8 @@ def build(job: Job, tracker: MemoryTracker):
     to the GPU, as in the upstream and most user code) or directly on the GPU."""
     device = job.device if job.train.init_device == "cuda" else torch.device("cpu")
     start = time.perf_counter()
-    model, weights = build_model(job.config, device, job.train.seed, job.train.build_threads, job.train.weights)
+    model, weights = build_model(job.config, device, job.train.seed, job.train.build_threads, job.train.weights,
+                                 job.train.options.tuning)
     tracker.mark("model_built", build_device=device.type, build_s=time.perf_counter() - start, weights=weights)
     return model
 
