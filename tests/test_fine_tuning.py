@@ -10,6 +10,7 @@ import math
 import pytest
 
 from conftest import TINY, VARIANTS, load, refusal, run_script
+from fsdp2bench.options.levers import cpp_compiler
 from fsdp2bench.run import arguments
 from fsdp2bench.train.model import PRESETS
 
@@ -70,6 +71,80 @@ def test_lora_trains_every_intended_variant_and_the_stale_optimizer_holds_old_ad
     assert summary["meta"]["fsdp_options"]["tuning"]["peft"] == "lora"
 
 
+# torchao's optimizers compile each parameter's step (inductor builds C++ on the CPU).
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None or cpp_compiler() is None,
+                                   reason="torchao or a C++ compiler is missing")
+# The optimizer state of every rank at LoRA rank 256 on the tiny model at N = 2, by the rule torchao keeps (a local
+# chunk of at least 4096 elements and whole blocks is quantized: every adapter's here): 28 adapters of 294,400
+# local elements in all, two moments each and a 4-byte step. 8-bit: a byte an element, a fp32 scale per 256 and a
+# table of 256 fp32 per moment; 4-bit: half a byte, a scale per 128, a table of 16; fp8: a byte, a scale per 256.
+ELEMENTS, ADAPTERS = 294_400, 28
+LOW_BIT_STATE = {"adamw8bit": 2 * (ELEMENTS + 4 * ELEMENTS // 256 + ADAPTERS * 4 * 256) + 4 * ADAPTERS,
+                 "adamw4bit": 2 * (ELEMENTS // 2 + 4 * ELEMENTS // 128 + ADAPTERS * 4 * 16) + 4 * ADAPTERS,
+                 "adamw_fp8": 2 * (ELEMENTS + 4 * ELEMENTS // 256) + 4 * ADAPTERS}
+
+
+@needs_peft
+@needs_torchao
+@pytest.mark.parametrize("optimizer", LOW_BIT_STATE)
+def test_torchaos_low_bit_adamw_trains_lora_in_every_variant_with_its_state_counted(tmp_path, optimizer):
+    """2 ranks, LoRA rank 256 (each rank's chunk of every adapter large enough to be quantized), 8 steps: the
+    intended variants train, bit-equal, the stale one does not, and each rank's state is the quantized one's, to
+    the byte (a quarter of AdamW's fp32 moments or less, where AdamW's would be 2 x 4 x 294,400 + 112 bytes)."""
+    proc = run_script(["main.py", *TINY, *LORA, "--lora_rank", "256", "--optimizer", optimizer, "--max_steps", "8",
+                       "--quiet", "--output_dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    summary = load(tmp_path / "summary.json")
+    for check in ("intended_variants_trained", "unfixed_did_not_train", "intended_losses_match",
+                  "accounting_matches_expected", "frozen_base_sharded"):
+        assert summary["checks"][check]["ok"] is True, (check, summary["checks"][check])
+    for name in ("torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_fixed", "accelerate"):
+        held = [rank["before_zero_grad"]["optimizer_state_bytes"] for rank in summary["variants"][name]["accounting"]]
+        assert held == [LOW_BIT_STATE[optimizer]] * 2, (name, held)
+    assert LOW_BIT_STATE[optimizer] < (2 * 4 * ELEMENTS + 4 * ADAPTERS) / 3
+
+
+# One step of each optimizer on an nn.Linear sharded by FSDP2 over 2 gloo ranks: what it says, on rank 0.
+PROBE = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("gloo")
+model = fully_shard(torch.nn.Sequential(torch.nn.Linear(64, 512)))
+def make(name, params):
+    if name == "bitsandbytes":
+        import bitsandbytes
+        return bitsandbytes.optim.AdamW8bit(params, lr=1e-3)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+        return Adafactor(params, lr=1e-3, relative_step=False, scale_parameter=False)
+    return torch.optim.AdamW(params, lr=1e-3)
+for name in sys.argv[1:]:
+    optimizer = make(name, list(model.parameters()))
+    model(torch.ones(2, 64)).sum().backward()
+    try:
+        optimizer.step()
+        said = "runs"
+    except Exception as exc:
+        said = "fails: " + str(exc).splitlines()[0]
+    if dist.get_rank() == 0:
+        print(f"probe {name} {said}", flush=True)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed")
+def test_the_refused_optimizers_still_fail_on_fsdp2s_dtensor_parameters(tmp_path):
+    """Why --optimizer bnb_adamw8bit and adafactor are refused, asked of the installed releases: a step of either on
+    FSDP2's DTensor parameters meets a plain tensor of its own state (torch's AdamW, beside them, runs). Where a
+    release runs them, this fails, and the refusal is to be lifted."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    proc = run_script([str(script), "adamw", "bitsandbytes", "adafactor"])
+    said = dict(line.split(" ", 2)[1:] for line in proc.stdout.splitlines() if line.startswith("probe "))
+    assert said["adamw"] == "runs", proc.stdout + proc.stderr[-2000:]
+    for name in ("bitsandbytes", "adafactor"):
+        assert said[name].startswith("fails: ") and "got mixed torch.Tensor and DTensor" in said[name], said
+
+
 @pytest.mark.parametrize("argv, said", [
     ([*LORA, "--lora_rank", "0"], "--lora_rank must be in [1, 65536], got 0"),
     ([*LORA, "--lora_rank", "-4"], "--lora_rank must be in [1, 65536], got -4"),
@@ -82,6 +157,8 @@ def test_lora_trains_every_intended_variant_and_the_stale_optimizer_holds_old_ad
     ([*LORA, "--lora_targets", ","], "--lora_targets : no name given matches no Linear layer"),
     (["--lora_rank", "8"], "--lora_rank needs --peft lora"),
     (["--optimizer", "sgd"], "--optimizer: invalid choice: 'sgd'"),
+    (["--optimizer", "bnb_adamw8bit"], "--optimizer bnb_adamw8bit: bitsandbytes' AdamW8bit keeps its state in plain"),
+    (["--optimizer", "adafactor"], "--optimizer adafactor: transformers' Adafactor keeps its factored row and column"),
     (["--peft", "dora"], "--peft: invalid choice: 'dora'"),
     ([*LORA, "--simulate_world_size", "2", "--tp_size", "2"], "--peft lora with --tp_size 2"),
 ])
@@ -101,6 +178,9 @@ WITHOUT = ("import runpy, sys\n"
 @pytest.mark.parametrize("blocked, argv, said", [
     ("peft", LORA, "error: --peft lora: peft cannot be imported (import of peft halted; None in sys.modules); "
                    "install it with pip install -r requirements-peft.txt"),
+    ("torchao.optim", ["--optimizer", "adamw8bit"], "error: --optimizer adamw8bit: torchao cannot be imported "
+                                                    "(import of torchao.optim halted; None in sys.modules); install it "
+                                                    "with pip install -r requirements-float8.txt"),
     pytest.param("none", [*LORA, "--lora_targets", "wq"], "error: --lora_targets wq: wq matches no Linear layer",
                  marks=needs_peft),
     ("none", [*LORA, "--lora_rank", "0"], "error: --lora_rank must be in [1, 65536], got 0"),
