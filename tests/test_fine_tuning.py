@@ -10,15 +10,22 @@ import math
 import pytest
 
 from conftest import TINY, VARIANTS, load, refusal, run_script
+from fsdp2bench.cli import UserError
+from fsdp2bench.options import tuning
 from fsdp2bench.options.levers import cpp_compiler
 from fsdp2bench.run import arguments
 from fsdp2bench.train.model import PRESETS
 
 UNFIXED = "torch_optimizer_before_fsdp_not_fixed"
-LORA = ["--peft", "lora"]
-# peft is optional (requirements-peft.txt): where it is not installed, --peft lora is refused, which the last test
-# checks everywhere by blocking it.
+LORA, QLORA = ["--peft", "lora"], ["--peft", "qlora"]
+# The optional packages (requirements-peft.txt, requirements-float8.txt): where one is not installed its option is
+# refused, which the last test checks everywhere by blocking it. torchao's optimizers compile each parameter's step
+# (inductor builds C++ on the CPU).
 needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
+needs_bitsandbytes = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
+                                        reason="bitsandbytes is not installed")
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None or cpp_compiler() is None,
+                                   reason="torchao or a C++ compiler is missing")
 
 
 def tiny_lora_parameters(rank: int) -> tuple[list[tuple[int, ...]], int]:
@@ -71,9 +78,64 @@ def test_lora_trains_every_intended_variant_and_the_stale_optimizer_holds_old_ad
     assert summary["meta"]["fsdp_options"]["tuning"]["peft"] == "lora"
 
 
-# torchao's optimizers compile each parameter's step (inductor builds C++ on the CPU).
-needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None or cpp_compiler() is None,
-                                   reason="torchao or a C++ compiler is missing")
+@needs_peft
+@needs_bitsandbytes
+def test_qlora_trains_every_intended_variant_over_a_sharded_four_bit_base(tmp_path):
+    """2 ranks, bitsandbytes' CPU kernels: every projection 4-bit (NF4, packed two codes a byte in bf16 storage,
+    (numel + 1) // 4 rows of one bf16), bf16 adapters. The intended variants train and the stale one does not,
+    every byte as the rule says, and each rank holds its padded chunk of the packed base and of the rest."""
+    proc = run_script(["main.py", *TINY, *QLORA, "--quiet", "--output_dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    summary = load(tmp_path / "summary.json")
+    for check in ("intended_variants_trained", "unfixed_did_not_train", "intended_losses_match",
+                  "accounting_matches_expected", "frozen_base_sharded"):
+        assert summary["checks"][check]["ok"] is True, (check, summary["checks"][check])
+    base, adapters = tiny_lora_parameters(16)
+    embeddings, rest = base[0], base[1:]
+    packed = [((math.prod(s) + 1) // 4, 1) for s in rest if len(s) == 2]
+    kept = [embeddings] + [s for s in rest if len(s) == 1]
+    for name in VARIANTS:
+        held = summary["variants"][name]["frozen_base"]
+        assert [r["frozen_param_bytes"] for r in held] == [padded_chunk_bytes(packed + kept, 2, 2)] * 2, name
+    for rank in summary["variants"][UNFIXED]["accounting"]:
+        assert rank["stale_param_bytes"] == 2 * adapters  # the whole adapters, bf16
+    assert "Trained: QLoRA adapters (rank 16" in " ".join(proc.stdout.split())
+
+
+@needs_peft
+@needs_bitsandbytes
+def test_qlora_in_uint8_runs_only_when_asked_and_the_checks_catch_accelerates_whole_base(tmp_path):
+    """uint8 storage (accelerate#3983), run anyway: on the CPU the torch variant shards it and trains, while
+    accelerate 1.15 leaves every non-floating 4-bit weight out of sharding, whole on every rank, which the checks
+    name; the run fails."""
+    proc = run_script(["main.py", *TINY, *QLORA, "--qlora_storage", "uint8", "--allow_known_failure", "--quiet",
+                       "--variants", "torch_optimizer_after_fsdp,accelerate", "--output_dir", str(tmp_path)])
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    checks = load(tmp_path / "summary.json")["checks"]
+    assert checks["frozen_base_sharded"] == {"ok": False, "mismatched": ["accelerate"]}
+    assert checks["accounting_matches_expected"] == {"ok": False, "mismatched": ["accelerate"]}
+    variants = load(tmp_path / "summary.json")["variants"]
+    chunk = variants["accelerate"]["expected_frozen_base"][0]["frozen_param_bytes"]
+    assert all(r["frozen_param_bytes"] > chunk for r in variants["accelerate"]["frozen_base"])
+    assert all(r["frozen_param_bytes"] == chunk for r in variants["torch_optimizer_after_fsdp"]["frozen_base"])
+    assert "frozen_base_sharded failed" in proc.stderr
+
+
+@needs_bitsandbytes
+def test_qlora_where_bitsandbytes_cannot_quantize_on_the_cpu_is_refused(monkeypatch):
+    """Releases before bitsandbytes 0.46 had CUDA kernels alone: asked, not assumed."""
+    import bitsandbytes.functional
+
+    def no_kernel(*args, **kwargs):
+        raise NotImplementedError("no CPU backend")
+
+    monkeypatch.setattr(bitsandbytes.functional, "quantize_4bit", no_kernel)
+    with pytest.raises(UserError, match=r"--peft qlora on the CPU: bitsandbytes .* cannot quantize there "
+                                        r"\(NotImplementedError: no CPU backend\); run it on a GPU"):
+        tuning.check_device(tuning.Tuning(peft="qlora"), "cpu")
+    tuning.check_device(tuning.Tuning(peft="qlora"), "cuda")  # a GPU's kernels are its CUDA build's
+
+
 # The optimizer state of every rank at LoRA rank 256 on the tiny model at N = 2, by the rule torchao keeps (a local
 # chunk of at least 4096 elements and whole blocks is quantized: every adapter's here): 28 adapters of 294,400
 # local elements in all, two moments each and a 4-byte step. 8-bit: a byte an element, a fp32 scale per 256 and a
@@ -131,7 +193,7 @@ for name in sys.argv[1:]:
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed")
+@needs_bitsandbytes
 def test_the_refused_optimizers_still_fail_on_fsdp2s_dtensor_parameters(tmp_path):
     """Why --optimizer bnb_adamw8bit and adafactor are refused, asked of the installed releases: a step of either on
     FSDP2's DTensor parameters meets a plain tensor of its own state (torch's AdamW, beside them, runs). Where a
@@ -161,6 +223,14 @@ def test_the_refused_optimizers_still_fail_on_fsdp2s_dtensor_parameters(tmp_path
     (["--optimizer", "adafactor"], "--optimizer adafactor: transformers' Adafactor keeps its factored row and column"),
     (["--peft", "dora"], "--peft: invalid choice: 'dora'"),
     ([*LORA, "--simulate_world_size", "2", "--tp_size", "2"], "--peft lora with --tp_size 2"),
+    pytest.param([*QLORA, "--qlora_storage", "uint8"], "--qlora_storage uint8: 4-bit weights stored as uint8 are no "
+                                                       "floating tensor that FSDP2 can shard", marks=needs_bitsandbytes),
+    pytest.param([*QLORA, "--qlora_storage", "uint8"], "(accelerate#3983); the fix: store them as bf16 "
+                                                       "(--qlora_storage bfloat16", marks=needs_bitsandbytes),
+    ([*LORA, "--qlora_storage", "bfloat16"], "--qlora_storage needs --peft qlora"),
+    pytest.param([*QLORA, "--allow_known_failure"], "--allow_known_failure: nothing in this command line is a known "
+                                                    "failure", marks=needs_bitsandbytes),
+    ([*QLORA, "--qlora_storage", "int4"], "--qlora_storage: invalid choice: 'int4'"),
 ])
 @needs_peft
 def test_a_bad_fine_tuning_option_is_refused_in_one_line(tmp_path, argv, said):
@@ -178,6 +248,8 @@ WITHOUT = ("import runpy, sys\n"
 @pytest.mark.parametrize("blocked, argv, said", [
     ("peft", LORA, "error: --peft lora: peft cannot be imported (import of peft halted; None in sys.modules); "
                    "install it with pip install -r requirements-peft.txt"),
+    ("bitsandbytes", QLORA, "error: --peft qlora: bitsandbytes cannot be imported (import of bitsandbytes halted; "
+                            "None in sys.modules); install it with pip install -r requirements-peft.txt"),
     ("torchao.optim", ["--optimizer", "adamw8bit"], "error: --optimizer adamw8bit: torchao cannot be imported "
                                                     "(import of torchao.optim halted; None in sys.modules); install it "
                                                     "with pip install -r requirements-float8.txt"),

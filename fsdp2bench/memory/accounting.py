@@ -258,14 +258,15 @@ def unreduced_grads(model: nn.Module) -> list[torch.Tensor]:
 class ParamShape(NamedTuple):
     """One unique parameter of the unsharded model: its shape, bytes per element, the dim the model's
     tensor-parallel plan splits (None: kept whole on every tp rank), the transformer block that holds it (None:
-    outside the blocks), whether it is a Linear layer's weight (what float8 converts) and whether it trains (a LoRA
-    base does not)."""
+    outside the blocks), whether it is a Linear layer's weight (what float8 converts), whether it trains (a LoRA
+    base does not) and whether its dtype is a floating one (a QLoRA base packed in uint8 is not: no policy casts it)."""
     shape: tuple[int, ...]
     itemsize: int
     tp_dim: int | None = None
     block: int | None = None
     linear_weight: bool = False
     trainable: bool = True
+    floating: bool = True
 
 
 def trainable(shapes) -> list:
@@ -282,22 +283,22 @@ def param_shapes(model: nn.Module, config=None, layer_classes: list[str] = ()) -
     linear = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     return [ParamShape(tuple(p.shape), p.element_size(), tensor_parallel_dim(name, plan, prefix),
                        next((i for i, block in enumerate(blocks) if name.startswith(block)), None), name in linear,
-                       p.requires_grad)
+                       p.requires_grad, p.is_floating_point())
             for name, p in model.named_parameters()]
 
 
 def expected_gathered_block_bytes(shapes, world_size: int, rank: int, options: FsdpOptions) -> int:
     """What FSDP2 all-gathers for the first block on ``rank``: each parameter's chunk from every rank of its
     shard group, padded to ceil(d0 / S) rows as FSDP2 pads it (TP's part first), in the dtype it gathers: the
-    policy's parameter dtype (bf16), each parameter's own under fp32 (a LoRA base's bf16 beside fp32 adapters), or
-    one byte for a weight float8 converts."""
+    policy's parameter dtype (bf16), each parameter's own under fp32 (a LoRA base's bf16 beside fp32 adapters) or
+    where it is not floating (a QLoRA base packed in uint8), or one byte for a weight float8 converts."""
     degrees = options.layout.at(world_size)
     fsdp, tp_rank = degrees.fsdp_degree, degrees.coordinates(rank)["tp"]
     total = 0
     for param in (p for p in shapes if p.block == 0):
         shape = tp_local_shape(param, degrees.tp, tp_rank)
         item = 1 if options.float8 and float8_weight(param) else \
-            param.itemsize if options.mixed_precision_policy == FP32 else 2
+            param.itemsize if options.mixed_precision_policy == FP32 or not param.floating else 2
         total += math.ceil((shape[0] if shape else 1) / fsdp) * fsdp * math.prod(shape[1:]) * item
     return total
 

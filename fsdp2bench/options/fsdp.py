@@ -204,10 +204,13 @@ def tuning_of(args) -> Tuning:
     change nothing)."""
     given = [name for name in LORA_DEFAULTS if getattr(args, name) is not None]
     if given and args.peft == Tuning().peft:
-        raise UserError(f"--{given[0]} needs --peft lora (without adapters there is no LoRA to shape)")
+        raise UserError(f"--{given[0]} needs --peft lora or qlora (without adapters there is no LoRA to shape)")
+    if args.qlora_storage is not None and args.peft != tuning.QLORA:
+        raise UserError(f"--qlora_storage needs --peft qlora (the {args.peft} base is not 4-bit)")
     knobs = {name: default if getattr(args, name) is None else getattr(args, name)
              for name, default in LORA_DEFAULTS.items()}
-    return Tuning(peft=args.peft, optimizer=args.optimizer, **knobs)
+    return Tuning(peft=args.peft, optimizer=args.optimizer, qlora_storage=args.qlora_storage or Tuning().qlora_storage,
+                  **knobs)
 
 
 def check(options: FsdpOptions) -> None:

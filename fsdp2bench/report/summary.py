@@ -39,11 +39,12 @@ PHASE_EVENTS = {"model_built": "build", "optimizer_created": "optimizer", "shard
 
 
 def loss_drop(losses: list[float]) -> float:
-    """Relative fall from the mean of the first quarter of steps to the mean of the last quarter."""
+    """Relative fall from the mean of the first quarter of steps to the mean of the last quarter (NaN from a first
+    quarter of zero losses: no fall to measure)."""
     window = max(1, len(losses) // 4)
     first = sum(losses[:window]) / window
     last = sum(losses[-window:]) / window
-    return (first - last) / first
+    return (first - last) / first if first else math.nan
 
 
 def _residual_squares(losses: list[float]) -> tuple[float, int]:
@@ -248,7 +249,10 @@ def projection_summary(shapes, variants: dict, world_size: int, options: FsdpOpt
 
 
 def first_non_finite(losses: list) -> int | None:
-    return next((i for i, loss in enumerate(losses) if loss is None or not math.isfinite(loss)), None)
+    """The first step whose loss is not a positive number: NaN or infinite, or zero or less, which a causal LM's
+    cross entropy never is where the forward computed anything (QLoRA's uint8 storage under FSDP2 trains silently at
+    loss 0: accelerate#3983)."""
+    return next((i for i, loss in enumerate(losses) if loss is None or not math.isfinite(loss) or loss <= 0), None)
 
 
 def run_checks(variants: dict, device_type: str, options: FsdpOptions = FsdpOptions()) -> dict:
@@ -299,6 +303,9 @@ def training_checks(ok: dict, ran: list[str], non_finite: dict) -> dict:
     return checks
 
 
+NOT_A_LOSS = "a loss is not a positive number"
+
+
 def _too_few_steps(steps: int) -> str:
     return (f"{steps} step(s) cannot tell a falling loss from the spread of the loss over the batches; it needs at "
             f"least {MIN_STEPS} steps")
@@ -306,7 +313,7 @@ def _too_few_steps(steps: int) -> str:
 
 def _trained_check(drops: dict, bar: dict | None, steps: int, diverged: bool) -> dict:
     if diverged:
-        return {"ok": False, "loss_drop": drops, "reason": "a loss is not a number"}
+        return {"ok": False, "loss_drop": drops, "reason": NOT_A_LOSS}
     if bar is None:
         return {"ok": None, "loss_drop": drops, "skipped": _too_few_steps(steps)}
     found = {"loss_drop": drops, **bar}
@@ -324,7 +331,7 @@ def _not_trained_check(drop: float, bar: dict | None, steps: int, diverged: bool
     """The unfixed variant's drop at most the bar: it did not train. Said only where the run could have
     shown training (the intended variants' loss fell beyond the bar), or where no intended variant ran."""
     if diverged:
-        return {"ok": False, "loss_drop": drop, "reason": "a loss is not a number"}
+        return {"ok": False, "loss_drop": drop, "reason": NOT_A_LOSS}
     if bar is None:
         return {"ok": None, "loss_drop": drop, "skipped": _too_few_steps(steps)}
     found = {"loss_drop": drop, **bar}

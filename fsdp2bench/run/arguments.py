@@ -153,7 +153,9 @@ def add_tuning_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--peft", choices=tuning.PEFT_MODES, default=tuning.NO_PEFT,
                    help=f"{tuning.NO_PEFT}: full fine-tuning; {tuning.LORA}: peft's LoRA adapters over the base, "
                         "which is cast to bf16 and frozen (get_peft_model, then fully_shard); the optimizer takes the "
-                        f"adapters alone (pip install -r {tuning.PEFT_REQUIREMENTS}) (default: {tuning.NO_PEFT})")
+                        f"adapters alone; {tuning.QLORA}: the same over a 4-bit base (bitsandbytes' NF4 Linear4bit, "
+                        f"quantized on the run's device), bf16 adapters (pip install -r {tuning.PEFT_REQUIREMENTS}) "
+                        f"(default: {tuning.NO_PEFT})")
     g.add_argument("--lora_rank", type=int, default=None, metavar="R",
                    help=f"with --peft lora: the adapters' rank R (default: {defaults['lora_rank']})")
     g.add_argument("--lora_alpha", type=float, default=None, metavar="ALPHA",
@@ -164,6 +166,14 @@ def add_tuning_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora_targets", default=None, metavar="NAMES",
                    help="with --peft lora: comma-separated module NAMES to adapt, as peft's target_modules (each must "
                         f"name a Linear layer of the model) (default: {defaults['lora_targets']})")
+    g.add_argument("--qlora_storage", choices=tuning.QLORA_STORAGES, default=None,
+                   help="with --peft qlora: the dtype bitsandbytes packs the 4-bit weights in (bnb_4bit_quant_storage): "
+                        "bfloat16, which FSDP2 shards like any parameter; uint8 is a known failure under FSDP2 "
+                        f"(accelerate#3983), refused without --allow_known_failure (default: {tuning.QLORA_STORAGES[0]})")
+    g.add_argument("--allow_known_failure", action="store_true",
+                   help="run a combination known to fail under FSDP2 (--qlora_storage uint8) instead of refusing it, "
+                        "to measure it: the end-of-run checks say whether the loss was finite, fell, and whether the "
+                        "base was sharded (default: off)")
     g.add_argument("--optimizer", choices=tuning.OPTIMIZERS, default=tuning.ADAMW,
                    help=f"{tuning.ADAMW}: torch's AdamW; {tuning.ADAMW8BIT}, {tuning.ADAMW4BIT}, {tuning.ADAMW_FP8}: "
                         "torchao's low-bit AdamW, its step compiled per parameter (pip install -r "
@@ -356,6 +366,7 @@ def check_options(args: argparse.Namespace, world_size: int) -> tuple[list[str],
     check_ranges(args, NUMBER_RANGES)
     names = parse_names(args.variants, "--variants", VARIANTS)
     fsdp_options = options.from_args(args)
+    tuning.check_known_failure(fsdp_options.tuning, args.allow_known_failure)
     if args.dataset is not None:
         expect_path(args.dataset, "--dataset", "file")
     if args.tokenizer is not None and looks_like_a_path(args.tokenizer):

@@ -59,7 +59,7 @@ def bare_loop(argv: list[str]) -> dict:
                                              options.layout.at(world))
     build_on = device if args.init_device == "cuda" else torch.device("cpu")
     model = None if name == "accelerate" and options.layout.tensor_parallel else \
-        build_model(checked.facts.config, build_on, args.seed, build_threads(), None, options.tuning)[0]
+        build_model(checked.facts.config, build_on, args.seed, build_threads(), None, options.tuning, device)[0]
     ctx = utils.Context(device, meshes, args.learning_rate, checked.facts.layer_classes, lambda *a, **k: None,
                         options, checked.facts.config)
     prep = utils.VARIANTS[name](model, ctx)

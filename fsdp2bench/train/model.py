@@ -83,13 +83,14 @@ def check_causal_lm(model: str, config) -> None:
 
 
 def build_model(config, device: torch.device, seed: int, threads: int = 1, weights: SharedWeights | None = None,
-                tuning: Tuning = Tuning()) -> tuple[nn.Module, str]:
+                tuning: Tuning = Tuning(), run_device: torch.device | None = None) -> tuple[nn.Module, str]:
     """Random fp32 weights, built directly on ``device``: same seed, same weights on every rank; then the adapters
-    ``tuning`` asks for (tuning.add_adapters). On the CPU the weights are drawn on ``threads`` threads
-    (``random_init``), once per rank where ``weights`` is given (weights.py). Also returns where the weights came
-    from: "drew", "mapped" (drawn by an earlier variant of this rank) or "own"."""
+    ``tuning`` asks for (tuning.add_adapters; a QLoRA base quantized on ``run_device``, by default ``device``). On
+    the CPU the weights are drawn on ``threads`` threads (``random_init``), once per rank where ``weights`` is given
+    (weights.py). Also returns where the weights came from: "drew", "mapped" (drawn by an earlier variant of this
+    rank) or "own"."""
     model, source = build_base_model(config, device, seed, threads, weights)
-    return add_adapters(model, tuning, seed), source
+    return add_adapters(model, tuning, seed, run_device or device), source
 
 
 def build_base_model(config, device: torch.device, seed: int, threads: int,

@@ -244,7 +244,7 @@ def build(job: Job, tracker: MemoryTracker):
     device = job.device if job.train.init_device == "cuda" else torch.device("cpu")
     start = time.perf_counter()
     model, weights = build_model(job.config, device, job.train.seed, job.train.build_threads, job.train.weights,
-                                 job.train.options.tuning)
+                                 job.train.options.tuning, job.device)
     tracker.mark("model_built", build_device=device.type, build_s=time.perf_counter() - start, weights=weights)
     return model
 
