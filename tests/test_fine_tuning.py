@@ -166,6 +166,22 @@ def test_torchaos_low_bit_adamw_trains_lora_in_every_variant_with_its_state_coun
     assert LOW_BIT_STATE[optimizer] < (2 * 4 * ELEMENTS + 4 * ADAPTERS) / 3
 
 
+@needs_peft
+def test_the_matrix_gives_lora_to_every_launch_and_skips_the_sets_it_cannot_run(tmp_path):
+    """matrix.py passes --peft on like any main.py option; a set whose layout LoRA is not measured under (TP) is
+    skipped, said with the reason, and the others run it: the base sharded at simulated N = 4."""
+    out = tmp_path / "matrix"
+    proc = run_script(["matrix.py", "--option_sets", "default,tp2", "--nproc_per_node", "0", "--simulate_world_size",
+                       "4", "--sweep_steps", "2", "--device", "cpu", "--model", "tiny", "--variants",
+                       "torch_optimizer_after_fsdp", *LORA, "--output_dir", str(out)], nproc=None, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "--peft lora with --tp_size 2" in " ".join(proc.stdout.split())
+    summary = load(out / "default" / "sweep" / "summary.json")
+    assert summary["meta"]["fsdp_options"]["tuning"]["peft"] == "lora"
+    assert summary["checks"]["frozen_base_sharded"] == {"ok": True, "mismatched": []}
+    assert not (out / "tp2").exists()
+
+
 # One step of each optimizer on an nn.Linear sharded by FSDP2 over 2 gloo ranks: what it says, on rank 0.
 PROBE = """
 import sys, torch, torch.distributed as dist
@@ -223,8 +239,9 @@ def test_the_refused_optimizers_still_fail_on_fsdp2s_dtensor_parameters(tmp_path
     (["--optimizer", "adafactor"], "--optimizer adafactor: transformers' Adafactor keeps its factored row and column"),
     (["--peft", "dora"], "--peft: invalid choice: 'dora'"),
     ([*LORA, "--simulate_world_size", "2", "--tp_size", "2"], "--peft lora with --tp_size 2"),
-    pytest.param([*QLORA, "--qlora_storage", "uint8"], "--qlora_storage uint8: 4-bit weights stored as uint8 are no "
-                                                       "floating tensor that FSDP2 can shard", marks=needs_bitsandbytes),
+    pytest.param([*QLORA, "--qlora_storage", "uint8"],
+                 "--qlora_storage uint8: 4-bit weights stored as uint8 are no floating tensor that FSDP2 can shard",
+                 marks=needs_bitsandbytes),
     pytest.param([*QLORA, "--qlora_storage", "uint8"], "(accelerate#3983); the fix: store them as bf16 "
                                                        "(--qlora_storage bfloat16", marks=needs_bitsandbytes),
     ([*LORA, "--qlora_storage", "bfloat16"], "--qlora_storage needs --peft qlora"),

@@ -19,7 +19,8 @@ from fsdp2bench.options.step import logits_copies, logits_tokens
 
 FIXED_MARGIN = 1 * GIB  # the CUDA context and cuBLAS workspaces
 # What a step holds on the GPU beyond its state and its tokens' activations and logits (``step_bytes``), as a
-# fraction of the model's fp32 bytes P (a LoRA base's too, though it is held in bf16: not calibrated on LoRA runs): gathered units and their gradients, the allocator's cached blocks. On
+# fraction of the model's fp32 bytes P (a LoRA base's too, though it is held in bf16: not calibrated on LoRA runs):
+# gathered units and their gradients, the allocator's cached blocks. On
 # one H200 (results/h200/matrix_1.5b, matrix_7b and parallel_7b: 259 rows, every option set, N = 1 to 128)
 # that came to at most 0.46 P for the 1.5B shape, 0.43 P for the 7B one and 0.58 P under its TP sets (tp2_cp2 at
 # N = 128), beside about 0.5 P more with blocks kept gathered after forward, 0.2 P more with fp32 gradient

@@ -17,9 +17,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from fsdp2bench.cli import UserError, parse_names
+from fsdp2bench.options import tuning
 from fsdp2bench.options.layout import CP_STRATEGIES, Layout
 from fsdp2bench.options.step import Step
-from fsdp2bench.options import tuning
 from fsdp2bench.options.tuning import LORA_DEFAULTS, Tuning
 
 # --mixed_precision_policy: accelerate's mixed_precision="bf16" (bf16 autocast, FSDP2 gathers and
@@ -238,9 +238,9 @@ def check_tuning(options: FsdpOptions) -> None:
     """Adapters where the suite does not mirror what a user would need to make them meet the other option."""
     peft = options.tuning.peft
     if options.tuning.adapters and options.layout.tensor_parallel:
-        raise UserError(f"--peft {peft} with --tp_size {options.layout.tp_size}: the model's tensor-parallel plan names "
-                        "the base model's layers, which peft's wrappers rename and split into base and adapters; the "
-                        "suite does not mirror a plan for them")
+        raise UserError(f"--peft {peft} with --tp_size {options.layout.tp_size}: the model's tensor-parallel plan "
+                        "names the base model's layers, which peft's wrappers rename and split into base and adapters; "
+                        "the suite does not mirror a plan for them")
     if options.tuning.adapters and options.float8:
         raise UserError(f"--peft {peft} with --float8: float8 training converts the blocks' Linear layers, the "
                         "adapters' among them, and a frozen base gains nothing from float8 weight gradients; the suite "

@@ -189,8 +189,8 @@ def tuning_sentence(summary: dict) -> str | None:
     if not tuned or tuned == TUNING_DEFAULTS:
         return None
     base = f"4-bit NF4 base packed in {tuned['qlora_storage']}" if tuned["peft"] == QLORA else "bf16 base"
-    trained = (f"{ADAPTER_NAMES[tuned['peft']]} adapters (rank {tuned['lora_rank']}, alpha {tuned['lora_alpha']:g}, dropout "
-               f"{tuned['lora_dropout']:g}, over {tuned['lora_targets']}) on a frozen {base}"
+    trained = (f"{ADAPTER_NAMES[tuned['peft']]} adapters (rank {tuned['lora_rank']}, alpha {tuned['lora_alpha']:g}, "
+               f"dropout {tuned['lora_dropout']:g}, over {tuned['lora_targets']}) on a frozen {base}"
                if tuned["peft"] != NO_PEFT else "the whole model")
     said = f"Trained: {trained}, optimizer {tuned['optimizer']}."
     entry = next((e for _, e in run_entries(summary) if e.get("status") == "ok" and e.get("frozen_base")), None)

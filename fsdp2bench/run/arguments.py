@@ -157,28 +157,31 @@ def add_tuning_options(p: argparse.ArgumentParser) -> None:
                         f"quantized on the run's device), bf16 adapters (pip install -r {tuning.PEFT_REQUIREMENTS}) "
                         f"(default: {tuning.NO_PEFT})")
     g.add_argument("--lora_rank", type=int, default=None, metavar="R",
-                   help=f"with --peft lora: the adapters' rank R (default: {defaults['lora_rank']})")
+                   help=f"with --peft lora or qlora: the adapters' rank R (default: {defaults['lora_rank']})")
     g.add_argument("--lora_alpha", type=float, default=None, metavar="ALPHA",
-                   help=f"with --peft lora: the adapters' scale is ALPHA / R (default: {defaults['lora_alpha']:g})")
+                   help="with --peft lora or qlora: the adapters' scale is ALPHA / R "
+                        f"(default: {defaults['lora_alpha']:g})")
     g.add_argument("--lora_dropout", type=float, default=None, metavar="P",
-                   help=f"with --peft lora: dropout P on the adapters' input, in [0, 0.99] "
+                   help=f"with --peft lora or qlora: dropout P on the adapters' input, in [0, 0.99] "
                         f"(default: {defaults['lora_dropout']:g})")
     g.add_argument("--lora_targets", default=None, metavar="NAMES",
-                   help="with --peft lora: comma-separated module NAMES to adapt, as peft's target_modules (each must "
-                        f"name a Linear layer of the model) (default: {defaults['lora_targets']})")
-    g.add_argument("--qlora_storage", choices=tuning.QLORA_STORAGES, default=None,
-                   help="with --peft qlora: the dtype bitsandbytes packs the 4-bit weights in (bnb_4bit_quant_storage): "
-                        "bfloat16, which FSDP2 shards like any parameter; uint8 is a known failure under FSDP2 "
-                        f"(accelerate#3983), refused without --allow_known_failure (default: {tuning.QLORA_STORAGES[0]})")
+                   help="with --peft lora or qlora: comma-separated module NAMES to adapt, as peft's target_modules "
+                        f"(each must name a Linear layer of the model) (default: {defaults['lora_targets']})")
     g.add_argument("--allow_known_failure", action="store_true",
                    help="run a combination known to fail under FSDP2 (--qlora_storage uint8) instead of refusing it, "
                         "to measure it: the end-of-run checks say whether the loss was finite, fell, and whether the "
                         "base was sharded (default: off)")
+    g.add_argument("--qlora_storage", choices=tuning.QLORA_STORAGES, default=None,
+                   help="with --peft qlora: the dtype bitsandbytes packs the 4-bit weights in "
+                        "(bnb_4bit_quant_storage): bfloat16, which FSDP2 shards like any parameter; uint8 is a known "
+                        "failure under FSDP2 (accelerate#3983), refused without --allow_known_failure "
+                        f"(default: {tuning.QLORA_STORAGES[0]})")
     g.add_argument("--optimizer", choices=tuning.OPTIMIZERS, default=tuning.ADAMW,
                    help=f"{tuning.ADAMW}: torch's AdamW; {tuning.ADAMW8BIT}, {tuning.ADAMW4BIT}, {tuning.ADAMW_FP8}: "
                         "torchao's low-bit AdamW, its step compiled per parameter (pip install -r "
                         f"{tuning.LOW_BIT_REQUIREMENTS}); {tuning.BNB_ADAMW8BIT} and {tuning.ADAFACTOR} are refused: "
-                        f"they do not run on FSDP2's DTensor parameters (docs/fine-tuning.md) (default: {tuning.ADAMW})")
+                        "they do not run on FSDP2's DTensor parameters (docs/fine-tuning.md) "
+                        f"(default: {tuning.ADAMW})")
 
 
 def check_step(fsdp_options: options.FsdpOptions, config, device_type: str) -> None:
