@@ -93,7 +93,8 @@ def test_the_projections_bytes_are_the_tiny_models_counted_by_hand():
     assert hsdp["HSDP all-reduce across replicas"].span == 8 and hsdp["FSDP all-gather of parameters"].span == 4
     tp = {c.name: c.bytes for c in step_collectives(TINY.shapes, TINY.config, Degrees(replicate=1, shard=4, tp=2),
                                                     FsdpOptions(), 2, 128, 1)}
-    assert tp["TP all-reduce of block outputs"] == 2 * 2 * 128 * 64 * 2 // 2 * 4 * 2  # 4 a block, 2 blocks
+    # 7 a block (2 rowwise outputs forward, 5 colwise inputs' gradients backward), 2 blocks
+    assert tp["TP all-reduce of activations and their gradients"] == 2 * 2 * 128 * 64 * 2 // 2 * 7 * 2
     links = Links(node_size=4, within_gbps=100.0, across_gbps=10.0)
     assert hsdp["HSDP all-reduce across replicas"].seconds(links) == 123712 // 4 * 2 / 10e9
     assert parse_links("100,10") == Links(within_gbps=100.0, across_gbps=10.0)
