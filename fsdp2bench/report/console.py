@@ -157,6 +157,7 @@ def explanations(summary: dict) -> list[str]:
                    f"sharded parameters, so their "
                    f"{size_said(rank0['grad_bytes'])} of gradients are never cleared.")
     out += accumulation_sentences(summary)
+    out += graph_break_sentences(summary["variants"])
     proj = summary.get("projection") or {}
     n = proj.get("unfixed_costs_more_from_world_size")
     if n is not None:
@@ -165,6 +166,24 @@ def explanations(summary: dict) -> list[str]:
         out.append(f"At the step peak the unfixed variant's state (P + 2P/N) exceeds the intended one's (4P/N) "
                    f"from N = {n} ranks on: {size_said(there[UNFIXED])} vs {size_said(there[proj['reference']])} per rank "
                    f"there (the sharding rule at every N; projection in summary.json).")
+    return out
+
+
+def graph_break_sentences(variants: dict) -> list[str]:
+    """Under --compile, each variant whose compiled blocks broke, with its block's nesting (where FSDP2's hooks
+    sit against the compiled region and the checkpoint: the reason a variant's compiled speed differs)."""
+    out = []
+    for name, v in variants.items():
+        breaks = max(v.get("graph_breaks") or [0])
+        if v["status"] != "ok" or not breaks:
+            continue
+        nesting = v["applied"][0].get("block_nesting") or []
+        inside = ("compiled" in nesting and "fully_shard" in nesting
+                  and nesting.index("compiled") < nesting.index("fully_shard"))
+        why = (": FSDP2's hooks run inside the compiled call, and dynamo does not trace them (a checkpoint around "
+               "them then runs whole and uncompiled)" if inside else "")
+        out.append(f"{name}: {breaks} graph break(s) while compiling; its block is nested "
+                   f"{' > '.join(nesting)}{why}. summary.json's applied.block_nesting has each variant's.")
     return out
 
 

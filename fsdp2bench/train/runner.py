@@ -17,6 +17,7 @@ import utils
 from fsdp2bench.memory import snapshots
 from fsdp2bench.memory.accounting import account, applied_setup, gathered_block_bytes, local_tensor, output_itemsize
 from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, rank_file
+from fsdp2bench.options import levers
 from fsdp2bench.options.fsdp import FsdpOptions
 from fsdp2bench.options.layout import Meshes
 from fsdp2bench.options.links import Links
@@ -271,7 +272,7 @@ def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.S
 def train_busy(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.Store,
                share: DeviceShare) -> dict:
     """Build, prepare and train one variant; return this rank's record beyond the trace."""
-    start = time.perf_counter()
+    start, breaks_before = time.perf_counter(), levers.graph_breaks()
     prep = prepare(job, tracker, meshes)
     accounting = {"end_of_setup": account(prep.model, prep.optimizer)}
     applied = {**applied_setup(prep.model, job.layer_classes),
@@ -322,6 +323,7 @@ def train_busy(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: d
     tracker.mark("training_finished")
     found = {"wall_s": time.perf_counter() - start, "accounting": {**accounting, "end_of_training": held()},
              "expected_kept_output_bytes": expected_kept_outputs(job), "applied": applied}
+    found["graph_breaks"] = levers.graph_breaks() - breaks_before if job.train.options.compile else None
     return {**found, **trained_figures(job, prep.model, tracker, tally)}
 
 
