@@ -96,10 +96,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"{estimate.CARD_SHORTFALL * 100:.0f}%% above this GPU's is taken for the card's nominal "
                         "size (80 on an 80 GB H100, which reports 79.2 GiB), said in one line; CUDA only (default: "
                         "the whole GPU)")
-    p.add_argument("--init_device", choices=["cpu", "cuda"], default="cpu",
+    p.add_argument("--init_device", choices=["cpu", "cuda", "meta"], default="cpu",
                    help="where the model is built: cpu (the upstream's path: fully_shard moves each rank's shard "
-                        "to the GPU; the weights are drawn once per rank on its share of the host's cores) or cuda (built on "
-                        "the GPU, faster, but the GPU holds the whole model for a moment) (default: cpu)")
+                        "to the GPU; the weights are drawn once per rank on its share of the host's cores), cuda (built "
+                        "on the GPU, faster, but the GPU holds the whole model for a moment) or meta (no memory until "
+                        "sharded, then each rank draws only its shards: models larger than a GPU or the host, with "
+                        f"--variants {INIT_AFTER_SHARDING}) (default: cpu)")
     add_simulation_options(p)
     add_fsdp_options(p)
     add_step_options(p)
@@ -498,6 +500,19 @@ def validate(argv: list[str] | None = None, world_size: int | None = None) -> Ch
         raise accelerate_config.with_fields(error, getattr(args, "config_fields", {})) from None
 
 
+INIT_AFTER_SHARDING = "torch_optimizer_after_fsdp"  # the one variant whose model may exist only as shards
+
+
+def check_meta_variants(init_device: str, names: list[str]) -> None:
+    """Under --init_device meta the model never exists whole, so a variant that needs it whole before sharding
+    (an optimizer made over the full parameters, accelerate's prepare of a full model) has nothing to measure."""
+    others = [n for n in names if n != INIT_AFTER_SHARDING]
+    if init_device == "meta" and others:
+        raise UserError(f"--init_device meta: the model exists only as each rank's shards, so {', '.join(others)} "
+                        "(which take the whole model before sharding) cannot run; add --variants "
+                        f"{INIT_AFTER_SHARDING}")
+
+
 def checked_launch(args: argparse.Namespace, world_size: int | None) -> Checked:
     check_releases()
     launch_rank, launch_world = check_launcher_env()
@@ -511,6 +526,7 @@ def checked_launch(args: argparse.Namespace, world_size: int | None) -> Checked:
     args.model = args.model or default_model(device_type)
     if args.init_device == "cuda" and device_type != "cuda":
         raise UserError("--init_device cuda needs a GPU (this run is on the CPU)")
+    check_meta_variants(args.init_device, names)
     if args.gpu_memory is not None and device_type != "cuda":
         raise UserError("--gpu_memory needs a GPU (this run is on the CPU)")
     check_output_dir(args.output_dir, "summary.json")
@@ -528,8 +544,7 @@ def checked_launch(args: argparse.Namespace, world_size: int | None) -> Checked:
                                 played_ranks(args) or set(range(launch_world)))
     # The smallest simulated N holds the most per rank.
     fit_world = simulation.parse_world_sizes(args.simulate_world_size)[0] if args.simulate_world_size else launch_world
-    concurrency.check_fits(facts.shapes, fit_world, names, args.init_device if device_type == "cuda" else "cpu",
-                           device_type, fsdp_options,
+    concurrency.check_fits(facts.shapes, fit_world, names, args.init_device, device_type, fsdp_options,
                            estimate.rank_logits_bytes(args.batch_size, args.block_size, facts.config, fsdp_options))
     cap = None if args.gpu_memory is None else estimate.gpu_cap(args.gpu_memory, pick_device(args.device).index)
     return Checked(args=args, names=names, fsdp_options=fsdp_options, facts=facts, batches=batches, cap=cap,

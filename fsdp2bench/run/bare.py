@@ -23,7 +23,7 @@ from fsdp2bench.cli import pick_device
 from fsdp2bench.processes import simulation
 from fsdp2bench.run.arguments import build_threads, validate
 from fsdp2bench.train import throughput
-from fsdp2bench.train.model import build_model
+from fsdp2bench.train.model import build_for_run
 from fsdp2bench.train.runner import TrainStep, deterministic, steps_speed
 
 
@@ -57,9 +57,8 @@ def bare_loop(argv: list[str]) -> dict:
     name = checked.names[0]
     meshes = simulation.init_simulated_group(device, 0, world, None if name == "accelerate" else
                                              options.layout.at(world))
-    build_on = device if args.init_device == "cuda" else torch.device("cpu")
     model = None if name == "accelerate" and options.layout.tensor_parallel else \
-        build_model(checked.facts.config, build_on, args.seed, build_threads(), None)[0]
+        build_for_run(checked.facts.config, args.init_device, device, args.seed, build_threads(), None)[0]
     ctx = utils.Context(device, meshes, args.learning_rate, checked.facts.layer_classes, lambda *a, **k: None,
                         options, checked.facts.config)
     prep = utils.VARIANTS[name](model, ctx)
