@@ -20,7 +20,7 @@ from fsdp2bench.memory.accounting import model_bytes
 from fsdp2bench.names import VARIANTS
 from fsdp2bench.options import accelerate_config, levers as lever_checks, fsdp as options
 from fsdp2bench.options.layout import Layout
-from fsdp2bench.options.links import parse_links
+from fsdp2bench.options.links import Links, parse_links
 from fsdp2bench.options.step import LIGER, Step, check_liger
 from fsdp2bench.plan.layout.candidates import (COMPILE, FLOAT8, LEVER_NAMES, Levers, candidates_of, layouts_of,
                                                parse_levers)
@@ -51,12 +51,16 @@ NUMBER_RANGES = {"global_batch": (1, 1 << 24), "global_batch_tokens": (1, 1 << 4
 
 LAYOUT_ONLY = ("global_batch", "global_batch_tokens", "levers", "links", "max_timings", "confirm", "time_budget_s")
 SEARCHED_LEVERS = "the layout search tries the levers itself: name them in --levers"
+LINKS_OF_PROBES = (f"the links of --find {LAYOUT}'s timings; a probe's communication is emulated over "
+                   "--emulate_communication WITHIN,ACROSS|FILE")
 # What each mode leaves unread, and why: given there, it is refused in one line (plan.py reads each of the others).
 UNREAD = {
-    BATCH: {**dict.fromkeys(LAYOUT_ONLY, f"read only by --find {LAYOUT}"),
+    BATCH: {**dict.fromkeys(LAYOUT_ONLY, f"read only by --find {LAYOUT}"), "links": LINKS_OF_PROBES,
             "batch_size": f"the fixed batch of --find {BLOCK}; --find {BATCH} searches it"},
-    BLOCK: dict.fromkeys(LAYOUT_ONLY, f"read only by --find {LAYOUT}"),
+    BLOCK: {**dict.fromkeys(LAYOUT_ONLY, f"read only by --find {LAYOUT}"), "links": LINKS_OF_PROBES},
     LAYOUT: {"sets": "the layout search makes its own layouts, not matrix.py's option sets",
+             "emulate_communication": "the layout search emulates every timing's communication itself, over "
+                                      "--links",
              "variants": "the layout search times the intended variant",
              "batch_size": "the layout search sizes each candidate's microbatch from --global_batch",
              "upper_bound": "the layout search sizes each candidate's microbatch from --global_batch",
@@ -117,6 +121,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[s
     arguments.add_checkpointing_options(arguments.add_lever_options(
         p, "Levers under every set (docs/levers.md): over the config's options; a set's own options win"))
     arguments.add_config_option(p, "the options each set is put over (a set's own options win)")
+    arguments.add_emulation_option(p, f"with --find {BATCH} or {BLOCK}: each collective a fresh probe (one simulated "
+                                      "rank) issues")
     add_layout_options(p)
     p.add_argument("--inject_oom_above", type=int, default=None, metavar="V",
                    help="test option: every probe above V runs out of memory at its first step (default: off)")
@@ -168,6 +174,7 @@ class Checked:
     skipped: list[str]
     base: options.FsdpOptions  # what each set's options are put over: the loop, the loss and the user's config
     config: accelerate_config.ConfigOptions | None
+    links: Links | None  # --emulate_communication: each fresh probe's collectives cost their time over these
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,6 +262,8 @@ def checked_plan(args: argparse.Namespace, common: Common) -> Checked:
     """The batch and block searches' own checks: sets, variants, the model, the user's config and the cap."""
     sets = options.parse_sets(args.sets, "--sets")
     variants = parse_names(args.variants, "--variants", VARIANTS)
+    links = None if args.emulate_communication is None else \
+        arguments.parse_emulation(args.emulate_communication, common.sizes)
     blocks, device = common.blocks, common.device
     if device.type != "cuda":
         say(f"A CPU plan has no memory cap: nothing runs out of memory there unless --inject_oom_above says so, so it "
@@ -275,7 +284,7 @@ def checked_plan(args: argparse.Namespace, common: Common) -> Checked:
     args.init_device = build_device(args.init_device, facts.shapes, cap)
     sets, skipped = plannable_sets(args, base, sets, common, config, facts.config)
     return Checked(args=args, sets=sets, sizes=common.sizes, variants=variants, blocks=blocks, upper=upper,
-                   facts=facts, cap=cap, skipped=skipped, base=base, config=config)
+                   facts=facts, cap=cap, skipped=skipped, base=base, config=config, links=links)
 
 
 def base_options(args: argparse.Namespace, config: accelerate_config.ConfigOptions | None) -> options.FsdpOptions:
