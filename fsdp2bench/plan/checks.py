@@ -20,13 +20,13 @@ from fsdp2bench.memory.accounting import model_bytes
 from fsdp2bench.names import VARIANTS
 from fsdp2bench.options import accelerate_config, levers as lever_checks, fsdp as options
 from fsdp2bench.options.layout import Layout
-from fsdp2bench.options.links import Links, parse_links
+from fsdp2bench.options.links import Links, check_nodes_fit, parse_links
 from fsdp2bench.options.step import LIGER, Step, check_liger
 from fsdp2bench.plan.layout.candidates import (COMPILE, FLOAT8, LEVER_NAMES, Levers, candidates_of, layouts_of,
                                                parse_levers)
 from fsdp2bench.plan.layout.report import CONFIG_NAME, written_config_digest
 from fsdp2bench.plan.layout.search import Setup
-from fsdp2bench.plan.layout.timing import timing_dir
+from fsdp2bench.plan.layout.timing import compute_dir, timing_dir
 from fsdp2bench.plan.probes import BATCH, BLOCK, BLOCK_STEP, LAYOUT, block_step
 from fsdp2bench.processes.isolation import launcher_keeps_to_one_thread
 from fsdp2bench.processes.simulation import check_fake_group_available, parse_world_sizes
@@ -99,7 +99,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[s
     p.add_argument("--find", choices=[BATCH, BLOCK, LAYOUT], default=BATCH,
                    help=f"what to find the largest of: {BATCH} at each --block_size, or {BLOCK} at the fixed "
                         f"--batch_size; or {LAYOUT}: which layout and levers fit one N at --block_size and "
-                        f"--global_batch, ranked by projected speed (docs/plan.md) (default: {BATCH})")
+                        f"--global_batch, ranked by the speed of a step whose communication is emulated (docs/plan.md) "
+                        f"(default: {BATCH})")
     p.add_argument("--block_size", default="128", metavar="L[,L...]",
                    help=f"tokens per sequence L, a list allowed; with --find {BLOCK} the search's lower bound "
                         f"(default: 128)")
@@ -140,10 +141,13 @@ def add_layout_options(p: argparse.ArgumentParser) -> None:
                    help=f"the LEVERS searched, comma-separated from {', '.join(LEVER_NAMES)} (default: every one "
                         "that runs here)")
     g.add_argument("--links", default=None, metavar="WITHIN,ACROSS|FILE",
-                   help="GB/s per direction per GPU WITHIN a node of 8 and ACROSS nodes, or a JSON FILE with "
-                        "node_size, within_gbps, across_gbps (default: 450,50: NVLink 4, 400 Gb/s RDMA)")
+                   help="the links every timing's communication is emulated over (main.py's "
+                        "--emulate_communication) and the untimed candidates' is projected over: GB/s per direction "
+                        "per GPU WITHIN a node of 8 and ACROSS nodes, or a JSON FILE with node_size, within_gbps, "
+                        "across_gbps (default: 450,50: NVLink 4, 400 Gb/s RDMA)")
     g.add_argument("--max_timings", type=int, default=12,
-                   help="timing launches at most, one simulated rank alone on the device each (default: 12)")
+                   help="timings at most, each one simulated rank alone on the device (on a GPU two launches: with "
+                        "the communication emulated, and the compute alone) (default: 12)")
     g.add_argument("--confirm", type=int, default=3, metavar="ROWS",
                    help="time the ranked candidates on top until the first ROWS are measured, not estimated "
                         "(default: 3)")
@@ -394,6 +398,7 @@ def checked_search(args: argparse.Namespace, common: Common) -> CheckedSearch:
     sequences = global_sequences(args, block)
     chosen, notes = available_levers(args.levers, device.type, facts.config)
     links = parse_links(args.links)
+    check_nodes_fit(links, world_size, "--links")
     layouts, refused = layouts_of(world_size, facts.config, block, device.type)
     splits = sorted({d.data_ranks for d in layouts}, reverse=True)
     if not any(sequences % ranks == 0 for ranks in splits):
@@ -405,7 +410,8 @@ def checked_search(args: argparse.Namespace, common: Common) -> CheckedSearch:
                   shapes=facts.shapes, config=facts.config, base=options.FsdpOptions(step=Step(loop=args.loop)),
                   cap=cap, links=links, device_type=device.type, gpu_name=gpu_name() if device.type == "cuda" else None,
                   output_dir=args.output_dir, max_timings=args.max_timings, init_device=args.init_device,
-                  num_parameters=facts.num_parameters, confirm=args.confirm, time_budget_s=args.time_budget_s)
+                  num_parameters=facts.num_parameters, confirm=args.confirm, time_budget_s=args.time_budget_s,
+                  links_given=os.path.abspath(args.links) if args.links and os.path.isfile(args.links) else args.links)
     return CheckedSearch(setup=setup, candidates=candidates_of(layouts, chosen, sequences, device.type),
                          notes=notes + refused, args=args)
 
@@ -428,7 +434,8 @@ def check_config_path(output_dir: str) -> None:
 def check_timing_folders(output_dir: str, max_timings: int) -> None:
     """Where each timing's folder goes: a folder or nothing, with no summary.json but this benchmark's in it (main.py
     would refuse it, and the candidate be reported failing)."""
-    folders = [os.path.dirname(timing_dir(output_dir, 0)), *(timing_dir(output_dir, i) for i in range(max_timings))]
+    folders = [os.path.dirname(timing_dir(output_dir, 0)),
+               *(folder(output_dir, i) for i in range(max_timings) for folder in (timing_dir, compute_dir))]
     for folder in folders:
         if os.path.lexists(folder) and (os.path.islink(folder) or not os.path.isdir(folder)):
             what = "a symbolic link" if os.path.islink(folder) else path_kind(folder)

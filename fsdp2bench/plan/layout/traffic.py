@@ -15,7 +15,10 @@ and 2(G-1)/G of an all-reduce's), from the exact parameter shapes of the memory 
 
 Each is priced over its group's shape (``Links.gbps``: NVLink within a node, one NIC per member of the group in a
 node across nodes). Left out: the embedding's and head's TP collectives, latency and the ring's start-up, overlap
-with compute (the caller combines by a stated rule), congestion, stragglers. No torch: the planner imports it.
+with compute (the caller combines by a stated rule), congestion, stragglers. FSDP2's and HSDP's collectives are the
+ones ``--emulate_communication`` emulates on a timing (``Collective.emulated``: they pass through
+``torch.distributed``'s functions); TP's and CP's go through DTensor's functional collectives, which it does not see,
+so they stay projected. No torch: the planner imports it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Collective:
     group: int
     span: int
     bytes: int
+    emulated: bool = True  # a timing under --emulate_communication waits for it (TP's and CP's it does not see)
 
     def seconds(self, links: Links) -> float:
         return self.bytes / (links.gbps(self.group, self.span) * 1e9)
@@ -91,7 +95,7 @@ def tensor_parallel_collectives(config, degrees: Degrees, options: FsdpOptions, 
     activation = batch * (block // degrees.cp) * config.hidden_size * BF16
     per_block = 4 + (2 if options.activation_checkpointing == FULL_AC else 0)
     moved = 2 * ring(degrees.tp) * activation * per_block * config.num_hidden_layers * microbatches
-    return [Collective("TP all-reduce of block outputs", degrees.tp, degrees.tp, int(moved))]
+    return [Collective("TP all-reduce of block outputs", degrees.tp, degrees.tp, int(moved), emulated=False)]
 
 
 def context_parallel_collectives(config, degrees: Degrees, options: FsdpOptions, batch: int, block: int,
@@ -104,7 +108,7 @@ def context_parallel_collectives(config, degrees: Degrees, options: FsdpOptions,
     per_block = 3 + (1 if options.activation_checkpointing == FULL_AC else 0)
     moved = (degrees.cp - 1) * local * per_block * config.num_hidden_layers * microbatches
     return [Collective("CP all-gather of keys and values, reduce-scatter of their gradients", degrees.cp,
-                       degrees.cp * degrees.tp, int(moved))]
+                       degrees.cp * degrees.tp, int(moved), emulated=False)]
 
 
 def step_collectives(shapes, config, degrees: Degrees, options: FsdpOptions, batch: int, block: int,
