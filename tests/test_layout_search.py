@@ -316,6 +316,67 @@ def test_a_timing_never_reads_an_earlier_searchs_summary_as_its_own(tmp_path, mo
     assert timing["fits"] is None and timing["error"] == "error: killed before its summary"
 
 
+def test_a_timing_runs_the_candidates_own_sizes_with_its_communication_emulated_over_the_searchs_links():
+    """HSDP 2 x 2 beside TP 2 at N = 8: main.py gets the candidate's sizes, one microbatch, and
+    --emulate_communication with the links the search was given (bare where it was given none); its compute-only
+    launch is the same command without it."""
+    candidate = Candidate(Degrees(replicate=2, shard=2, tp=2), "full", "model", False, False, 2, 4, True)
+    for given, after in ((None, "--device"), ("300,25", "300,25"), ("/links/a100.json", "/links/a100.json")):
+        setup = dataclasses.replace(setup_of(), links_given=given)
+        command = layout_timing.timing_command(candidate, setup, "out")
+        flags = dict(zip(command, command[1:]))
+        assert {k: flags[k] for k in ("--dp_replicate_size", "--tp_size", "--simulate_world_size", "--batch_size")} \
+            == {"--dp_replicate_size": "2", "--tp_size": "2", "--simulate_world_size": "8", "--batch_size": "2"}
+        assert "--gradient_accumulation_steps" not in command  # one microbatch a step
+        assert command[command.index("--emulate_communication") + 1] == after
+        alone = layout_timing.timing_command(candidate, setup, "out", emulate=False)
+        assert "--emulate_communication" not in alone and [a for a in command if a not in ("--emulate_communication",
+                                                                                           given)] == alone
+        assert arguments.parse_args(command[2:]).emulate_communication == (given or arguments.DEFAULT_LINKS)
+
+
+def fake_entry(step_s: float, waited: bool, comm_s: float = 0.05) -> dict:
+    """Rank 0's summary entry of a timing's launch: its speed, peaks and (emulated) its tally."""
+    speed = {"median_step_time_s": step_s, "median_optimizer_s": 0.01, "tokens_per_s_per_gpu": 100.0}
+    tally = {"waited_on_the_gpu": waited, "emulated_s_per_step": comm_s,
+             "per_step": {"all_gather over 8": {"calls": 5, "bytes": 1, "emulated_s": comm_s}}}
+    return {"status": "ok", "speed": speed, "training_peak_reserved_mib": {"max": 1024.0},
+            "training_peak_allocated_mib": {"max": 900.0}, "emulated": [tally]}
+
+
+def test_on_a_gpu_a_timing_is_its_emulated_launch_and_its_compute_alone(tmp_path, monkeypatch):
+    """The emulated launch waited on the GPU (0.13 s a step); its compute alone is a second launch of the same
+    layout without --emulate_communication, into its own folder (0.10 s): the timing's microbatch is the compute,
+    its emulated step the first launch's, 0.03 of its 0.05 s of communication exposed. On a CPU (nothing waited)
+    one launch: the step is the compute + the communication priced."""
+    setup = dataclasses.replace(setup_of(), output_dir=str(tmp_path), device_type="cuda")
+    launched = []
+
+    def fake_launch(command, directory, world_size):
+        launched.append((command, directory))
+        emulate = "--emulate_communication" in command
+        return {"command": " ".join(command), "exit_code": 0, "wall_s": 1.0,
+                "entry": fake_entry(0.13 if emulate else 0.10, waited=emulate)}
+
+    monkeypatch.setattr(layout_timing, "launch", fake_launch)
+    each = layout_search.assess(flat(1), setup)
+    timing = layout_timing.run_timing(each, setup, 3)
+    assert [directory for _, directory in launched] == [str(tmp_path / "timings" / "t3"),
+                                                        str(tmp_path / "timings" / "t3_compute")]
+    assert "--emulate_communication" in launched[0][0] and "--emulate_communication" not in launched[1][0]
+    assert timing["microbatch_s"] == 0.10 and timing["emulated"]["step_s"] == 0.13 and timing["clean"]
+    assert "--emulate_communication" not in timing["compute_only"]["command"]
+    layout_timing.take_timing(timing, each, [each], setup)
+    layout_search.project(each, setup, [(each.candidate, timing)])
+    assert each.speed["exposed_share"] == pytest.approx(0.6) and each.speed["labels"]["step"] == "emulated"
+    assert "0.130 s with its 50 ms of communication emulated" in layout_timing.timing_said(timing)
+    launched.clear()
+    monkeypatch.setattr(layout_timing, "launch", lambda command, directory, world_size: launched.append(command) or {
+        "command": "", "exit_code": 0, "wall_s": 1.0, "entry": fake_entry(0.10, waited=False)})
+    cpu = layout_timing.run_timing(each, dataclasses.replace(setup, device_type="cpu"), 4)
+    assert len(launched) == 1 and cpu["emulated"]["step_s"] == pytest.approx(0.15) and "compute_only" not in cpu
+
+
 def test_a_timing_that_fails_does_not_fail_the_next(tmp_path, monkeypatch):
     """plan.py holds a store of its own and its variables (``one_rank_env``, before its imports). A timing launched
     with them shared that store: the first that failed set its abort key, and every later timing read it and ended
@@ -413,21 +474,29 @@ CPU_SEARCH = ["plan.py", "--find", "layout", "--device", "cpu", "--world_size", 
 
 
 def test_a_cpu_search_cannot_tell_what_fits_ranks_every_candidate_and_its_commands_run(tmp_path):
-    """Then run again into the same folder: the earlier search's own files are gone, its accelerate config replaced
-    (or gone with no winner to write one for)."""
-    out = tmp_path / "search"
-    proc = run_script([*CPU_SEARCH, "--max_timings", "2", "--output_dir", str(out)], nproc=None, timeout=600)
+    """Its timings run with their communication emulated over the search's own links (a file: A100 nodes of 4),
+    each on its candidate's own layout; every row carries its compute, step, both bounds and their labels, the step
+    emulated (on a CPU: compute + the communication priced, no overlap, and said so) where its layout ran and
+    estimated where it did not. Then run again into the same folder: the earlier search's own files are gone, its
+    accelerate config replaced (or gone with no winner to write one for)."""
+    out, links = tmp_path / "search", tmp_path / "a100.json"
+    links.write_text('{"node_size": 4, "within_gbps": 300, "across_gbps": 25}')
+    proc = run_script([*CPU_SEARCH, "--max_timings", "2", "--links", str(links), "--output_dir", str(out)],
+                      nproc=None, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     said = " ".join(proc.stdout.split())
     assert "a CPU run: no cap, so it cannot tell what fits" in said and "estimated (e) on the rest" in said
+    assert "on a CPU nothing waits for the emulated communication, so the overlap is not measured" in said
     # No GPU words on a CPU run: its ranks, what it can tell and what it cannot.
     assert "tok/s/GPU" not in proc.stdout and "tok/s/rank" in proc.stdout and "one GPU first" not in said
     result = load(out / "plan.json")
     assert result["meta"]["timings"] == 2 and all(c["fits"] is None for c in result["candidates"])
+    check_the_timings_emulate(result, out, str(links))
     ranked = [c for c in result["candidates"] if c["speed"]]
     assert len(ranked) == len(result["candidates"]) == 18  # every candidate ranks, measured or estimated
     measured = {c["name"] for c in ranked if c["speed"]["compute_measured"]}
     assert 0 < len(measured) < 18
+    check_the_rows(ranked, {t["candidate"] for t in result["timings"] if t["fits"]})
     check_the_winner(result, said, measured, out, tmp_path)
     drawn = run_script(["visualize.py", "--dir", str(out)], nproc=None)
     assert drawn.returncode == 0 and (out / "layout.png").stat().st_size > 10_000, drawn.stderr
@@ -442,6 +511,37 @@ def test_a_cpu_search_cannot_tell_what_fits_ranks_every_candidate_and_its_comman
     assert digest_of(str(out / "accelerate_config.json")) == written
 
 
+def check_the_timings_emulate(result: dict, out, links: str) -> None:
+    """Each timing ran main.py on its candidate's own sizes with --emulate_communication over the search's links
+    file, and its summary says so."""
+    for i, timing in enumerate(result["timings"]):
+        command = shlex.split(timing["command"])
+        assert command[command.index("--emulate_communication") + 1] == links, command
+        sizes = re.search(r"R(\d+)xS(\d+)xC(\d+)xT(\d+)", timing["candidate"]).groups()
+        flags = {"--dp_replicate_size": sizes[0], "--tp_size": sizes[3]}
+        assert all(command[command.index(flag) + 1] == size for flag, size in flags.items() if size != "1"), command
+        assert command[command.index("--simulate_world_size") + 1] == "4" and "compute_only" not in timing
+        meta = load(out / "timings" / f"t{i}" / "summary.json")["meta"]
+        assert meta["emulated_links"]["node_size"] == 4 and meta["emulated_links"]["across_gbps"] == 25
+
+
+def check_the_rows(ranked: list[dict], timed: set) -> None:
+    """Every row: compute, step, both bounds, each labelled; the step emulated on a CPU (compute + all of the
+    communication: the no-overlap bound) where its own layout ran clean, estimated where it did not."""
+    for row in ranked:
+        s = row["speed"]
+        low, step, high = (s[k] for k in ("no_overlap_tokens_per_s", "tokens_per_s", "full_overlap_tokens_per_s"))
+        assert low <= step * (1 + 1e-9) and step <= high * (1 + 1e-9)  # within the bounds, to the rounding
+        assert s["step_s"] >= s["compute_s"] > 0 and set(s["labels"]) == {"compute", "communication", "step"}
+        if s["labels"]["step"] == "estimated":
+            assert row["emulated_timing"] is None or s["exposed_share_from"] != layout_search.OWN
+        else:
+            assert s["labels"]["step"] == layout_search.CPU_STEP and row["emulated_timing"] in timed
+            assert s["step_s"] == pytest.approx(s["compute_s"] + s["comm_s"]) and s["labels"]["compute"] == "measured"
+            assert s["labels"]["communication"].startswith("emulated")
+    assert any(row["speed"]["labels"]["step"] == "estimated" for row in ranked)
+
+
 def check_the_winner(result: dict, said: str, measured: set, out, tmp_path) -> None:
     """A winner named by a clean timing and its commands run; where another run shared this host's cores with
     every timing (a shared machine), none is named, and the console and plan.json say why."""
@@ -452,6 +552,9 @@ def check_the_winner(result: dict, said: str, measured: set, out, tmp_path) -> N
     winner = next(c for c in result["candidates"] if c["name"] == result["winner"]["name"])
     assert "A CPU run checks the search, not the speed" in said and "Check it here first" in said
     assert winner["name"] in measured and winner["speed"]["compute_clean"]
+    figures = result["winner"]["commands"]["figures"]  # the winner's line says what each figure is
+    assert winner["speed"]["labels"]["step"] == layout_search.CPU_STEP and figures in said
+    assert "a step measured; communication" in figures and "emulated on a CPU" in figures
     check_the_winners_commands(result["winner"]["commands"], out, tmp_path)
 
 
