@@ -865,6 +865,7 @@ def test_an_option_the_mode_does_not_read_is_refused_even_at_its_default(mode, n
     (["--global_batch", "8", "--links", "/dev/zero"], "not a regular file"),
     (["--global_batch", "8", "--links", "/"], "not a regular file"),
     (["--global_batch", "8", "--init_device", "cuda"], "--init_device cuda needs a GPU"),
+    (["--world_size", "12", "--global_batch", "12"], "--links: nodes of 8 GPUs do not make up N = 12"),
 ])
 def test_a_layout_value_is_refused_for_its_own_cause(argv, message, tmp_path):
     said = refusal(plan.validate, ["--device", "cpu", "--find", "layout", "--world_size", "4", "--output_dir",
