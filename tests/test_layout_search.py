@@ -172,7 +172,8 @@ def test_an_untimed_layouts_step_takes_the_exposed_share_of_its_shapes_timed_lay
                                                                             Degrees(replicate=2, shard=4)))
     references = [(fsdp, timed(0.10, name="fsdp", exposed_s=0.01)), (hsdp, timed(0.10, name="hsdp", exposed_s=0.03))]
     cases = {flat(2): (0.2, "the timed S layouts"),
-             Candidate(Degrees(replicate=4, shard=2), "none", "model", False, False, 1, 2): (0.6, "the timed RxS layouts"),
+             Candidate(Degrees(replicate=4, shard=2), "none", "model", False, False, 1, 2):
+                 (0.6, "the timed RxS layouts"),
              Candidate(Degrees(replicate=1, shard=4, tp=2), "none", "model", False, False, 2, 1):
                  (0.4, "every timed layout")}
     for candidate, (share, source) in cases.items():

@@ -192,8 +192,9 @@ def legend(found: list[Assessed], setup: Setup, timings: list[dict]) -> str:
                "FSDP2's schedule leaves exposed" if setup.device_type == "cuda" else "on a CPU nothing waits: the "
                "step is compute + the communication priced, no overlap (not measured)")
     return (f"Ranked by tokens per second per {per} of a step {cap}, {len(rows)} candidates. Step: emulated on "
-            f"{emulated} (their own layout timed with its communication emulated over {setup.links.within_gbps:g} GB/s within a "
-            f"node of {setup.links.node_size} and {setup.links.across_gbps:g} GB/s across nodes: {overlap}); e: "
+            f"{emulated} (their own layout timed with its communication emulated over {setup.links.within_gbps:g} "
+            f"GB/s within a node of {setup.links.node_size} and {setup.links.across_gbps:g} GB/s across nodes: "
+            f"{overlap}); e: "
             "estimated, the compute + the share of the communication the timed layouts of the same shape (which axes "
             "are split) left exposed, else every timed layout's. Compute measured on "
             f"{measured} (one simulated rank alone on the device, {len(timings)} timings; ~ where other runs shared "
