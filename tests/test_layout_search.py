@@ -595,6 +595,7 @@ def test_a_long_block_many_microbatch_candidates_commands_run_as_printed(tmp_pat
     said = layout_search.commands(Candidate(Degrees(replicate=1, shard=4), "none", "model", False, False, 2, 64), setup)
     assert layout_search.TIMING_STEPS * 2 * 64 * 512 > data.BUILTIN_TOKENS
     check = shlex.split(said["one_gpu_check"])
+    assert "--emulate_communication" in check  # its step as the search's timings measured theirs
     ran = run_script([*check[1:], "--device", "cpu", "--output_dir", str(tmp_path / "check")], nproc=None)
     assert ran.returncode == 0, ran.stderr[-2000:]
     summary = load(tmp_path / "check" / "summary.json")

@@ -326,9 +326,15 @@ def main_flags(candidate: Candidate, setup: Setup) -> list[str]:
             str(setup.block), *candidate.options(setup.base).flags()]
 
 
+def emulation_flags(setup: Setup) -> list[str]:
+    """main.py's --emulate_communication over the search's own links (bare for the default ones)."""
+    return ["--emulate_communication", *([setup.links_given] if setup.links_given else [])]
+
+
 def commands(winner: Candidate, setup: Setup) -> dict:
     """The exact command lines that train the winner: torchrun on the real nodes, the same on one GPU (a simulated
-    rank, to check it first), and the accelerate config fields."""
+    rank, its communication emulated as the search's timings were, to check it first), and the accelerate config
+    fields."""
     n, node = setup.world_size, setup.links.node_size
     flags = main_flags(winner, setup)
     if n <= node:
@@ -337,7 +343,7 @@ def commands(winner: Candidate, setup: Setup) -> dict:
         launcher = ["torchrun", "--nnodes", str(math.ceil(n / node)), "--nproc_per_node", str(node),
                     "--rdzv_backend", "c10d", "--rdzv_endpoint", "HOST:29500"]
     steps = ["--max_steps", str(TIMING_STEPS)]  # the same steps on the nodes as in the check, so that they compare
-    check = ["python3", "main.py", *flags, "--simulate_world_size", str(n), *steps,
+    check = ["python3", "main.py", *flags, "--simulate_world_size", str(n), *steps, *emulation_flags(setup),
              *(setup.cap.flags() if setup.cap else [])]
     return {"torchrun": shlex.join([*launcher, "main.py", *flags, *steps]), "one_gpu_check": shlex.join(check),
             "accelerate_config": accelerate_fields(winner, setup)}

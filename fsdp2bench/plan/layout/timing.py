@@ -26,8 +26,8 @@ import time
 from fsdp2bench.files import PROJECT_ROOT, is_ours
 from fsdp2bench.names import GIB, MIB, seconds_said
 from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, estimated_bytes
-from fsdp2bench.plan.layout.search import (TIMING_STEPS, Assessed, Setup, calibrate, decided, local_share, main_flags,
-                                           prior_speed, project, ranked)
+from fsdp2bench.plan.layout.search import (TIMING_STEPS, Assessed, Setup, calibrate, decided, emulation_flags,
+                                           local_share, main_flags, prior_speed, project, ranked)
 from fsdp2bench.processes.starting import own_launch_env
 
 
@@ -97,10 +97,9 @@ def timing_command(candidate: Candidate, setup: Setup, output_dir: str, emulate:
     """main.py for one simulated rank of the candidate's layout, one microbatch a step, alone on the device, its
     communication emulated over the search's links (``emulate``) or not (its compute alone)."""
     one = dataclasses.replace(candidate, microbatches=1, sync_each_batch=False)
-    links = ["--emulate_communication", *([setup.links_given] if setup.links_given else [])] if emulate else []
     return [sys.executable, "main.py", *main_flags(one, setup), "--simulate_world_size", str(setup.world_size),
             "--max_steps", str(TIMING_STEPS), "--concurrent_variants", "1", "--quiet", "--output_dir", output_dir,
-            *links, *(setup.cap.flags() if setup.cap else []),
+            *(emulation_flags(setup) if emulate else []), *(setup.cap.flags() if setup.cap else []),
             *(["--init_device", setup.init_device] if setup.device_type == "cuda" else ["--device", "cpu"])]
 
 
