@@ -87,10 +87,10 @@ def test_tensor_parallel_collectives_are_counted_as_dtensor_issues_them(tmp_path
     calls = tensor_parallel_all_reduces(config, full_ac=False)
     activation = summary["meta"]["per_optimizer_step"]["tokens_per_rank"] * config.hidden_size * 2  # bf16
     assert calls == 7 * config.num_hidden_layers  # o and down forward; q, k, v, gate and up backward
-    assert step["all_reduce over 2"] == {"calls": calls, "bytes": calls * activation,
+    assert step["all_reduce over 2 (DTensor)"] == {"calls": calls, "bytes": calls * activation,
                                          "emulated_s": pytest.approx(calls * (2e-6 + activation / 450e9))}  # 2 steps
     assert {"all_gather over 4", "reduce_scatter over 4"} <= set(step) and emulated["traced_in_compiled_graph"] == []
-    assert "all_reduce over 2 14 calls" in said
+    assert "all_reduce over 2 (DTensor) 14 calls" in said
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -25,6 +25,7 @@ from fsdp2bench.cli import UserError
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, BROADCAST = "all_gather", "reduce_scatter", "all_reduce", "broadcast"
 ALL_TO_ALL, SEND = "all_to_all", "send"
+DTENSOR = " (DTensor)"  # a functional collective's tally is kept apart: it waits whole on the compute stream
 # How many times the whole a ring moves into each rank, over (G-1)/G: an all-reduce is a reduce-scatter and an
 # all-gather; a broadcast (pipelined along the ring) about one whole; an all-to-all sends (G-1)/G of each rank's
 # whole away (its G-1 pieces, one a step). A send (a permute's: each rank's whole to one other) is one hop.

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fsdp2bench.options.links import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, REDUCE_SCATTER, SEND, Links
+from fsdp2bench.options.links import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, DTENSOR, REDUCE_SCATTER, SEND,
+                                      Links)
 
 
 def _bytes(tensor: torch.Tensor) -> int:
@@ -71,8 +72,8 @@ class Tally:
     kinds: dict[str, dict] = field(default_factory=dict)
     traced_in_compiled_graph: set[str] = field(default_factory=set)  # counted at tracing only: see the docstring
 
-    def add(self, kind: str, group: int, whole: int, seconds: float) -> None:
-        entry = self.kinds.setdefault(f"{kind} over {group}", {"calls": 0, "bytes": 0, "emulated_s": 0.0})
+    def add(self, kind: str, group: int, whole: int, seconds: float, tag: str = "") -> None:
+        entry = self.kinds.setdefault(f"{kind} over {group}{tag}", {"calls": 0, "bytes": 0, "emulated_s": 0.0})
         entry["calls"] += 1
         entry["bytes"] += whole
         entry["emulated_s"] += seconds
@@ -115,10 +116,10 @@ def functional_ranks(group) -> list[int]:
     return group_ranks(group.get_group() if hasattr(group, "get_group") else group)
 
 
-def costed(kind: str, size: int, ranks: list[int], tally: Tally, clock: float | None) -> None:
-    """Tally one collective and, on a GPU, wait its time on the current stream."""
+def costed(kind: str, size: int, ranks: list[int], tally: Tally, clock: float | None, tag: str = "") -> None:
+    """Tally one collective (its kind ``tag``ged) and, on a GPU, wait its time on the current stream."""
     seconds = tally.links.collective_s(kind, size, ranks)
-    tally.add(kind, len(ranks), size, seconds)
+    tally.add(kind, len(ranks), size, seconds, tag)
     if clock is not None and seconds > 0:
         torch.cuda._sleep(int(seconds * clock))
 
@@ -143,7 +144,7 @@ def emulating_functional(original: Callable, kind: str, gathers: bool, tally: Ta
         if torch.compiler.is_compiling() or torch._guards.detect_fake_mode(tensor) is not None:
             tally.traced_in_compiled_graph.add(kind)
         else:
-            costed(kind, _bytes(tensor) * (len(ranks) if gathers else 1), ranks, tally, clock)
+            costed(kind, _bytes(tensor) * (len(ranks) if gathers else 1), ranks, tally, clock, DTENSOR)
         return original(*args, **kwargs)
     return call
 

@@ -123,12 +123,18 @@ def add_simulation_options(p: argparse.ArgumentParser) -> None:
                    help="with --simulate_world_size: the rank(s) R to play, integers in [0, N) or 'last' for N-1; "
                         "'last' is skipped where the sharding rule gives it the bytes of a rank already played "
                         "(default: 0)")
+    add_emulation_option(p, "with --simulate_world_size: each collective the simulated rank issues")
+
+
+def add_emulation_option(p: argparse.ArgumentParser, who: str) -> None:
+    """``--emulate_communication``, as every script that starts simulated ranks takes it (``who``: the ranks whose
+    collectives it prices)."""
     p.add_argument("--emulate_communication", nargs="?", const=DEFAULT_LINKS, default=None,
                    metavar="WITHIN,ACROSS|FILE",
-                   help="with --simulate_world_size: each collective the simulated rank issues costs its time, as a "
-                        "sleep on the GPU stream it is issued on, over links of WITHIN GB/s within a node and ACROSS "
-                        "per NIC, or a JSON FILE of the links (docs/links.md); alone: 8-GPU H100/H200 SXM nodes, "
-                        "400 Gb/s a GPU (default: off: compute only)")
+                   help=f"{who} costs its time, as a sleep on the GPU stream it is issued on (on a CPU: priced, "
+                        "nothing waits), over links of WITHIN GB/s within a node and ACROSS per NIC, or a JSON FILE "
+                        "of the links (docs/links.md); alone: 8-GPU H100/H200 SXM nodes, 400 Gb/s a GPU (default: "
+                        "off: compute only)")
 
 
 def add_step_options(p: argparse.ArgumentParser) -> None:
@@ -481,9 +487,13 @@ def emulation_links(args: argparse.Namespace) -> Links | None:
         return None
     if not args.simulate_world_size:
         raise UserError("--emulate_communication needs --simulate_world_size: real ranks communicate for real")
-    given = args.emulate_communication
+    return parse_emulation(args.emulate_communication, simulation.parse_world_sizes(args.simulate_world_size))
+
+
+def parse_emulation(given: str, world_sizes: list[int]) -> Links:
+    """--emulate_communication's value (bare: the default links) as links whose nodes make up each N."""
     links = parse_links(None if given == DEFAULT_LINKS else given, "--emulate_communication")
-    for n in simulation.parse_world_sizes(args.simulate_world_size):
+    for n in world_sizes:
         check_nodes_fit(links, n, "--emulate_communication")
     return links
 

@@ -15,8 +15,12 @@ and 2(G-1)/G of an all-reduce's), from the exact parameter shapes of the memory 
   their gradients reduce-scattered (one more all-gather under full checkpointing).
 
 Each is priced over its group's shape (``Links.gbps``: NVLink within a node, one NIC per member of the group in a
-node across nodes). Left out: a tied head's TP gather, latency and the ring's start-up, overlap
-with compute (the caller combines by a stated rule), congestion, stragglers. No torch: the planner imports it.
+node across nodes). Left out: a tied head's TP gather, latency and the ring's start-up, overlap with compute (the
+caller combines by a stated rule), congestion, stragglers. FSDP2's and HSDP's collectives are the ones whose
+overlap a timing's emulation measures (``Collective.emulated``: FSDP2 issues them on streams of its own); TP's and
+CP's go through DTensor's functional collectives, issued and waited on the compute stream (the emulation counts
+them apart, and not at all inside a compiled graph), so they are projected here and added whole. No torch: the
+planner imports it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class Collective:
     group: int
     span: int
     bytes: int
+    emulated: bool = True  # a timing under --emulate_communication waits for it (TP's and CP's it does not see)
 
     def seconds(self, links: Links) -> float:
         return self.bytes / (links.gbps(self.group, self.span) * 1e9)
@@ -106,7 +111,8 @@ def tensor_parallel_collectives(config, degrees: Degrees, options: FsdpOptions, 
     activation = batch * (block // degrees.cp) * config.hidden_size * BF16
     calls = tensor_parallel_all_reduces(config, options.activation_checkpointing == FULL_AC)
     moved = 2 * ring(degrees.tp) * activation * calls * microbatches
-    return [Collective("TP all-reduce of activations and their gradients", degrees.tp, degrees.tp, int(moved))]
+    return [Collective("TP all-reduce of activations and their gradients", degrees.tp, degrees.tp, int(moved),
+                       emulated=False)]
 
 
 def context_parallel_collectives(config, degrees: Degrees, options: FsdpOptions, batch: int, block: int,
@@ -119,7 +125,7 @@ def context_parallel_collectives(config, degrees: Degrees, options: FsdpOptions,
     per_block = 3 + (1 if options.activation_checkpointing == FULL_AC else 0)
     moved = (degrees.cp - 1) * local * per_block * config.num_hidden_layers * microbatches
     return [Collective("CP all-gather of keys and values, reduce-scatter of their gradients", degrees.cp,
-                       degrees.cp * degrees.tp, int(moved))]
+                       degrees.cp * degrees.tp, int(moved), emulated=False)]
 
 
 def step_collectives(shapes, config, degrees: Degrees, options: FsdpOptions, batch: int, block: int,
