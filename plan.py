@@ -32,6 +32,7 @@ from fsdp2bench.files import save_summary
 from fsdp2bench.memory import estimate
 from fsdp2bench.names import MIB
 from fsdp2bench.options import accelerate_config, fsdp
+from fsdp2bench.options.links import Links
 from fsdp2bench.plan.checks import SEED, Checked, CheckedSearch, parse_args, plan_path, set_options, validate
 from fsdp2bench.plan.layout.run import run_search
 from fsdp2bench.plan.probes import BATCH, ProbeRunner, Question, heaviest_rank, leaders_of, search_for
@@ -84,7 +85,7 @@ def run(argv: list[str] | None = None) -> int:
                         init_device=args.init_device if session.device.type == "cuda" else "cpu", build_threads=cores,
                         compute_threads=max(1, cores // 4),
                         weights=weights.create() if args.init_device == "cpu" else None, quiet=True,
-                        allocator_limit=checked.cap.allocator_bytes if checked.cap else None)
+                        allocator_limit=checked.cap.allocator_bytes if checked.cap else None, links=checked.links)
     tokens = load_tokens(None, None, session.config.vocab_size)
     runner = ProbeRunner(session, train, tokens, questions, searches, checked.cap, args.output_dir,
                          args.inject_oom_above, leaders_of(questions, searches, session.shapes))
@@ -96,7 +97,8 @@ def run(argv: list[str] | None = None) -> int:
         print(f"Skipped: {note}", flush=True)
     say(f"Planning {len(searches)} answers ({args.find} per option set, N and variant): a shared process per "
         f"option set and N measures a few values, then fresh probes confirm each edge (another variant starts at "
-        f"the first one's), {PROBE_STEPS} steps of one simulated rank each{cap_said(checked.cap)}...")
+        f"the first one's), {PROBE_STEPS} steps of one simulated rank each{cap_said(checked.cap)}"
+        f"{emulation_said(checked.links)}...")
     landed: dict = {}  # each landed answer's time
 
     def save(interrupted: bool = False) -> dict:
@@ -154,6 +156,14 @@ def say_landed(plan: dict, questions: dict, searches: dict, landed: dict, elapse
               f"({a['probes']} probes; {elapsed:.0f} s{eta})", flush=True)
 
 
+def emulation_said(links: Links | None) -> str:
+    if links is None:
+        return ""
+    return (f"; each fresh probe's collectives emulated over {links.within_gbps:g} GB/s within a node of "
+            f"{links.node_size} and {links.across_gbps:g} GB/s across (per probe in plan.json: calls, bytes, seconds; "
+            "the shared processes' are not)")
+
+
 def cap_said(cap: estimate.GpuCap | None) -> str:
     if cap is None:
         return " (a CPU run: no cap, the probes find only the out-of-memory errors injected or raised)"
@@ -170,6 +180,7 @@ def plan_meta(checked: Checked, session, started: float) -> dict:
             "loop": args.loop, "loss": args.loss,
             "upper_bound": checked.upper, "probe_steps": PROBE_STEPS, "init_device": args.init_device,
             "gpu_memory": checked.cap.as_dict() if checked.cap else None, "skipped": checked.skipped,
+            "emulated_links": vars(checked.links) if checked.links else None,
             "option_sets": {name: fsdp.OPTION_SETS[name].changed() for name in checked.sets},
             "options_from": accelerate_config.summary_of(checked.config, {k: "config" for k in
                                                                           (checked.config.values if checked.config

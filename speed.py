@@ -322,6 +322,7 @@ def timed(args: argparse.Namespace, extra: list[str]) -> int:
               "concurrent_variants": summary["meta"].get("concurrent_variants",
                                                          summary["meta"]["args"]["concurrent_variants"]),
               "launch_phases": launch_phases(summary["meta"]["timeline"], launched, wall),
+              "emulated_links": summary["meta"].get("emulated_links"),
               "median_step_time_s": {}, "phases": {}, "peak_allocated_mib": {}, "peak_reserved_mib": {},
               "tracker_overhead_ratio": None}
     runs = finished_runs(summary, args.output_dir)
@@ -351,6 +352,8 @@ def add_run_figures(result: dict, runs: dict) -> None:
         result["peak_reserved_mib"][name] = v["peak_reserved_mib"]["max"]
         if v.get("tracker_overhead_ratio") is not None:
             ratios[name] = v["tracker_overhead_ratio"]
+        if v.get("emulated"):  # --emulate_communication: rank 0's communication a step, as the links price it
+            result.setdefault("emulated_s_per_step", {})[name] = v["emulated"][0]["emulated_s_per_step"]
     if ratios:
         result["tracker_overhead_ratio"] = statistics.median(ratios.values())
         result["tracker_overhead_ratio_per_variant"] = ratios

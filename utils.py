@@ -237,6 +237,34 @@ def fully_shard_blocks(model: nn.Module, mesh, layer_classes: list[str], options
     fully_shard(model, **kwargs)
 
 
+def give_shards_storage(model: nn.Module, device: torch.device) -> None:
+    """A model sharded on the meta device gets storage for its own shards only; its buffers (computed on the CPU
+    when it was built) are copied back, as ``to_empty`` leaves them uninitialised."""
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+
+
+def materialize_shards(model: nn.Module, device: torch.device, std: float) -> None:
+    """Storage and random weights for this rank's shards of a model built on meta (``--init_device meta``): the
+    weights ~ N(0, std), norm scales 1, biases 0, each shard drawn on ``device`` from its own generator seeded by
+    the run's seed, the parameter's index and the rank, so that no rank ever holds more than its shards."""
+    give_shards_storage(model, device)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    with torch.no_grad():
+        for index, (name, param) in enumerate(model.named_parameters()):
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if name.endswith("bias"):
+                local.zero_()
+            elif local.dim() == 1:
+                local.fill_(1.0)
+            else:
+                seed = (torch.initial_seed() * 1_000_003 + index) * 4099 + rank
+                local.normal_(0.0, std, generator=torch.Generator(device).manual_seed(seed))
+
+
 def compute_in_bf16(model: nn.Module, device: torch.device) -> None:
     """What accelerate does to the model for ``mixed_precision="bf16"``, so that the torch variants
     match it: the forward runs under bf16 autocast and its floating outputs come back in fp32."""
@@ -325,6 +353,8 @@ def shard(model: nn.Module, ctx: Context) -> None:
     if ctx.options.compile:
         levers.compile_blocks(model, ctx.layer_classes)
     fully_shard_blocks(model, ctx.meshes.fsdp, ctx.layer_classes, ctx.options, ctx.device)
+    if next(model.parameters()).is_meta:  # --init_device meta: only now does this rank's share get memory
+        materialize_shards(model, ctx.device, getattr(ctx.config, "initializer_range", 0.02))
     if ctx.options.mixed_precision_policy == AUTOCAST:
         compute_in_bf16(model, ctx.device)
     ctx.mark("sharded")

@@ -72,3 +72,12 @@ def size_said(n_bytes: float, digits: int = 2) -> str:
         return f"{n_bytes:.0f} bytes"
     divisor, unit = size_unit(n_bytes)
     return f"{n_bytes / divisor:.{digits}f} {unit}"
+
+
+def seconds_said(seconds: float) -> str:
+    """A time in the unit that fits it ("1.234 s", "8.75 ms", "12.3 us")."""
+    if seconds >= 0.1:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-4:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} us"

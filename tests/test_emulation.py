@@ -74,6 +74,25 @@ def test_every_collective_of_a_step_is_counted_to_the_byte_the_projection_counts
     assert "Emulated a step, N = 8 rank 0 after: all_gather over 4 5 calls" in said and "priced only" in said
 
 
+def test_tensor_parallel_collectives_are_counted_as_dtensor_issues_them(tmp_path):
+    """TP 2 beside 4 shards: DTensor's functional all-reduces (each rowwise layer's output in forward, each colwise
+    layer's input gradient in backward) pass through the emulation with the activations' bytes, as many as the
+    layout search's projection prices; FSDP2's gathers and reductions stay counted beside them."""
+    from fsdp2bench.plan.layout.traffic import tensor_parallel_all_reduces
+    from fsdp2bench.run.session import model_facts
+
+    summary, said = emulated_run(tmp_path, "--tp_size", "2")
+    emulated, = summary["simulated"]["8"]["0"]["torch_optimizer_after_fsdp"]["emulated"]
+    step, config = emulated["per_step"], model_facts("tiny", 421).config
+    calls = tensor_parallel_all_reduces(config, full_ac=False)
+    activation = summary["meta"]["per_optimizer_step"]["tokens_per_rank"] * config.hidden_size * 2  # bf16
+    assert calls == 7 * config.num_hidden_layers  # o and down forward; q, k, v, gate and up backward
+    assert step["all_reduce over 2 (DTensor)"] == {"calls": calls, "bytes": calls * activation,
+                                         "emulated_s": pytest.approx(calls * (2e-6 + activation / 450e9))}  # 2 steps
+    assert {"all_gather over 4", "reduce_scatter over 4"} <= set(step) and emulated["traced_in_compiled_graph"] == []
+    assert "all_reduce over 2 (DTensor) 14 calls" in said
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--emulate_communication"], "--emulate_communication needs --simulate_world_size"),
     (["--simulate_world_size", "8", "--emulate_communication=-1,50"], "each GB/s a positive number"),

@@ -245,6 +245,8 @@ def test_the_refused_optimizers_still_fail_on_fsdp2s_dtensor_parameters(tmp_path
     pytest.param([*QLORA, "--qlora_storage", "uint8"], "(accelerate#3983); the fix: store them as bf16 "
                                                        "(--qlora_storage bfloat16", marks=needs_bitsandbytes),
     ([*LORA, "--qlora_storage", "bfloat16"], "--qlora_storage needs --peft qlora"),
+    ([*LORA, "--init_device", "meta", "--variants", "torch_optimizer_after_fsdp"],
+     "--peft lora with --init_device meta: peft adds the adapters to a built base"),
     pytest.param([*QLORA, "--allow_known_failure"], "--allow_known_failure: nothing in this command line is a known "
                                                     "failure", marks=needs_bitsandbytes),
     ([*QLORA, "--qlora_storage", "int4"], "--qlora_storage: invalid choice: 'int4'"),

@@ -59,6 +59,16 @@ def test_selective_checkpointing_and_compile_train_every_variant_exactly(tmp_pat
     assert not variants["torch_optimizer_after_fsdp"]["applied"][0]["compiled_outside_blocks"]
     if any(v["speed"]["compile_s"] is not None for v in variants.values()):
         assert "Compiling took" in " ".join(proc.stdout.split())
+    # The order of the levers, read back: the torch variants shard the compiled checkpointed block (torchtitan's
+    # order, FSDP2's hooks outside the graph); accelerate checkpoints, compiles the wrapper in place, then shards the
+    # block inside it, so FSDP2's hooks sit inside the compiled checkpoint and dynamo breaks there.
+    torch_nesting = variants["torch_optimizer_after_fsdp"]["applied"][0]["block_nesting"]
+    assert torch_nesting == ["fully_shard", "compiled", "checkpointed", "Qwen2DecoderLayer"]
+    assert variants["torch_optimizer_after_fsdp"]["graph_breaks"] == [0, 0]
+    nesting = variants["accelerate"]["applied"][0]["block_nesting"]
+    assert nesting[0] == "compiled" and nesting[-2:] == ["fully_shard", "Qwen2DecoderLayer"] and "checkpointed" in nesting
+    assert min(variants["accelerate"]["graph_breaks"]) >= 1
+    assert "accelerate: " in proc.stdout and "FSDP2's hooks run inside the compiled call" in " ".join(proc.stdout.split())
 
 
 def test_every_kth_block_and_a_step_beside_another_run(tmp_path):

@@ -21,6 +21,7 @@ from fsdp2bench.plan import checks, report as plan_report, search as plan_search
 from fsdp2bench.plan.probes import BLOCK_SHARE, ProbeRunner, Question
 from fsdp2bench.plan.room import ROOM_MARGIN
 from fsdp2bench.plan.search import Outcome, Search, run_searches
+from fsdp2bench.run.session import model_facts
 
 LIMIT = 24049.0  # MiB: a 24 GiB cap less the CUDA context, as on one H200
 STATE, PER_SEQUENCE = 4800.0, 640.0  # MiB: a 1.5B rank's peak at batch 0 and what a sequence adds
@@ -231,6 +232,8 @@ def test_without_peaks_the_fresh_probes_start_inside_the_edge_a_shared_process_m
     (["--find", "block_size", "--block_size", "130", "--upper_bound", "150"], "holds no multiple of 64 tokens"),
     (["--block_size", "1"], "--block_size must be in"),
     (["--upper_bound", "0"], "--upper_bound must be in"),
+    (["--emulate_communication", "0,50"], "each GB/s a positive number"),
+    (["--world_size", "12", "--emulate_communication"], "nodes of 8 GPUs do not make up N = 12"),
 ])
 def test_bad_input_is_refused_before_any_probe(argv, message, tmp_path):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace("+", r"\+")):
@@ -372,14 +375,25 @@ def test_a_launch_with_a_bad_flag_ends_in_one_line(tmp_path):
 
 
 def test_a_cpu_plan_of_tiny_finds_the_injected_edge_and_draws_it(tmp_path):
+    """With its communication emulated: each fresh probe that fits counts and prices its collectives (on a CPU
+    nothing waits), the bytes the layout search's projection counts from the shapes."""
+    from fsdp2bench.plan.layout.traffic import gathered_bytes
+
     out = tmp_path / "plan"
     proc = run_script(["plan.py", "--device", "cpu", "--world_size", "2,4", "--sets", "default,ac",
                        "--variants", "torch_optimizer_after_fsdp", "--inject_oom_above", "3",
-                       "--output_dir", str(out)], nproc=None, timeout=600)
+                       "--emulate_communication", "300,25", "--output_dir", str(out)], nproc=None, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = load(out / "plan.json")
-    assert len(result["answers"]) == 4
+    assert len(result["answers"]) == 4 and result["meta"]["emulated_links"]["across_gbps"] == 25.0
+    assert "each fresh probe's collectives emulated over 300 GB/s within a node of 8" in " ".join(proc.stdout.split())
     for a in result["answers"]:
+        n = a["world_size"]
+        blocks, root, elements = gathered_bytes(tuple(model_facts("tiny", 421).shapes), n, 1, False, 2)
+        emulated = a["outcomes"][0]["emulated"]
+        assert not emulated["waited_on_the_gpu"] and emulated["per_step"][f"all_gather over {n}"]["bytes"] == \
+            2 * blocks + root and emulated["per_step"][f"reduce_scatter over {n}"]["bytes"] == 2 * elements
+        assert "emulated" not in a["outcomes"][1]  # out of memory: no tally
         assert a["largest"] == 3 and a["finished"] and a["tokens_per_rank_per_step"] == 3 * 128
         assert a["above"]["value"] == 4 and a["above"]["error"].startswith("rank 0: out of memory")
         assert a["above"]["phase"] == "training_started" and a["above"]["failed_allocation_mib"] == 1024
@@ -811,14 +825,15 @@ def test_a_long_sequences_search_steps_down_from_a_far_failure_instead_of_walkin
 READ_BY_ALL = {"model", "world_size", "gpu_memory", "find", "block_size", "init_device", "device", "output_dir",
                "loop"}
 READ_BY_PROBES = {"sets", "variants", "upper_bound", "inject_oom_above", "loss", "activation_checkpointing",
-                  "ac_every", "compile", "float8", "config_file"}
+                  "ac_every", "compile", "float8", "config_file", "emulate_communication"}
 READ = {"batch_size": READ_BY_ALL | READ_BY_PROBES, "block_size": READ_BY_ALL | READ_BY_PROBES | {"batch_size"},
         "layout": READ_BY_ALL | set(checks.LAYOUT_ONLY)}
 # A value each option takes, so that only the mode can refuse it.
 A_VALUE = {"sets": "default", "variants": "accelerate", "batch_size": "1", "upper_bound": "4", "inject_oom_above": "3",
            "activation_checkpointing": "full", "ac_every": "2", "compile": "true", "float8": "false",
            "loss": "chunked", "config_file": "/dev/null", "global_batch": "8", "global_batch_tokens": "1024",
-           "levers": "full", "links": "450,50", "max_timings": "12", "confirm": "3", "time_budget_s": "420"}
+           "levers": "full", "links": "450,50", "max_timings": "12", "confirm": "3", "time_budget_s": "420",
+           "emulate_communication": "450,50"}
 
 
 def test_every_option_is_read_or_refused_by_each_mode(monkeypatch):
@@ -850,6 +865,7 @@ def test_an_option_the_mode_does_not_read_is_refused_even_at_its_default(mode, n
     (["--global_batch", "8", "--links", "/dev/zero"], "not a regular file"),
     (["--global_batch", "8", "--links", "/"], "not a regular file"),
     (["--global_batch", "8", "--init_device", "cuda"], "--init_device cuda needs a GPU"),
+    (["--world_size", "12", "--global_batch", "12"], "--links: nodes of 8 GPUs do not make up N = 12"),
 ])
 def test_a_layout_value_is_refused_for_its_own_cause(argv, message, tmp_path):
     said = refusal(plan.validate, ["--device", "cpu", "--find", "layout", "--world_size", "4", "--output_dir",

@@ -192,3 +192,32 @@ def test_a_baseline_tree_is_launched_by_the_launcher_it_has(kept_at, module, tmp
         (tmp_path / kept_at).write_text("")
     assert speed.tree_launcher(str(tmp_path)) == module
     assert speed.tree_launcher(str(ROOT)) == "fsdp2bench.processes.torchrun"
+
+
+def test_speed_times_a_simulated_rank_with_its_communication_emulated_bare_loop_alike(tmp_path):
+    """--emulate_communication passes through to the timed launch and to the bare loop beside it: both count the
+    same collectives of the same work (on a CPU priced, nothing waits), and speed.json gives each run's emulated
+    seconds a step and the links."""
+    out = tmp_path / "run"
+    proc = run_script(["speed.py", "--nproc_per_node", "1", "--bare_loop", "--output_dir", str(out), "--",
+                       "--model", "tiny", "--device", "cpu", "--max_steps", "4", "--simulate_world_size", "4",
+                       "--variants", "torch_optimizer_after_fsdp", "--emulate_communication", "300,25"], nproc=None)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = load(out / "speed.json")
+    emulated, = load(out / "summary.json")["simulated"]["4"]["0"]["torch_optimizer_after_fsdp"]["emulated"]
+    name = "N=4 rank 0 torch_optimizer_after_fsdp"
+    assert record["emulated_links"]["within_gbps"] == 300.0 and record["emulated_links"]["across_gbps"] == 25.0
+    assert record["emulated_s_per_step"] == {name: emulated["emulated_s_per_step"]}
+    assert emulated["emulated_s_per_step"] > 0
+    bare = record["bare_loop"]["emulated"]
+    assert bare["per_step"] == emulated["per_step"] and set(bare["per_step"]) == {"all_gather over 4",
+                                                                                  "reduce_scatter over 4"}
+    assert not bare["waited_on_the_gpu"] and not record["bare_loop"]["speed"]["emulated"]
+
+
+def test_emulated_communication_without_a_simulated_rank_is_refused_in_one_line(tmp_path):
+    """Real ranks communicate for real: main.py's own refusal, before speed.py launches anything."""
+    line = refusal(speed.validate, ["--nproc_per_node", "1", "--output_dir", str(tmp_path / "run"), "--", *TINY,
+                                    "--emulate_communication"])
+    assert line == "error: --emulate_communication needs --simulate_world_size: real ranks communicate for real", line
+    assert not (tmp_path / "run").exists()

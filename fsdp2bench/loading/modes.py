@@ -20,7 +20,7 @@ from fsdp2bench.processes import simulation
 from fsdp2bench.processes.child import TracedChild, run_traced_child
 from fsdp2bench.processes.isolation import Finisher, StoreKeys, init_group, run_child
 from fsdp2bench.train import weights
-from fsdp2bench.train.model import build_model
+from fsdp2bench.train.model import build_empty, build_model
 from measure import MemoryTracker, rss_mib
 
 CHECKPOINT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -48,18 +48,9 @@ def empty_sharded_model(config, mesh, layer_classes: list[str], device: torch.de
     Buffers such as rotary frequencies are not in checkpoints: they are computed on the CPU at
     construction and copied back after ``to_empty``.
     """
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.tie_weights()  # re-registering parameters on meta unties them; FSDP2 must see one shared tensor
-    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    model = build_empty(config)
     utils.fully_shard_blocks(model, mesh, layer_classes)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            b.copy_(buffers[name])
+    utils.give_shards_storage(model, device)
     return model
 
 

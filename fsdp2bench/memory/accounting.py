@@ -86,7 +86,8 @@ def applied_setup(model: nn.Module, layer_classes: list[str]) -> dict:
 
     state = first_block_state(model, layer_classes)
     if state is None:  # no block of its own: nothing to read back, and the check says so
-        return dict.fromkeys((*expected_setup(FsdpOptions()), "autocast", "fsdp_mesh", "compiled_outside_blocks"))
+        return dict.fromkeys((*expected_setup(FsdpOptions()), "autocast", "fsdp_mesh", "compiled_outside_blocks",
+                              "block_nesting"))
     group, policy = state._fsdp_param_group, state._mp_policy
     forward = getattr(model.forward, "__func__", model.forward)
     units = [unit for _, unit in levers.blocks(model, layer_classes)]
@@ -100,7 +101,31 @@ def applied_setup(model: nn.Module, layer_classes: list[str]) -> dict:
             "compiled_outside_blocks": [name for name, m in model.named_modules() if levers.compiled(m)
                                         and all(m is not u and m is not levers.block_of(u) for u in units)],
             "float8_linears": levers.float8_linears(model),
-            "fsdp_mesh": list(group.mesh_info.mesh.shape)}
+            "fsdp_mesh": list(group.mesh_info.mesh.shape),
+            "block_nesting": block_nesting(units[0])}
+
+
+def block_nesting(unit: nn.Module) -> list[str]:
+    """A block's wrappers as a call meets them, from the outside in, down to the block's class: where FSDP2's
+    hooks sit against the compiled region and the checkpoint decides what dynamo can trace (a module compiled in
+    place runs its hooks inside the compiled call; one replaced by its compiled module, outside)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper, OffloadWrapper
+    from torch.distributed.fsdp import FSDPModule
+
+    nesting, module = [], unit
+    while True:
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            nesting.append("compiled")
+        if isinstance(module, FSDPModule):
+            nesting.append("fully_shard")
+        if hasattr(module, "_orig_mod"):
+            nesting.append("compiled")
+            module = module._orig_mod
+        elif isinstance(module, ActivationWrapper):
+            nesting.append("offloaded" if isinstance(module, OffloadWrapper) else "checkpointed")
+            module = module._checkpoint_wrapped_module
+        else:  # fully_shard gives the block a class of its own over the model's
+            return [*nesting, next(c.__name__ for c in type(module).__mro__ if not issubclass(c, FSDPModule))]
 
 
 def first_block_state(model: nn.Module, layer_classes: list[str]):

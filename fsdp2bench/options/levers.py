@@ -138,6 +138,13 @@ def compile_blocks(model: nn.Module, layer_classes: list[str]) -> None:
         model.set_submodule(name, torch.compile(unit, backend="inductor"))
 
 
+def graph_breaks() -> int:
+    """Graph breaks dynamo has met in this process so far: a block that breaks runs the broken part eagerly."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
 def compiled(module: nn.Module) -> bool:
     """Compiled either way: replaced by torch.compile's module, or in place (``Module.compile``, accelerate's)."""
     return hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None) is not None

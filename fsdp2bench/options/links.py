@@ -24,9 +24,12 @@ from typing import Sequence
 from fsdp2bench.cli import UserError
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, BROADCAST = "all_gather", "reduce_scatter", "all_reduce", "broadcast"
+ALL_TO_ALL, SEND = "all_to_all", "send"
+DTENSOR = " (DTensor)"  # a functional collective's tally is kept apart: it waits whole on the compute stream
 # How many times the whole a ring moves into each rank, over (G-1)/G: an all-reduce is a reduce-scatter and an
-# all-gather; a broadcast (pipelined along the ring) about one whole.
-RING_WHOLES = {ALL_GATHER: 1, REDUCE_SCATTER: 1, ALL_REDUCE: 2, BROADCAST: 1}
+# all-gather; a broadcast (pipelined along the ring) about one whole; an all-to-all sends (G-1)/G of each rank's
+# whole away (its G-1 pieces, one a step). A send (a permute's: each rank's whole to one other) is one hop.
+RING_WHOLES = {ALL_GATHER: 1, REDUCE_SCATTER: 1, ALL_REDUCE: 2, BROADCAST: 1, ALL_TO_ALL: 1}
 
 
 @dataclass(frozen=True)
@@ -54,13 +57,15 @@ class Links:
 
     def collective_s(self, kind: str, whole_bytes: int, ranks: Sequence[int]) -> float:
         """Seconds of one ring collective over ``ranks`` of a whole of ``whole_bytes`` (the gathered output, the
-        reduce-scattered input, the all-reduced or broadcast tensor)."""
+        reduce-scattered input, the all-reduced, broadcast, all-to-all or sent tensor)."""
         g = len(ranks)
         if g <= 1:
             return 0.0
-        steps = (g - 1) * RING_WHOLES[kind]
         crosses = len(members_per_node(ranks, self.node_size)) > 1
         latency = (self.latency_across_us if crosses else self.latency_within_us) * 1e-6
+        if kind == SEND:
+            return whole_bytes / (self.group_gbps(ranks) * 1e9) + latency
+        steps = (g - 1) * RING_WHOLES[kind]
         return RING_WHOLES[kind] * (g - 1) / g * whole_bytes / (self.group_gbps(ranks) * 1e9) + steps * latency
 
 

@@ -276,6 +276,16 @@ def check_known_failure(tuning: Tuning, allowed: bool) -> None:
                         f"qlora --qlora_storage {', '.join(KNOWN_FAILURES)})")
 
 
+def check_init_device(tuning: Tuning, init_device: str) -> None:
+    """peft adds the adapters to a built model; a model built empty (meta), whose shards are drawn after sharding
+    as base weights, would get adapters drawn the same way (LoRA's B starts at zero) and, under QLoRA, no 4-bit
+    base to quantize."""
+    if tuning.adapters and init_device == "meta":
+        raise UserError(f"--peft {tuning.peft} with --init_device meta: peft adds the adapters to a built base, and "
+                        "under meta the base exists only as shards drawn after sharding (the adapters would be drawn "
+                        "as base weights, and a 4-bit base never quantized); build it on the cpu or cuda")
+
+
 def check_device(tuning: Tuning, device_type: str) -> None:
     """torchao's optimizers compile each parameter's step (inductor: C++ on the CPU); QLoRA quantizes on the run's
     device, where bitsandbytes must have 4-bit kernels."""

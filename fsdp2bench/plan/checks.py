@@ -20,13 +20,13 @@ from fsdp2bench.memory.accounting import model_bytes
 from fsdp2bench.names import VARIANTS
 from fsdp2bench.options import accelerate_config, levers as lever_checks, fsdp as options
 from fsdp2bench.options.layout import Layout
-from fsdp2bench.options.links import parse_links
+from fsdp2bench.options.links import Links, check_nodes_fit, parse_links
 from fsdp2bench.options.step import LIGER, Step, check_liger
 from fsdp2bench.plan.layout.candidates import (COMPILE, FLOAT8, LEVER_NAMES, Levers, candidates_of, layouts_of,
                                                parse_levers)
 from fsdp2bench.plan.layout.report import CONFIG_NAME, written_config_digest
 from fsdp2bench.plan.layout.search import Setup
-from fsdp2bench.plan.layout.timing import timing_dir
+from fsdp2bench.plan.layout.timing import compute_dir, timing_dir
 from fsdp2bench.plan.probes import BATCH, BLOCK, BLOCK_STEP, LAYOUT, block_step
 from fsdp2bench.processes.isolation import launcher_keeps_to_one_thread
 from fsdp2bench.processes.simulation import check_fake_group_available, parse_world_sizes
@@ -51,12 +51,16 @@ NUMBER_RANGES = {"global_batch": (1, 1 << 24), "global_batch_tokens": (1, 1 << 4
 
 LAYOUT_ONLY = ("global_batch", "global_batch_tokens", "levers", "links", "max_timings", "confirm", "time_budget_s")
 SEARCHED_LEVERS = "the layout search tries the levers itself: name them in --levers"
+LINKS_OF_PROBES = (f"the links of --find {LAYOUT}'s timings; a probe's communication is emulated over "
+                   "--emulate_communication WITHIN,ACROSS|FILE")
 # What each mode leaves unread, and why: given there, it is refused in one line (plan.py reads each of the others).
 UNREAD = {
-    BATCH: {**dict.fromkeys(LAYOUT_ONLY, f"read only by --find {LAYOUT}"),
+    BATCH: {**dict.fromkeys(LAYOUT_ONLY, f"read only by --find {LAYOUT}"), "links": LINKS_OF_PROBES,
             "batch_size": f"the fixed batch of --find {BLOCK}; --find {BATCH} searches it"},
-    BLOCK: dict.fromkeys(LAYOUT_ONLY, f"read only by --find {LAYOUT}"),
+    BLOCK: {**dict.fromkeys(LAYOUT_ONLY, f"read only by --find {LAYOUT}"), "links": LINKS_OF_PROBES},
     LAYOUT: {"sets": "the layout search makes its own layouts, not matrix.py's option sets",
+             "emulate_communication": "the layout search emulates every timing's communication itself, over "
+                                      "--links",
              "variants": "the layout search times the intended variant",
              "batch_size": "the layout search sizes each candidate's microbatch from --global_batch",
              "upper_bound": "the layout search sizes each candidate's microbatch from --global_batch",
@@ -95,7 +99,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[s
     p.add_argument("--find", choices=[BATCH, BLOCK, LAYOUT], default=BATCH,
                    help=f"what to find the largest of: {BATCH} at each --block_size, or {BLOCK} at the fixed "
                         f"--batch_size; or {LAYOUT}: which layout and levers fit one N at --block_size and "
-                        f"--global_batch, ranked by projected speed (docs/plan.md) (default: {BATCH})")
+                        f"--global_batch, ranked by the speed of a step whose communication is emulated (docs/plan.md) "
+                        f"(default: {BATCH})")
     p.add_argument("--block_size", default="128", metavar="L[,L...]",
                    help=f"tokens per sequence L, a list allowed; with --find {BLOCK} the search's lower bound "
                         f"(default: 128)")
@@ -117,6 +122,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[s
     arguments.add_checkpointing_options(arguments.add_lever_options(
         p, "Levers under every set (docs/levers.md): over the config's options; a set's own options win"))
     arguments.add_config_option(p, "the options each set is put over (a set's own options win)")
+    arguments.add_emulation_option(p, f"with --find {BATCH} or {BLOCK}: each collective a fresh probe (one simulated "
+                                      "rank) issues")
     add_layout_options(p)
     p.add_argument("--inject_oom_above", type=int, default=None, metavar="V",
                    help="test option: every probe above V runs out of memory at its first step (default: off)")
@@ -134,10 +141,13 @@ def add_layout_options(p: argparse.ArgumentParser) -> None:
                    help=f"the LEVERS searched, comma-separated from {', '.join(LEVER_NAMES)} (default: every one "
                         "that runs here)")
     g.add_argument("--links", default=None, metavar="WITHIN,ACROSS|FILE",
-                   help="GB/s per direction per GPU WITHIN a node of 8 and ACROSS nodes, or a JSON FILE with "
-                        "node_size, within_gbps, across_gbps (default: 450,50: NVLink 4, 400 Gb/s RDMA)")
+                   help="the links every timing's communication is emulated over (main.py's "
+                        "--emulate_communication) and the untimed candidates' is projected over: GB/s per direction "
+                        "per GPU WITHIN a node of 8 and ACROSS nodes, or a JSON FILE with node_size, within_gbps, "
+                        "across_gbps (default: 450,50: NVLink 4, 400 Gb/s RDMA)")
     g.add_argument("--max_timings", type=int, default=12,
-                   help="timing launches at most, one simulated rank alone on the device each (default: 12)")
+                   help="timings at most, each one simulated rank alone on the device (on a GPU two launches: with "
+                        "the communication emulated, and the compute alone) (default: 12)")
     g.add_argument("--confirm", type=int, default=3, metavar="ROWS",
                    help="time the ranked candidates on top until the first ROWS are measured, not estimated "
                         "(default: 3)")
@@ -168,6 +178,7 @@ class Checked:
     skipped: list[str]
     base: options.FsdpOptions  # what each set's options are put over: the loop, the loss and the user's config
     config: accelerate_config.ConfigOptions | None
+    links: Links | None  # --emulate_communication: each fresh probe's collectives cost their time over these
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,6 +266,8 @@ def checked_plan(args: argparse.Namespace, common: Common) -> Checked:
     """The batch and block searches' own checks: sets, variants, the model, the user's config and the cap."""
     sets = options.parse_sets(args.sets, "--sets")
     variants = parse_names(args.variants, "--variants", VARIANTS)
+    links = None if args.emulate_communication is None else \
+        arguments.parse_emulation(args.emulate_communication, common.sizes)
     blocks, device = common.blocks, common.device
     if device.type != "cuda":
         say(f"A CPU plan has no memory cap: nothing runs out of memory there unless --inject_oom_above says so, so it "
@@ -275,7 +288,7 @@ def checked_plan(args: argparse.Namespace, common: Common) -> Checked:
     args.init_device = build_device(args.init_device, facts.shapes, cap)
     sets, skipped = plannable_sets(args, base, sets, common, config, facts.config)
     return Checked(args=args, sets=sets, sizes=common.sizes, variants=variants, blocks=blocks, upper=upper,
-                   facts=facts, cap=cap, skipped=skipped, base=base, config=config)
+                   facts=facts, cap=cap, skipped=skipped, base=base, config=config, links=links)
 
 
 def base_options(args: argparse.Namespace, config: accelerate_config.ConfigOptions | None) -> options.FsdpOptions:
@@ -385,6 +398,7 @@ def checked_search(args: argparse.Namespace, common: Common) -> CheckedSearch:
     sequences = global_sequences(args, block)
     chosen, notes = available_levers(args.levers, device.type, facts.config)
     links = parse_links(args.links)
+    check_nodes_fit(links, world_size, "--links")
     layouts, refused = layouts_of(world_size, facts.config, block, device.type)
     splits = sorted({d.data_ranks for d in layouts}, reverse=True)
     if not any(sequences % ranks == 0 for ranks in splits):
@@ -396,7 +410,8 @@ def checked_search(args: argparse.Namespace, common: Common) -> CheckedSearch:
                   shapes=facts.shapes, config=facts.config, base=options.FsdpOptions(step=Step(loop=args.loop)),
                   cap=cap, links=links, device_type=device.type, gpu_name=gpu_name() if device.type == "cuda" else None,
                   output_dir=args.output_dir, max_timings=args.max_timings, init_device=args.init_device,
-                  num_parameters=facts.num_parameters, confirm=args.confirm, time_budget_s=args.time_budget_s)
+                  num_parameters=facts.num_parameters, confirm=args.confirm, time_budget_s=args.time_budget_s,
+                  links_given=os.path.abspath(args.links) if args.links and os.path.isfile(args.links) else args.links)
     return CheckedSearch(setup=setup, candidates=candidates_of(layouts, chosen, sequences, device.type),
                          notes=notes + refused, args=args)
 
@@ -419,7 +434,8 @@ def check_config_path(output_dir: str) -> None:
 def check_timing_folders(output_dir: str, max_timings: int) -> None:
     """Where each timing's folder goes: a folder or nothing, with no summary.json but this benchmark's in it (main.py
     would refuse it, and the candidate be reported failing)."""
-    folders = [os.path.dirname(timing_dir(output_dir, 0)), *(timing_dir(output_dir, i) for i in range(max_timings))]
+    folders = [os.path.dirname(timing_dir(output_dir, 0)),
+               *(folder(output_dir, i) for i in range(max_timings) for folder in (timing_dir, compute_dir))]
     for folder in folders:
         if os.path.lexists(folder) and (os.path.islink(folder) or not os.path.isdir(folder)):
             what = "a symbolic link" if os.path.islink(folder) else path_kind(folder)

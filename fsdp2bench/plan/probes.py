@@ -492,6 +492,7 @@ def probe_outcome(probe: Probe, job: Job, failure: str | None, session: Session,
             "training_peak_allocated_mib": summary["training_peak_allocated_mib"]["max"],
             "peak_rss_mib": summary["peak_rss_mib"]["max"], "median_step_time_s": summary["median_step_time_s"],
             "speed": summary["speed"],  # a probe beside another on the GPU has none: speed.not_measured says so
+            "emulated": (summary.get("emulated") or [None])[0],  # --emulate_communication: each kind's calls, bytes, s
             "accounting_matches_expected": summary["accounting_matches_expected"],
             "kept_output_bytes": summary["kept_output_bytes"][0]["before_zero_grad"],
             "train_wall_s": record["wall_s"], "build_s": _event(record, "model_built").get("build_s")})

@@ -161,6 +161,7 @@ def explanations(summary: dict) -> list[str]:
                    f"sharded {stale}, so their "
                    f"{size_said(rank0['grad_bytes'])} of gradients are never cleared.")
     out += accumulation_sentences(summary)
+    out += graph_break_sentences(summary["variants"])
     proj = summary.get("projection") or {}
     n = proj.get("unfixed_costs_more_from_world_size")
     if n is not None:
@@ -202,6 +203,24 @@ def tuning_sentence(summary: dict) -> str | None:
             + f" of its {size_said(whole)} (FSDP2's padded chunk), and at most "
             f"{size_said(max(r['frozen_grad_bytes'] for r in held))} of gradients and "
             f"{size_said(max(r['frozen_state_bytes'] for r in held))} of optimizer state.")
+
+
+def graph_break_sentences(variants: dict) -> list[str]:
+    """Under --compile, each variant whose compiled blocks broke, with its block's nesting (where FSDP2's hooks
+    sit against the compiled region and the checkpoint: the reason a variant's compiled speed differs)."""
+    out = []
+    for name, v in variants.items():
+        breaks = max(v.get("graph_breaks") or [0])
+        if v["status"] != "ok" or not breaks:
+            continue
+        nesting = v["applied"][0].get("block_nesting") or []
+        inside = ("compiled" in nesting and "fully_shard" in nesting
+                  and nesting.index("compiled") < nesting.index("fully_shard"))
+        why = (": FSDP2's hooks run inside the compiled call, and dynamo does not trace them (a checkpoint around "
+               "them then runs whole and uncompiled)" if inside else "")
+        out.append(f"{name}: {breaks} graph break(s) while compiling; its block is nested "
+                   f"{' > '.join(nesting)}{why}. summary.json's applied.block_nesting has each variant's.")
+    return out
 
 
 def uneven_ranks_sentence(summary: dict) -> str | None:
@@ -247,8 +266,11 @@ def emulated_said(summary: dict) -> list[str]:
         kinds = "; ".join(f"{kind} {e['calls']:g} calls, {size_said(e['bytes'])}, {e['emulated_s'] * 1e3:.2f} ms"
                           for kind, e in emulated["per_step"].items())
         how = "waited on the GPU" if emulated["waited_on_the_gpu"] else "priced only: on a CPU nothing waits"
+        traced = emulated.get("traced_in_compiled_graph")
+        missed = (f" Not emulated: the {', '.join(traced)} inside compiled graphs (they run from the graph, not "
+                  "through Python).") if traced else ""
         lines.append(f"Emulated a step, N = {n} rank {rank} {short_name(name)}: {kinds or 'no collective'}; "
-                     f"{emulated['emulated_s_per_step'] * 1e3:.2f} ms of communication in all ({how}).")
+                     f"{emulated['emulated_s_per_step'] * 1e3:.2f} ms of communication in all ({how}).{missed}")
     return lines
 
 

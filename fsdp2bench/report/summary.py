@@ -164,6 +164,8 @@ def memory_summary(name: str, per_rank: list[dict], shapes, world_size: int, ran
         **frozen_base(per_rank, shapes, world_size, ranks, options, counted),
         **({"peak_tensors": [r["peak_tensors"] for r in per_rank]} if "peak_tensors" in per_rank[0] else {}),
         **({"emulated": [r["emulated"] for r in per_rank]} if per_rank[0].get("emulated") else {}),
+        **({"graph_breaks": [r["graph_breaks"] for r in per_rank]} if per_rank[0].get("graph_breaks") is not None
+           else {}),
         "wall_s": max(r["wall_s"] for r in per_rank),
         "median_step_time_s": statistics.median(s["step_time_s"] for s in per_rank[0]["steps"]),
         **speed_summary([r["speed"] for r in per_rank]),

@@ -96,10 +96,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"{estimate.CARD_SHORTFALL * 100:.0f}%% above this GPU's is taken for the card's nominal "
                         "size (80 on an 80 GB H100, which reports 79.2 GiB), said in one line; CUDA only (default: "
                         "the whole GPU)")
-    p.add_argument("--init_device", choices=["cpu", "cuda"], default="cpu",
+    p.add_argument("--init_device", choices=["cpu", "cuda", "meta"], default="cpu",
                    help="where the model is built: cpu (the upstream's path: fully_shard moves each rank's shard "
-                        "to the GPU; the weights are drawn once per rank on its share of the host's cores) or cuda (built on "
-                        "the GPU, faster, but the GPU holds the whole model for a moment) (default: cpu)")
+                        "to the GPU; the weights are drawn once per rank on its share of the host's cores), cuda (built "
+                        "on the GPU, faster, but the GPU holds the whole model for a moment) or meta (no memory until "
+                        "sharded, then each rank draws only its shards: models larger than a GPU or the host, with "
+                        f"--variants {INIT_AFTER_SHARDING}) (default: cpu)")
     add_simulation_options(p)
     add_fsdp_options(p)
     add_step_options(p)
@@ -122,12 +124,18 @@ def add_simulation_options(p: argparse.ArgumentParser) -> None:
                    help="with --simulate_world_size: the rank(s) R to play, integers in [0, N) or 'last' for N-1; "
                         "'last' is skipped where the sharding rule gives it the bytes of a rank already played "
                         "(default: 0)")
+    add_emulation_option(p, "with --simulate_world_size: each collective the simulated rank issues")
+
+
+def add_emulation_option(p: argparse.ArgumentParser, who: str) -> None:
+    """``--emulate_communication``, as every script that starts simulated ranks takes it (``who``: the ranks whose
+    collectives it prices)."""
     p.add_argument("--emulate_communication", nargs="?", const=DEFAULT_LINKS, default=None,
                    metavar="WITHIN,ACROSS|FILE",
-                   help="with --simulate_world_size: each collective the simulated rank issues costs its time, as a "
-                        "sleep on the GPU stream it is issued on, over links of WITHIN GB/s within a node and ACROSS "
-                        "per NIC, or a JSON FILE of the links (docs/links.md); alone: 8-GPU H100/H200 SXM nodes, "
-                        "400 Gb/s a GPU (default: off: compute only)")
+                   help=f"{who} costs its time, as a sleep on the GPU stream it is issued on (on a CPU: priced, "
+                        "nothing waits), over links of WITHIN GB/s within a node and ACROSS per NIC, or a JSON FILE "
+                        "of the links (docs/links.md); alone: 8-GPU H100/H200 SXM nodes, 400 Gb/s a GPU (default: "
+                        "off: compute only)")
 
 
 def add_step_options(p: argparse.ArgumentParser) -> None:
@@ -523,9 +531,13 @@ def emulation_links(args: argparse.Namespace) -> Links | None:
         return None
     if not args.simulate_world_size:
         raise UserError("--emulate_communication needs --simulate_world_size: real ranks communicate for real")
-    given = args.emulate_communication
+    return parse_emulation(args.emulate_communication, simulation.parse_world_sizes(args.simulate_world_size))
+
+
+def parse_emulation(given: str, world_sizes: list[int]) -> Links:
+    """--emulate_communication's value (bare: the default links) as links whose nodes make up each N."""
     links = parse_links(None if given == DEFAULT_LINKS else given, "--emulate_communication")
-    for n in simulation.parse_world_sizes(args.simulate_world_size):
+    for n in world_sizes:
         check_nodes_fit(links, n, "--emulate_communication")
     return links
 
@@ -542,6 +554,19 @@ def validate(argv: list[str] | None = None, world_size: int | None = None) -> Ch
         raise accelerate_config.with_fields(error, getattr(args, "config_fields", {})) from None
 
 
+INIT_AFTER_SHARDING = "torch_optimizer_after_fsdp"  # the one variant whose model may exist only as shards
+
+
+def check_meta_variants(init_device: str, names: list[str]) -> None:
+    """Under --init_device meta the model never exists whole, so a variant that needs it whole before sharding
+    (an optimizer made over the full parameters, accelerate's prepare of a full model) has nothing to measure."""
+    others = [n for n in names if n != INIT_AFTER_SHARDING]
+    if init_device == "meta" and others:
+        raise UserError(f"--init_device meta: the model exists only as each rank's shards, so {', '.join(others)} "
+                        "(which take the whole model before sharding) cannot run; add --variants "
+                        f"{INIT_AFTER_SHARDING}")
+
+
 def checked_launch(args: argparse.Namespace, world_size: int | None) -> Checked:
     check_releases()
     launch_rank, launch_world = check_launcher_env()
@@ -555,6 +580,8 @@ def checked_launch(args: argparse.Namespace, world_size: int | None) -> Checked:
     args.model = args.model or default_model(device_type)
     if args.init_device == "cuda" and device_type != "cuda":
         raise UserError("--init_device cuda needs a GPU (this run is on the CPU)")
+    check_meta_variants(args.init_device, names)
+    tuning.check_init_device(fsdp_options.tuning, args.init_device)
     if args.gpu_memory is not None and device_type != "cuda":
         raise UserError("--gpu_memory needs a GPU (this run is on the CPU)")
     check_output_dir(args.output_dir, "summary.json")
@@ -573,8 +600,7 @@ def checked_launch(args: argparse.Namespace, world_size: int | None) -> Checked:
                                 played_ranks(args) or set(range(launch_world)))
     # The smallest simulated N holds the most per rank.
     fit_world = simulation.parse_world_sizes(args.simulate_world_size)[0] if args.simulate_world_size else launch_world
-    concurrency.check_fits(facts.shapes, fit_world, names, args.init_device if device_type == "cuda" else "cpu",
-                           device_type, fsdp_options,
+    concurrency.check_fits(facts.shapes, fit_world, names, args.init_device, device_type, fsdp_options,
                            estimate.rank_logits_bytes(args.batch_size, args.block_size, facts.config, fsdp_options))
     cap = None if args.gpu_memory is None else estimate.gpu_cap(args.gpu_memory, pick_device(args.device).index)
     return Checked(args=args, names=names, fsdp_options=fsdp_options, facts=facts, batches=batches, cap=cap,

@@ -3,7 +3,8 @@
 The same model build, variant, wrapping, levers, loss and batches as main.py's first variant (at its first
 simulated N, on a fake process group; at N = 1 without one), trained with no memory tracker, no polling, no
 per-step accounting, no read-back one step late: each step's time between two CUDA events (or the clock on a
-CPU). speed.py runs it beside main.py in one call, so that the suite's own cost per step is measured and stated.
+CPU). speed.py runs it beside main.py in one call, so that the suite's own cost per step is measured and stated;
+under ``--emulate_communication`` its collectives are emulated as the suite's are.
 
     python3 -m fsdp2bench.run.bare OUT.json -- <main.py options>
 """
@@ -21,9 +22,10 @@ import torch
 import utils
 from fsdp2bench.cli import pick_device
 from fsdp2bench.processes import simulation
+from fsdp2bench.processes.emulation import emulated
 from fsdp2bench.run.arguments import build_threads, validate
 from fsdp2bench.train import throughput
-from fsdp2bench.train.model import build_model
+from fsdp2bench.train.model import build_for_run
 from fsdp2bench.train.runner import TrainStep, deterministic, steps_speed
 
 
@@ -57,18 +59,21 @@ def bare_loop(argv: list[str]) -> dict:
     name = checked.names[0]
     meshes = simulation.init_simulated_group(device, 0, world, None if name == "accelerate" else
                                              options.layout.at(world))
-    build_on = device if args.init_device == "cuda" else torch.device("cpu")
     model = None if name == "accelerate" and options.layout.tensor_parallel else \
-        build_model(checked.facts.config, build_on, args.seed, build_threads(), None, options.tuning, device)[0]
+        build_for_run(checked.facts.config, args.init_device, device, args.seed, build_threads(), None,
+                      options.tuning)[0]
     ctx = utils.Context(device, meshes, args.learning_rate, checked.facts.layer_classes, lambda *a, **k: None,
                         options, checked.facts.config)
     prep = utils.VARIANTS[name](model, ctx)
     step = TrainStep(prep, options.gradient_accumulation_steps, options.step.keeps_outputs)
-    seconds = time_steps(step, checked.batches.pin_memory() if device.type == "cuda" else checked.batches, device)
+    with emulated(checked.links, device) as tally:  # the suite's work: its communication emulated where it is
+        seconds = time_steps(step, checked.batches.pin_memory() if device.type == "cuda" else checked.batches, device)
+    waited = tally is not None and tally.waited
     speed = steps_speed([{"step_time_s": s} for s in seconds], checked.batches.shape, options, prep.model,
-                        checked.facts.config, device, bool(args.simulate_world_size))
+                        checked.facts.config, device, bool(args.simulate_world_size), waited)
     return {"variant": name, "world_size": world, "step_times_s": seconds, "speed": speed,
-            "median_all_steps_s": statistics.median(seconds)}
+            "median_all_steps_s": statistics.median(seconds),
+            "emulated": None if tally is None else tally.per_step(len(seconds))}
 
 
 def main() -> None:

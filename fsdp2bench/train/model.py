@@ -15,8 +15,7 @@ from fsdp2bench.files import expect_path, looks_like_a_path
 from fsdp2bench.options.tuning import Tuning, add_adapters
 from fsdp2bench.train.weights import SharedWeights, give_weights
 
-# Built-in model shapes, so that no run needs the Hub. All are Qwen2 decoders;
-# the Qwen2.5 entries copy the published configs' shapes.
+# Built-in model shapes, so that no run needs the Hub: each its model type and the published config's shapes.
 PRESETS: dict[str, dict] = {
     # tiny: odd sizes on purpose, so that sharding needs padding at any N > 1.
     "tiny": dict(vocab_size=509, hidden_size=64, intermediate_size=170, num_hidden_layers=2,
@@ -34,16 +33,42 @@ PRESETS: dict[str, dict] = {
     "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                        num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False,
                        max_position_embeddings=32768),
+    "qwen2.5-32b": dict(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                        num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False,
+                        max_position_embeddings=32768),
+    "qwen2.5-72b": dict(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False,
+                        max_position_embeddings=32768),
+    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         tie_word_embeddings=False, max_position_embeddings=131072),
+    "llama-3.1-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                          num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                          tie_word_embeddings=False, max_position_embeddings=131072),
 }
-QWEN2_COMMON = dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, hidden_act="silu", use_cache=False)
+COMMON = {  # what a model type's published configs share
+    "qwen2": dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, hidden_act="silu", use_cache=False),
+    "llama": dict(head_dim=128, rope_theta=500_000.0, rms_norm_eps=1e-5, hidden_act="silu", use_cache=False,
+                  attention_bias=False, mlp_bias=False, rope_scaling={
+                      "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192}),
+}
+
+
+def preset_config(name: str):
+    from transformers import AutoConfig
+
+    fields = dict(PRESETS[name])
+    model_type = fields.pop("model_type", "qwen2")
+    return AutoConfig.for_model(model_type, **fields, **COMMON[model_type])
 
 
 def load_config(model: str):
     """A preset name, a local directory with config.json, or a Hub id (needs the network)."""
-    from transformers import AutoConfig, Qwen2Config
+    from transformers import AutoConfig
 
     if model in PRESETS:
-        return Qwen2Config(**PRESETS[model], **QWEN2_COMMON)
+        return preset_config(model)
     if looks_like_a_path(model):
         expect_path(model, "--model", "directory")
     if os.path.isdir(model):
@@ -101,11 +126,7 @@ def build_base_model(config, device: torch.device, seed: int, threads: int,
     if device.type != "cpu":
         with device:
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32), "own"
-    from accelerate import init_empty_weights
-
-    with init_empty_weights(include_buffers=False):  # parameters on the meta device; buffers (rotary) computed
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.tie_weights()  # one parameter for tied weights, as named_parameters() lists them after a build
+    model = build_empty(config)  # drawn into below, or mapped from the weights an earlier variant drew
 
     def draw(named: list) -> None:
         random_init(named, getattr(config, "initializer_range", 0.02), seed, threads)
@@ -115,6 +136,30 @@ def build_base_model(config, device: torch.device, seed: int, threads: int,
         materialize(model, device)
         draw(list(model.named_parameters()))
     return model, source or "own"
+
+
+def build_empty(config) -> nn.Module:
+    """Parameters on the meta device, no memory (buffers such as rotary frequencies computed on the CPU): sharded
+    first, then only each rank's shards get storage (``utils.materialize_shards``, ``loading``'s modes)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.tie_weights()  # re-registering parameters on meta unties them; FSDP2 must see one shared tensor
+    return model
+
+
+def build_for_run(config, init_device: str, device: torch.device, seed: int, threads: int,
+                  weights: SharedWeights | None, tuning: Tuning = Tuning()) -> tuple[nn.Module, str]:
+    """The model as ``--init_device`` asks: on the CPU, on the GPU, or empty on meta ("meta": sharded, then each
+    rank draws its own shards; refused with adapters); with the adapters ``tuning`` asks for, a QLoRA base quantized
+    on ``device``."""
+    if init_device == "meta":
+        torch.manual_seed(seed)
+        return build_empty(config), "own"
+    return build_model(config, device if init_device == "cuda" else torch.device("cpu"), seed, threads, weights,
+                       tuning, device)
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:

@@ -17,6 +17,7 @@ import utils
 from fsdp2bench.memory import snapshots
 from fsdp2bench.memory.accounting import account, applied_setup, gathered_block_bytes, local_tensor, output_itemsize
 from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, rank_file
+from fsdp2bench.options import levers
 from fsdp2bench.options.fsdp import FsdpOptions
 from fsdp2bench.options.layout import Meshes
 from fsdp2bench.options.links import Links
@@ -26,7 +27,7 @@ from fsdp2bench.processes.emulation import Tally, emulated
 from fsdp2bench.processes.isolation import STAND_DOWN, StoreKeys, init_group, name_process, wait_at_gate
 from fsdp2bench.processes.simulation import init_simulated_group
 from fsdp2bench.train import throughput
-from fsdp2bench.train.model import build_model
+from fsdp2bench.train.model import build_for_run
 from fsdp2bench.train.progress import Progress
 from fsdp2bench.train.throughput import DeviceShare
 from fsdp2bench.train.weights import SharedWeights
@@ -53,7 +54,7 @@ class TrainConfig:
     save_memory_snapshot: bool
     tracker_overhead: bool
     inject_failure: FailureSpec | None
-    init_device: str  # "cpu" (the upstream's path: fully_shard moves the shards) or "cuda"
+    init_device: str  # "cpu" (the upstream's path: fully_shard moves the shards), "cuda" or "meta"
     build_threads: int  # this rank's share of the host's cores, for drawing the weights of a build on the CPU
     compute_threads: int  # intra-op threads of each variant's process: that share split among the variants at once
     weights: SharedWeights | None  # where this rank's variants share the weights of a CPU build (weights.py)
@@ -240,12 +241,12 @@ def host_batches(job: Job) -> torch.Tensor:
 
 def build(job: Job, tracker: MemoryTracker):
     """The model with random fp32 weights, on the CPU (then ``fully_shard`` moves each rank's shard
-    to the GPU, as in the upstream and most user code) or directly on the GPU."""
-    device = job.device if job.train.init_device == "cuda" else torch.device("cpu")
+    to the GPU, as in the upstream and most user code), directly on the GPU, or empty (meta) until sharded."""
     start = time.perf_counter()
-    model, weights = build_model(job.config, device, job.train.seed, job.train.build_threads, job.train.weights,
-                                 job.train.options.tuning, job.device)
-    tracker.mark("model_built", build_device=device.type, build_s=time.perf_counter() - start, weights=weights)
+    model, weights = build_for_run(job.config, job.train.init_device, job.device, job.train.seed,
+                                   job.train.build_threads, job.train.weights, job.train.options.tuning)
+    tracker.mark("model_built", build_device=next(model.parameters()).device.type,
+                 build_s=time.perf_counter() - start, weights=weights)
     return model
 
 
@@ -272,7 +273,7 @@ def train(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.S
 def train_busy(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: dist.Store,
                share: DeviceShare) -> dict:
     """Build, prepare and train one variant; return this rank's record beyond the trace."""
-    start = time.perf_counter()
+    start, breaks_before = time.perf_counter(), levers.graph_breaks()
     prep = prepare(job, tracker, meshes)
     accounting = {"end_of_setup": account(prep.model, prep.optimizer)}
     applied = {**applied_setup(prep.model, job.layer_classes),
@@ -323,6 +324,7 @@ def train_busy(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: d
     tracker.mark("training_finished")
     found = {"wall_s": time.perf_counter() - start, "accounting": {**accounting, "end_of_training": held()},
              "expected_kept_output_bytes": expected_kept_outputs(job), "applied": applied}
+    found["graph_breaks"] = levers.graph_breaks() - breaks_before if job.train.options.compile else None
     return {**found, **trained_figures(job, prep.model, tracker, tally)}
 
 

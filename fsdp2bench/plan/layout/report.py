@@ -1,5 +1,5 @@
-"""What ``plan.py --find layout`` writes: the ranked table with each figure labelled measured, projected or
-estimated, the candidates that do not fit and by how much, the winner's command lines, and plan.json."""
+"""What ``plan.py --find layout`` writes: the ranked table with each figure labelled measured, emulated, projected or
+estimated, the candidates that do not fit and by how much, the winner's figures and command lines, and plan.json."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import utils
 
 from fsdp2bench.cli import UserError, say
 from fsdp2bench.files import digest_of, save_summary, write_bytes
+from fsdp2bench.names import seconds_said
 from fsdp2bench.options import accelerate_config
 from fsdp2bench.plan.layout.search import Assessed, Setup, commands, decided, ranked, record, winner_of
 from fsdp2bench.plan.layout.timing import RETIMES, clipped
@@ -20,15 +21,16 @@ SHOWN = 15  # ranked rows on the console (plan.json holds every candidate)
 
 
 def table(found: list[Assessed], setup: Setup) -> list[str]:
-    """The fitting candidates, fastest first by projected tokens/s (no overlap), each figure with its label."""
+    """The fitting candidates, fastest first by their step, each figure with its mark, the bounds beside it."""
     per = "GPU" if setup.cap else "rank"  # a CPU run has ranks, no GPU
-    lines = [f"{'#':>3} {'candidate':58} {'memory GiB':>17} {'compute s':>10} {'comm s':>8} "
-             f"{'tok/s/' + per:>10} {'full overlap':>12}",
-             f"{'':>3} {'':58} {'':>17} {'':>10} {'project.':>8} {'projected':>10} {'projected':>12}"]
+    lines = [f"{'#':>3} {'candidate':58} {'memory GiB':>17} {'compute s':>10} {'comm s':>9} {'step s':>9} "
+             f"{'tok/s/' + per:>10} {'no overlap':>10} {'full overlap':>12}",
+             f"{'':>3} {'':58} {'':>17} {'':>10} {'':>9} {'':>9} {'by step':>10} {'bound':>10} {'bound':>12}"]
     for i, f in enumerate(ranked(found)[:SHOWN], 1):
-        p = f.projected
+        p = f.speed
         lines.append(f"{i:>3} {f.candidate.name[:58]:58} {memory_said(f):>17} {p['compute_s']:>9.3f}"
-                     f"{compute_mark(p):1} {p['comm_s']:>8.3f} {p['no_overlap_tokens_per_s']:>10,.0f} "
+                     f"{compute_mark(p):1} {p['comm_s']:>8.3f}{comm_mark(p):1} {p['step_s']:>8.3f}{step_mark(p):1} "
+                     f"{p['tokens_per_s']:>10,.0f} {p['no_overlap_tokens_per_s']:>10,.0f} "
                      f"{p['full_overlap_tokens_per_s']:>12,.0f}{undecided_said(f, setup)}")
     return lines
 
@@ -37,7 +39,7 @@ def undecided_said(found: Assessed, setup: Setup) -> str:
     """Why a row cannot be named: its compute timed only beside other runs, or not measured enough."""
     if decided(found, setup):
         return ""
-    return "  (not clean)" if found.projected["compute_measured"] and not found.projected["compute_clean"] \
+    return "  (not clean)" if found.speed["compute_measured"] and not found.speed["compute_clean"] \
         else "  (estimated)"
 
 
@@ -51,12 +53,22 @@ def unclean_said(timings: list[dict]) -> str | None:
             "'not clean') rank but decide nothing, never the winner. Run it again with the device to itself.")
 
 
-def compute_mark(projected: dict) -> str:
+def compute_mark(speed: dict) -> str:
     """Blank where measured on the candidate's own shapes alone on the device; ``~`` measured beside other runs;
     ``e`` estimated from a like timing."""
-    if not projected["compute_measured"]:
+    if not speed["compute_measured"]:
         return "e"
-    return "" if projected["compute_clean"] else "~"
+    return "" if speed["compute_clean"] else "~"
+
+
+def comm_mark(speed: dict) -> str:
+    """Blank where the emulation counted it on the candidate's own layout; ``p`` projected from the shapes."""
+    return "" if speed["labels"]["communication"].startswith("emulated") else "p"
+
+
+def step_mark(speed: dict) -> str:
+    """Blank where its own layout's timing gave the exposed share; ``e`` where a like layout's did."""
+    return "e" if speed["labels"]["step"] == "estimated" else ""
 
 
 def memory_said(found: Assessed) -> str:
@@ -115,10 +127,22 @@ def print_search(found: list[Assessed], setup: Setup, notes: list[str], timings:
               f"main.py flags):\n    {json.dumps(said['accelerate_config'])}" if not said["accelerate_refuses"] else
               f"accelerate refuses this layout ({said['accelerate_refuses']}): train it with torchrun")
     check = "Check it on one GPU first" if setup.cap else "Check it here first (a CPU run: one process plays rank 0)"
-    print(f"\nThe fastest measured by projection{above}: {said['name']}\n    {said['torchrun']}\n{check}:\n"
-          f"    {said['one_gpu_check']}\n{config}", flush=True)
+    print(f"\nThe fastest by its step, its own layout timed{above}: {said['name']}\n    {said['figures']}"
+          f"\n    {said['torchrun']}\n{check}:\n    {said['one_gpu_check']}\n{config}", flush=True)
     if not setup.cap:
         say(CPU_TELLS)
+
+
+def figures_said(found: Assessed, setup: Setup) -> str:
+    """Each of a row's figures with what it is: measured, emulated, projected or estimated."""
+    p, per = found.speed, "GPU" if setup.cap else "rank"
+    labels = p["labels"]
+    hidden = f", {1 - p['exposed_share']:.0%} of it hidden by FSDP2's schedule" if labels["step"] == "emulated" else ""
+    return (f"compute {seconds_said(p['compute_s'])} a step {labels['compute']}; communication "
+            f"{seconds_said(p['comm_s'])} {labels['communication']}; step {seconds_said(p['step_s'])} {labels['step']}"
+            f"{hidden}: {p['tokens_per_s']:,.0f} "
+            f"tokens/s per {per} (bounds: {p['no_overlap_tokens_per_s']:,.0f} with no overlap, "
+            f"{p['full_overlap_tokens_per_s']:,.0f} with full overlap)")
 
 
 def winner_said(found: list[Assessed], setup: Setup) -> dict | None:
@@ -127,7 +151,8 @@ def winner_said(found: list[Assessed], setup: Setup) -> dict | None:
     winner, place = winner_of(found, setup)
     if winner is None:
         return None
-    said = {"name": winner.candidate.name, "place": place, **commands(winner.candidate, setup)}
+    said = {"name": winner.candidate.name, "place": place, "figures": figures_said(winner, setup),
+            **commands(winner.candidate, setup)}
     path = os.path.join(setup.output_dir, CONFIG_NAME)
     said["accelerate_refuses"] = write_unmarked(path, said["accelerate_config"]) or tp_refusal(winner.candidate, path)
     said[CONFIG_DIGEST] = None if said["accelerate_refuses"] else digest_of(path)
@@ -149,23 +174,34 @@ def written_config_digest(plan: str) -> str | None:
 
 # What a search on the CPU can and cannot tell, said where its winner is.
 CPU_TELLS = ("A CPU run checks the search, not the speed: each timing is one simulated rank alone on this host's cores "
-             "(N ranks here would share them), the communication is projected over GPU links it does not have, and "
-             "the memory column is the memory model's estimate for a GPU (its CUDA context and workspaces included), "
-             "not this host's. What it does tell: which layouts and levers this model admits at N, that each "
-             "candidate's commands run, and how the search would rank them. A real ranking needs a GPU.")
+             "(N ranks here would share them); on a CPU nothing waits for the emulated communication, so the overlap "
+             "is not measured: each step is the compute plus the communication priced over GPU links it does not have, "
+             "added with no overlap (the no-overlap bound). The memory column is the memory model's estimate for a GPU "
+             "(its CUDA context and workspaces included), not this host's. What it does tell: which layouts and levers "
+             "this model admits at N, the collectives each one issues, that each candidate's commands run, and how the "
+             "search would rank them. A real ranking needs a GPU.")
 
 
 def legend(found: list[Assessed], setup: Setup, timings: list[dict]) -> str:
     cap = f"under {setup.cap.gib:g} GiB" if setup.cap else "(a CPU run: no cap, so it cannot tell what fits)"
     per = "GPU" if setup.cap else "rank"
     rows = ranked(found)
-    measured = sum(f.projected["compute_measured"] for f in rows)
-    return (f"Ranked by projected tokens per second per {per} {cap}, {len(rows)} candidates: compute measured on "
+    measured = sum(f.speed["compute_measured"] for f in rows)
+    emulated = sum(f.speed["labels"]["step"] != "estimated" for f in rows)
+    overlap = ("each collective FSDP2 issues waited its time on the stream it is issued on, so the step is what "
+               "FSDP2's schedule leaves exposed" if setup.device_type == "cuda" else "on a CPU nothing waits: the "
+               "step is compute + the communication priced, no overlap (not measured)")
+    return (f"Ranked by tokens per second per {per} of a step {cap}, {len(rows)} candidates. Step: emulated on "
+            f"{emulated} (their own layout timed with its communication emulated over {setup.links.within_gbps:g} "
+            f"GB/s within a node of {setup.links.node_size} and {setup.links.across_gbps:g} GB/s across nodes: "
+            f"{overlap}); e: "
+            "estimated, the compute + the share of the communication the timed layouts of the same shape (which axes "
+            "are split) left exposed, else every timed layout's. Compute measured on "
             f"{measured} (one simulated rank alone on the device, {len(timings)} timings; ~ where other runs shared "
-            f"it) and estimated (e) on the rest from the nearest timing's FLOP/s and the levers' ratios; "
-            f"communication projected over {setup.links.within_gbps:g} GB/s within a node of "
-            f"{setup.links.node_size} and {setup.links.across_gbps:g} GB/s across nodes, added (no overlap); 'full "
-            "overlap' takes the larger of the two. Memory: measured is rank 0's peak reserved on the candidate's own "
+            "it), estimated (e) on the rest from the nearest timing's FLOP/s and the levers' ratios. Communication: "
+            "counted by the emulation on the candidate's own layout, else projected (p) from the shapes; TP's and "
+            "CP's are not emulated and add whole. Bounds: compute + all the communication (no overlap), the larger of "
+            "the two (full overlap). Memory: measured is rank 0's peak reserved on the candidate's own "
             "layout, measured+ on a like candidate, each moved by the memory model's difference (accumulation); "
             "calibrated is the memory model's estimate times the ratio of measured to estimated under the same levers; "
             "estimated is the memory model alone. Rows marked (estimated) are not measured enough to be named.")
@@ -185,9 +221,11 @@ def write_search(found: list[Assessed], setup: Setup, notes: list[str], timings:
                                  "links": vars(setup.links), "left_out": notes,
                                  "labels": {"memory.estimated_gib": "estimated (memory model)",
                                             "memory.measured_gib": "measured (+ the memory model's difference)",
-                                            "projected": "compute measured (compute_measured) or estimated, "
-                                                         "communication projected; compute_clean false: measured "
-                                                         "beside other runs, deciding nothing",
+                                            "speed": "each figure's own in speed.labels: compute measured or "
+                                                     "estimated (compute_clean false: measured beside other runs, "
+                                                     "deciding nothing); communication emulated (counted on its own "
+                                                     "layout) or projected; step_s emulated or estimated (from "
+                                                     "exposed_share_from); no_overlap and full_overlap: bounds",
                                             "projected_comm_s": "projected"}},
                         "winner": None if said is None else {"name": said["name"], "commands": said},
                         "candidates": [record(f, setup.links) for f in found], "timings": timings})

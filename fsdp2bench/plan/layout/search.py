@@ -1,16 +1,20 @@
 """``plan.py --find layout``: which layout and levers fit N GPUs of M GiB at a sequence length and global batch, and
-which of them trains fastest, by measured compute and projected communication.
+which of them trains fastest, by a step whose communication is emulated on FSDP2's own schedule.
 
 Every candidate (``candidates.py``) is first held against the memory model: those it puts well over the cap are
-left out with how far over, before anything runs. Timings (``timing.py``: one simulated rank of a
-candidate's own layout alone on the device, a few steps of one microbatch) measure a clean compute speed and rank
-0's peak; one serves every candidate of the same per-rank shapes (tp and cp sizes, local batch, levers), their
-memory the measured peak moved by what the memory model says they hold more or less. Every other candidate's
-compute is estimated from the nearest timing's FLOP/s, so that all of them rank; the rows on top are then timed
-until the first few are measured. Communication is a projection over a link table (``traffic.py``). A step's
-projected time is compute plus communication (no overlap: a bound from below on speed) or the larger of the two
-(full overlap: from above); candidates rank by the first. Every figure is labelled measured, estimated or
-projected where it is written.
+left out with how far over, before anything runs. Timings (``timing.py``: one simulated rank of a candidate's own
+layout alone on the device, a few steps of one microbatch, each collective FSDP2 issues waiting its time on the
+stream it is issued on: ``--emulate_communication``) measure its step with the communication FSDP2 leaves exposed,
+its compute alone, and rank 0's peak. The compute serves every candidate of the same per-rank shapes (tp and cp
+sizes, local batch, levers), their memory the measured peak moved by what the memory model says they hold more or
+less; every other candidate's compute is estimated from the nearest timing's FLOP/s. A candidate's step is its
+compute plus the share of its communication left exposed: its own timing's share where its layout and shapes ran,
+else the share the timed layouts of its shape (which axes are split) left exposed, else that of every timed layout
+(*estimated*). Its communication is what the emulation counted where its layout ran, else the projection over the
+link table (``traffic.py``); TP's and CP's collectives are not emulated and add whole. Beside it, two bounds: compute
+plus all the communication (no overlap) and the larger of the two (full overlap). On a CPU nothing waits: the
+emulated step is compute plus the communication priced, no overlap, and said so. Candidates rank by the step; the
+rows on top are timed until the first few are measured. Every figure is labelled where it is written.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fsdp2bench.names import GIB
-from fsdp2bench.options.links import Links
+from fsdp2bench.options.layout import Degrees
+from fsdp2bench.options.links import ALL_GATHER, DTENSOR, Links
 from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, estimated_bytes
 from fsdp2bench.plan.layout.traffic import step_collectives
 from fsdp2bench.train.throughput import model_flops_per_token, peak_flops
@@ -46,7 +51,7 @@ COMPILE_PRIOR, FLOAT8_PRIOR, PRIOR_MFU, PRIOR_FLOPS = 1.18, 1.30, 0.4, 1e11
 
 @dataclass
 class Assessed:
-    """A candidate with what is known of it: estimated, then perhaps measured, and projected."""
+    """A candidate with what is known of it: estimated, then perhaps measured and emulated."""
     candidate: Candidate
     estimated_bytes: int
     collectives: list
@@ -55,7 +60,8 @@ class Assessed:
     memory: dict = field(default_factory=dict)
     compute: dict | None = None  # the timing of its per-rank shapes: its compute measured
     compute_own: bool = False  # that timing ran its own layout
-    projected: dict | None = None
+    emulated: dict | None = None  # the timing of its own layout and shapes: its step with the communication emulated
+    speed: dict | None = None  # its step and tokens/s, the bounds beside them, each figure labelled (``project``)
     failed: str | None = None  # a timing of its shapes failed other than by running out of memory
     out_of_memory: bool = False  # a timing of its shapes, holding no more than it, ran out of memory
 
@@ -82,6 +88,7 @@ class Setup:
     max_timings: int
     init_device: str
     num_parameters: int
+    links_given: str | None = None  # --links as main.py's --emulate_communication takes it (a file's absolute path)
     confirm: int = 3  # the ranked rows on top that the timings measure before the search ends
     time_budget_s: float = 420.0  # no timing starts after this long
     held: dict = field(default_factory=dict, compare=False)  # estimated_bytes's, per layout and levers
@@ -180,10 +187,10 @@ def estimated_forward_backward(c: Candidate, references: list, setup: Setup) -> 
 
 
 def project(found: Assessed, setup: Setup, references: list) -> None:
-    """Projected tokens per second per GPU: K forwards and backwards and one optimizer step (measured on the
-    candidate's shapes, else estimated; the optimizer's time scaled to the candidate's share of the parameters),
-    plus the projected communication (no overlap), and the larger of the two (full overlap)."""
-    found.projected = None
+    """Its step and tokens per second per GPU: K forwards and backwards and one optimizer step (measured on the
+    candidate's shapes, else estimated; the optimizer's time scaled to the candidate's share of the parameters), and
+    the communication's exposed share (``step_figures``), with the two bounds beside it."""
+    found.speed = None
     timing = found.compute
     if found.failed or found.fits is False or (timing is not None and not timing.get("microbatch_s")):
         return
@@ -195,19 +202,95 @@ def project(found: Assessed, setup: Setup, references: list) -> None:
     else:
         forward_backward = forward_backward_s(timing)
     optimizer = (timing.get("optimizer_s") or 0.0) * local_share(found.candidate) / timing["local_share"]
-    compute = forward_backward * found.candidate.microbatches + optimizer
-    tokens = setup.tokens_per_step_per_gpu
-    found.projected = {"compute_s": compute, "optimizer_s": optimizer, "compute_measured": found.compute is not None,
-                       "compute_clean": timing["clean"], "compute_from": timing["candidate"], "comm_s": found.comm_s,
-                       "no_overlap_tokens_per_s": tokens / (compute + found.comm_s),
-                       "full_overlap_tokens_per_s": tokens / max(compute, found.comm_s)}
+    compute = {"compute_s": forward_backward * found.candidate.microbatches + optimizer, "optimizer_s": optimizer,
+               "compute_measured": found.compute is not None, "compute_clean": timing["clean"],
+               "compute_from": timing["candidate"]}
+    figures = step_figures(found, compute["compute_s"], setup, references)
+    figures["labels"] = {"compute": compute_label(compute, found.compute_own), **figures["labels"]}
+    found.speed = {**compute, **figures}
+
+
+OWN = "its own timing"  # where a candidate's exposed share comes from when its layout and shapes ran emulated
+CPU_STEP = "emulated on a CPU: compute + communication priced, no overlap (a CPU measures none)"
+
+
+def step_figures(found: Assessed, compute_s: float, setup: Setup, references: list) -> dict:
+    """The step: compute + the exposed share of the communication the emulation sees + TP's and CP's (projected,
+    whole: the emulation does not see them); beside it no overlap (compute + all of it) and full overlap (the
+    larger of the two)."""
+    other = sum(c.seconds(setup.links) for c in found.collectives if not c.emulated)
+    if found.emulated:
+        emulatable, comm_label = scaled_comm_s(found.emulated["emulated"]["per_step"], found.candidate), "emulated"
+    else:
+        emulatable, comm_label = found.comm_s - other, "projected"
+    share, share_from = exposed_share(found, references)
+    step, comm, tokens = compute_s + share * emulatable + other, emulatable + other, setup.tokens_per_step_per_gpu
+    waited = share_from == OWN and found.emulated["emulated"]["waited_on_the_gpu"]
+    step_label = "estimated" if share_from != OWN else "emulated" if waited else CPU_STEP
+    return {"comm_s": comm, "comm_not_emulated_s": other, "exposed_share": share, "exposed_share_from": share_from,
+            "step_s": step, "tokens_per_s": tokens / step, "no_overlap_tokens_per_s": tokens / (compute_s + comm),
+            "full_overlap_tokens_per_s": tokens / max(compute_s, comm),
+            "labels": {"communication": comm_label + (" (TP and CP projected)" if other else ""),
+                       "step": step_label}}
+
+
+def scaled_comm_s(per_step: dict, c: Candidate) -> float:
+    """A timing's emulated communication (one microbatch a step) in a step of the candidate's K microbatches: the
+    all-gathers each microbatch, the reductions once a step (each microbatch under sync_each_batch)."""
+    reduced = c.microbatches if c.sync_each_batch else 1
+    return sum(e["emulated_s"] * (c.microbatches if kind.startswith(ALL_GATHER) else reduced)
+               for kind, e in per_step.items() if not kind.endswith(DTENSOR))  # TP's and CP's: projected
+
+
+def layout_shape(degrees: Degrees) -> str:
+    """Which axes a layout splits (R, S, C, T above 1): FSDP alone ``S``, HSDP ``RxS``, FSDP with TP ``SxT``."""
+    sizes = (("R", degrees.replicate), ("S", degrees.shard), ("C", degrees.cp), ("T", degrees.tp))
+    return "x".join(axis for axis, size in sizes if size > 1) or "one rank"
+
+
+def exposure(timing: dict) -> tuple[float, float] | None:
+    """(exposed, emulated) seconds of a clean timing's FSDP2 and HSDP communication: its emulated step less its
+    compute and less DTensor's collectives (TP's, CP's: waited whole where they are issued)."""
+    if not timing.get("clean") or "emulated" not in timing:
+        return None
+    emulated = timing["emulated"]
+    exposed = emulated["step_s"] - timing["microbatch_s"] - emulated.get("dtensor_s", 0.0)
+    return max(0.0, exposed), emulated["comm_s"]
+
+
+def exposed_share(found: Assessed, references: list) -> tuple[float, str]:
+    """The share of its communication a step leaves exposed, and whence: its own clean timing; else the timings of
+    layouts of its shape (``layout_shape``), else of every layout, their exposed seconds over their emulated ones;
+    else none (no overlap)."""
+    own = exposure(found.emulated) if found.emulated else None
+    if own is not None:
+        return (min(1.0, own[0] / own[1]) if own[1] else 0.0), OWN
+    shape = layout_shape(found.candidate.degrees)
+    pools = (([t for c, t in references if layout_shape(c.degrees) == shape], f"the timed {shape} layouts"),
+             ([t for _, t in references], "every timed layout"))
+    for pool, said in pools:
+        pairs = [pair for pair in map(exposure, pool) if pair is not None]
+        emulated = sum(comm for _, comm in pairs)
+        if emulated > 0:
+            return min(1.0, sum(exposed for exposed, _ in pairs) / emulated), said
+    return 1.0, "no timing emulated one: no overlap"
+
+
+def compute_label(compute: dict, own: bool) -> str:
+    if not compute["compute_measured"]:
+        return "estimated"
+    if not compute["compute_clean"]:
+        return "measured beside other runs"
+    return "measured" if own else "measured on a like layout"
 
 
 def decided(found: Assessed, setup: Setup) -> bool:
-    """Measured enough to be named: its own compute timed cleanly (a timing beside other runs has no clean speed and
-    no optimizer time, and decides nothing) and, under a cap, its memory measured on its own layout or on a like
-    one with room the memory model's difference cannot eat (``MOVED_MARGIN`` under the limit)."""
-    if not found.projected or not found.projected["compute_measured"] or not found.projected["compute_clean"]:
+    """Measured enough to be named: its own layout and shapes timed cleanly with the communication emulated (a
+    timing beside other runs has no clean speed and no optimizer time, and decides nothing) and, under a cap, its
+    memory measured on its own layout or on a like one with room the memory model's difference cannot eat
+    (``MOVED_MARGIN`` under the limit)."""
+    s = found.speed
+    if not s or not s["compute_measured"] or not s["compute_clean"] or s["exposed_share_from"] != OWN:
         return False
     if setup.cap is None:
         return True
@@ -217,9 +300,9 @@ def decided(found: Assessed, setup: Setup) -> bool:
 
 
 def ranked(found: list[Assessed]) -> list[Assessed]:
-    """Every candidate that fits (or may) with a projection, fastest first by the no-overlap rule."""
-    return sorted((f for f in found if f.fits is not False and f.projected),
-                  key=lambda f: (-f.projected["no_overlap_tokens_per_s"], f.comm_s))
+    """Every candidate that fits (or may) with a step, fastest first."""
+    return sorted((f for f in found if f.fits is not False and f.speed),
+                  key=lambda f: (-f.speed["tokens_per_s"], f.comm_s))
 
 
 def winner_of(found: list[Assessed], setup: Setup) -> tuple[Assessed | None, int]:
@@ -233,9 +316,10 @@ def record(found: Assessed, links: Links) -> dict:
             "compile": c.compile, "float8": c.float8, "batch_size": c.batch, "microbatches": c.microbatches,
             "sync_each_batch": c.sync_each_batch, "fits": found.fits, "memory": found.memory,
             "projected_comm_s": found.comm_s,
-            "collectives": [x.as_dict(links) for x in found.collectives] if found.projected else None,
-            "timing": found.compute.get("candidate") if found.compute else None, "failed": found.failed,
-            "projected": found.projected}
+            "collectives": [x.as_dict(links) for x in found.collectives] if found.speed else None,
+            "timing": found.compute.get("candidate") if found.compute else None,
+            "emulated_timing": found.emulated.get("candidate") if found.emulated else None, "failed": found.failed,
+            "speed": found.speed}
 
 
 def main_flags(candidate: Candidate, setup: Setup) -> list[str]:
@@ -244,9 +328,15 @@ def main_flags(candidate: Candidate, setup: Setup) -> list[str]:
             str(setup.block), *candidate.options(setup.base).flags()]
 
 
+def emulation_flags(setup: Setup) -> list[str]:
+    """main.py's --emulate_communication over the search's own links (bare for the default ones)."""
+    return ["--emulate_communication", *([setup.links_given] if setup.links_given else [])]
+
+
 def commands(winner: Candidate, setup: Setup) -> dict:
     """The exact command lines that train the winner: torchrun on the real nodes, the same on one GPU (a simulated
-    rank, to check it first), and the accelerate config fields."""
+    rank, its communication emulated as the search's timings were, to check it first), and the accelerate config
+    fields."""
     n, node = setup.world_size, setup.links.node_size
     flags = main_flags(winner, setup)
     if n <= node:
@@ -255,7 +345,7 @@ def commands(winner: Candidate, setup: Setup) -> dict:
         launcher = ["torchrun", "--nnodes", str(math.ceil(n / node)), "--nproc_per_node", str(node),
                     "--rdzv_backend", "c10d", "--rdzv_endpoint", "HOST:29500"]
     steps = ["--max_steps", str(TIMING_STEPS)]  # the same steps on the nodes as in the check, so that they compare
-    check = ["python3", "main.py", *flags, "--simulate_world_size", str(n), *steps,
+    check = ["python3", "main.py", *flags, "--simulate_world_size", str(n), *steps, *emulation_flags(setup),
              *(setup.cap.flags() if setup.cap else [])]
     return {"torchrun": shlex.join([*launcher, "main.py", *flags, *steps]), "one_gpu_check": shlex.join(check),
             "accelerate_config": accelerate_fields(winner, setup)}

@@ -1,11 +1,16 @@
-"""The layout search's timings: which candidate to time next, one main.py launch of it, and what it tells every
-candidate of the same per-rank shapes.
+"""The layout search's timings: which candidate to time next, one timing of it (main.py launches), and what it
+tells every candidate of the same per-rank shapes.
+
+A timing runs main.py on one simulated rank of the candidate's own layout with ``--emulate_communication`` over the
+search's links: each collective FSDP2 issues waits its time on the stream it is issued on, so the step measured is
+what FSDP2's schedule leaves exposed. On a GPU its compute alone is a second launch, the same without the
+emulation; on a CPU nothing waits, so the one launch is the compute, and its communication is priced.
 
 Before any timing has run, the candidates go in the order of a prior (``search.prior_speed``), one per
 per-rank shape, until one runs through. From then on every candidate ranks (untimed ones by an estimated
-compute), and the next timing is the first row on top whose compute is estimated or whose memory is not yet
-measured closely enough to name it: the loop ends when the first ``confirm`` rows are all measured, or at
-``max_timings`` launches, or past ``time_budget_s``.
+step), and the next timing is the first row on top that is not yet decided (its own layout not timed, or its
+memory not measured closely enough to name it): the loop ends when the first ``confirm`` rows are all decided, or
+at ``max_timings`` timings, or past ``time_budget_s``.
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ import sys
 import time
 
 from fsdp2bench.files import PROJECT_ROOT, is_ours
-from fsdp2bench.names import GIB, MIB
+from fsdp2bench.names import GIB, MIB, seconds_said
+from fsdp2bench.options.links import DTENSOR
 from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, estimated_bytes
-from fsdp2bench.plan.layout.search import (TIMING_STEPS, Assessed, Setup, calibrate, decided, local_share, main_flags,
-                                           prior_speed, project, ranked)
+from fsdp2bench.plan.layout.search import (TIMING_STEPS, Assessed, Setup, calibrate, decided, emulation_flags,
+                                           local_share, main_flags, prior_speed, project, ranked)
 from fsdp2bench.processes.starting import own_launch_env
 
 
@@ -47,7 +53,7 @@ def next_to_time(found: list[Assessed], setup: Setup, tried: dict, references: l
             confirmed += 1
             if confirmed >= setup.confirm:
                 return None
-        elif exact_key(row) not in tried or (row.compute_own and not row.compute["clean"]
+        elif exact_key(row) not in tried or (row.emulated is not None and not row.emulated["clean"]
                                              and tried[exact_key(row)] <= RETIMES):
             return row
     return None
@@ -88,12 +94,13 @@ def learn_ratio(timed: Assessed, ratios: dict) -> None:
     ratios.setdefault((c.ac, c.compile, c.float8), ratio)
 
 
-def timing_command(candidate: Candidate, setup: Setup, output_dir: str) -> list[str]:
-    """main.py for one simulated rank of the candidate's layout, one microbatch a step, alone on the device."""
+def timing_command(candidate: Candidate, setup: Setup, output_dir: str, emulate: bool = True) -> list[str]:
+    """main.py for one simulated rank of the candidate's layout, one microbatch a step, alone on the device, its
+    communication emulated over the search's links (``emulate``) or not (its compute alone)."""
     one = dataclasses.replace(candidate, microbatches=1, sync_each_batch=False)
     return [sys.executable, "main.py", *main_flags(one, setup), "--simulate_world_size", str(setup.world_size),
             "--max_steps", str(TIMING_STEPS), "--concurrent_variants", "1", "--quiet", "--output_dir", output_dir,
-            *(setup.cap.flags() if setup.cap else []),
+            *(emulation_flags(setup) if emulate else []), *(setup.cap.flags() if setup.cap else []),
             *(["--init_device", setup.init_device] if setup.device_type == "cuda" else ["--device", "cpu"])]
 
 
@@ -102,27 +109,69 @@ def timing_dir(output_dir: str, index: int) -> str:
     return os.path.join(output_dir, "timings", f"t{index}")
 
 
+def compute_dir(output_dir: str, index: int) -> str:
+    """The folder of timing ``index``'s compute-only launch (on a GPU)."""
+    return f"{timing_dir(output_dir, index)}_compute"
+
+
 def run_timing(found: Assessed, setup: Setup, index: int) -> dict:
-    """One timing: main.py's summary read back into the figures the ranking uses; an out-of-memory error (or
-    any other failure) is kept with its words."""
+    """One timing: the emulated launch (and on a GPU the compute-only one), each summary read back into the figures
+    the ranking uses; an out-of-memory error (or any other failure) is kept with its words."""
     directory = timing_dir(setup.output_dir, index)
+    ran = launch(timing_command(found.candidate, setup, directory), directory, setup.world_size)
+    record = {"candidate": found.candidate.name, **{k: ran[k] for k in ("command", "exit_code", "wall_s")},
+              "local_share": local_share(found.candidate)}
+    if "error" in ran:
+        return failed(record, ran["error"])
+    tally, compute = ran["entry"]["emulated"][0], ran
+    if tally["waited_on_the_gpu"]:  # the step waited for its communication: its compute alone is another launch
+        alone = compute_dir(setup.output_dir, index)
+        compute = launch(timing_command(found.candidate, setup, alone, emulate=False), alone, setup.world_size)
+        record["compute_only"] = {k: compute[k] for k in ("command", "exit_code", "wall_s")}
+        if "error" in compute:
+            return failed(record, f"its compute-only launch: {compute['error']}")
+    return {**record, "fits": True, **timed_figures(ran["entry"], compute["entry"], tally)}
+
+
+def failed(record: dict, why: str) -> dict:
+    return {**record, "fits": False if "out of memory" in why else None, "error": why}
+
+
+def launch(command: list[str], directory: str, world_size: int) -> dict:
+    """One main.py launch and rank 0's entry of its summary, or why there is none (an earlier search's summary in
+    a directory run again is never read as this launch's)."""
     summary = os.path.join(directory, "summary.json")
-    if is_ours(summary):  # an earlier search's, in a directory run again: never read as this launch's
+    if is_ours(summary):
         os.remove(summary)
-    command = timing_command(found.candidate, setup, directory)
     began = time.monotonic()
     proc = subprocess.run(command, capture_output=True, text=True, cwd=PROJECT_ROOT, env=own_launch_env())
-    record = {"candidate": found.candidate.name, "command": shlex.join(["python3", *command[1:]]),
-              "exit_code": proc.returncode, "wall_s": round(time.monotonic() - began, 1),
-              "local_share": local_share(found.candidate)}
-    entry = summary_entry(summary, setup.world_size)
+    ran = {"command": shlex.join(["python3", *command[1:]]), "exit_code": proc.returncode,
+           "wall_s": round(time.monotonic() - began, 1)}
+    entry = summary_entry(summary, world_size)
     if entry is None or entry.get("status") != "ok":
-        why = (entry or {}).get("status") or (proc.stderr.strip().splitlines() or ["no summary"])[-1]
-        return {**record, "fits": False if "out of memory" in why else None, "error": why}
+        return {**ran, "error": (entry or {}).get("status") or (proc.stderr.strip().splitlines() or ["no summary"])[-1]}
+    return {**ran, "entry": entry}
+
+
+def timed_figures(emulated_entry: dict, compute_entry: dict, tally: dict) -> dict:
+    """What a timing measured: the compute (a microbatch and its optimizer step) and memory of its compute launch,
+    and the emulated step: on a GPU the emulated launch's own, on a CPU (nothing waited) the compute + the
+    communication priced. Its communication is FSDP2's and HSDP's, whose overlap the step shows; DTensor's (TP's,
+    CP's), waited whole on the compute stream, apart (``dtensor_s``). Clean only where both launches' steps were."""
+    figures, emulated = launch_figures(compute_entry), launch_figures(emulated_entry)
+    unclean = figures.get("unclean") or emulated.get("unclean")
+    step = emulated["microbatch_s"] + (0.0 if tally["waited_on_the_gpu"] else tally["emulated_s_per_step"])
+    dtensor = sum(e["emulated_s"] for kind, e in tally["per_step"].items() if kind.endswith(DTENSOR))
+    return {**figures, "clean": unclean is None, **({"unclean": unclean} if unclean else {}),
+            "emulated": {"step_s": step, "comm_s": tally["emulated_s_per_step"] - dtensor, "dtensor_s": dtensor,
+                         "waited_on_the_gpu": tally["waited_on_the_gpu"], "per_step": tally["per_step"],
+                         "speed": emulated["speed"]}}
+
+
+def launch_figures(entry: dict) -> dict:
     speed = entry.get("speed") or {}
     unclean = unclean_why(speed)
-    clean = unclean is None
-    return {**record, "fits": True, "clean": clean, **({} if clean else {"unclean": unclean}), "speed": speed,
+    return {"clean": unclean is None, **({} if unclean is None else {"unclean": unclean}), "speed": speed,
             "microbatch_s": speed.get("median_step_time_s") or entry.get("median_step_time_s"),
             "optimizer_s": speed.get("median_optimizer_s"),
             "peak_reserved_mib": entry["training_peak_reserved_mib"]["max"],
@@ -163,7 +212,10 @@ def take_timing(timing: dict, probed: Assessed, everyone: list[Assessed], setup:
                 found.fits, found.out_of_memory = False, True
                 found.memory["how"] = f"out of memory where a like candidate ran: {timing['error']}"
         else:
-            take_measured(found, timing, moved, found.candidate.degrees == probed.candidate.degrees, setup)
+            own = found.candidate.degrees == probed.candidate.degrees
+            take_measured(found, timing, moved, own, setup)
+            if own and (found.emulated is None or timing["clean"] or not found.emulated["clean"]):
+                found.emulated = timing  # its own layout's step, the communication emulated (a clean one kept)
 
 
 def take_measured(found: Assessed, timing: dict, moved: int, own: bool, setup: Setup) -> None:
@@ -197,6 +249,10 @@ def timing_said(timing: dict) -> str:
     if not timing["fits"]:
         return f"did not run through ({clipped(timing.get('error', ''), 160)})"
     clean = "" if timing["clean"] else f" (not clean: {timing['unclean']}; it decides no ranking)"
-    peak = timing["peak_reserved_mib"]
-    return f"{timing['microbatch_s']:.3f} s a microbatch measured{clean}" + \
-        (f", {peak:,.0f} MiB reserved measured" if peak is not None else "") + f" ({timing['wall_s']:.0f} s)"
+    peak, emulated = timing["peak_reserved_mib"], timing["emulated"]
+    comm = seconds_said(emulated["comm_s"])
+    how = (f"{seconds_said(emulated['step_s'])} with its {comm} of communication emulated" if
+           emulated["waited_on_the_gpu"] else f"its {comm} of communication priced (a CPU: nothing waits)")
+    wall = timing["wall_s"] + (timing.get("compute_only") or {}).get("wall_s", 0)
+    return f"{seconds_said(timing['microbatch_s'])} a microbatch of compute measured, {how}{clean}" + \
+        (f", {peak:,.0f} MiB reserved measured" if peak is not None else "") + f" ({wall:.0f} s)"

@@ -8,14 +8,19 @@ and 2(G-1)/G of an all-reduce's), from the exact parameter shapes of the memory 
   byte for a float8 weight, fp32 under fp32); the gradients reduce-scattered in the reduce dtype once a step, or
   each microbatch under ``sync_each_batch``.
 * HSDP: the reduce-scattered shard all-reduced across the replicas, as often.
-* TP: per block and microbatch, the two all-reduces of the rowwise layers' outputs in forward and two in backward
-  (two more under full checkpointing's recomputed forward), bf16 activations of the rank's tokens.
+* TP: per microbatch, an all-reduce of bf16 activations of the rank's tokens for each rowwise layer's output in
+  forward (again in full checkpointing's recomputed forward) and each colwise layer's input gradient in backward,
+  as DTensor issues them (the emulation counts them: processes/emulation.py).
 * CP (all-gather): per block and microbatch, the keys and values all-gathered in forward and in backward and
   their gradients reduce-scattered (one more all-gather under full checkpointing).
 
 Each is priced over its group's shape (``Links.gbps``: NVLink within a node, one NIC per member of the group in a
-node across nodes). Left out: the embedding's and head's TP collectives, latency and the ring's start-up, overlap
-with compute (the caller combines by a stated rule), congestion, stragglers. No torch: the planner imports it.
+node across nodes). Left out: a tied head's TP gather, latency and the ring's start-up, overlap with compute (the
+caller combines by a stated rule), congestion, stragglers. FSDP2's and HSDP's collectives are the ones whose
+overlap a timing's emulation measures (``Collective.emulated``: FSDP2 issues them on streams of its own); TP's and
+CP's go through DTensor's functional collectives, issued and waited on the compute stream (the emulation counts
+them apart, and not at all inside a compiled graph), so they are projected here and added whole. No torch: the
+planner imports it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 from fsdp2bench.memory.accounting import float8_weight, reduce_dtype_bytes, tp_local_shape
 from fsdp2bench.options.fsdp import FP32, FULL_AC, FsdpOptions
-from fsdp2bench.options.layout import Degrees
+from fsdp2bench.options.layout import Degrees, tensor_parallel_plan
 from fsdp2bench.options.links import Links
 
 BF16 = 2
@@ -40,6 +45,7 @@ class Collective:
     group: int
     span: int
     bytes: int
+    emulated: bool = True  # a timing under --emulate_communication waits for it (TP's and CP's it does not see)
 
     def seconds(self, links: Links) -> float:
         return self.bytes / (links.gbps(self.group, self.span) * 1e9)
@@ -84,14 +90,29 @@ def fsdp_collectives(shapes, degrees: Degrees, options: FsdpOptions, microbatche
     return [c for c in out if c.bytes]
 
 
+def tensor_parallel_all_reduces(config, full_ac: bool) -> int:
+    """All-reduces of a microbatch's activations under the model's TP plan: each rowwise layer's (and split
+    embedding's) output in forward, again in a checkpointed forward, and each colwise layer's input gradient in
+    backward (DTensor makes each colwise input its own replicated tensor, so q, k and v reduce theirs apart)."""
+    count = 0
+    for pattern, style in tensor_parallel_plan(config).items():
+        times = config.num_hidden_layers if "*" in pattern else 1
+        if style == "colwise":
+            count += times
+        elif style in ("rowwise", "embedding_rowwise"):
+            count += times * (2 if full_ac and "*" in pattern else 1)
+    return count
+
+
 def tensor_parallel_collectives(config, degrees: Degrees, options: FsdpOptions, batch: int, block: int,
                                 microbatches: int) -> list[Collective]:
     if degrees.tp == 1:
         return []
     activation = batch * (block // degrees.cp) * config.hidden_size * BF16
-    per_block = 4 + (2 if options.activation_checkpointing == FULL_AC else 0)
-    moved = 2 * ring(degrees.tp) * activation * per_block * config.num_hidden_layers * microbatches
-    return [Collective("TP all-reduce of block outputs", degrees.tp, degrees.tp, int(moved))]
+    calls = tensor_parallel_all_reduces(config, options.activation_checkpointing == FULL_AC)
+    moved = 2 * ring(degrees.tp) * activation * calls * microbatches
+    return [Collective("TP all-reduce of activations and their gradients", degrees.tp, degrees.tp, int(moved),
+                       emulated=False)]
 
 
 def context_parallel_collectives(config, degrees: Degrees, options: FsdpOptions, batch: int, block: int,
@@ -104,7 +125,7 @@ def context_parallel_collectives(config, degrees: Degrees, options: FsdpOptions,
     per_block = 3 + (1 if options.activation_checkpointing == FULL_AC else 0)
     moved = (degrees.cp - 1) * local * per_block * config.num_hidden_layers * microbatches
     return [Collective("CP all-gather of keys and values, reduce-scatter of their gradients", degrees.cp,
-                       degrees.cp * degrees.tp, int(moved))]
+                       degrees.cp * degrees.tp, int(moved), emulated=False)]
 
 
 def step_collectives(shapes, config, degrees: Degrees, options: FsdpOptions, batch: int, block: int,
