@@ -39,7 +39,7 @@ KNOWN_FAILURES = {
              "sharding, whole on every rank (accelerate#3983); the fix: store them as bf16 (--qlora_storage bfloat16, "
              "bitsandbytes' bnb_4bit_quant_storage=torch.bfloat16, the default)",
 }
-BLOCKSIZE = 64  # bitsandbytes' 4-bit block
+BLOCKSIZE = 64  # bitsandbytes' 4-bit block: the fewest weights its quantization is asked of
 # The attention and MLP projections of the built-in Qwen2 shapes (and of Llama-like decoders).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_DEFAULTS = {"lora_rank": 16, "lora_alpha": 32.0, "lora_dropout": 0.0, "lora_targets": ",".join(PROJECTIONS)}
@@ -94,11 +94,6 @@ class Tuning:
     @property
     def targets(self) -> list[str]:
         return [name.strip() for name in self.lora_targets.split(",") if name.strip()]
-
-    def said(self) -> str:
-        adapters = f"{self.peft} rank {self.lora_rank} over {self.lora_targets}" if self.adapters else \
-            "full fine-tuning"
-        return f"{adapters}, optimizer {self.optimizer}"
 
 
 TUNING_DEFAULTS = asdict(Tuning())  # as summary.json's meta writes them
