@@ -20,7 +20,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from fsdp2bench import names
-from fsdp2bench.options import levers
+from fsdp2bench.options import levers, tuning
 from fsdp2bench.options.accelerate_config import options_alone
 from fsdp2bench.options.fsdp import AUTOCAST, FP32, FULL_AC, FsdpOptions
 from fsdp2bench.options.layout import Degrees, Meshes, planned_style, tensor_parallel_plan
@@ -217,7 +217,10 @@ def offload_policy(options: FsdpOptions, device: torch.device) -> OffloadPolicy:
 
 
 def make_optimizer(model: nn.Module, ctx: Context) -> torch.optim.Optimizer:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=ctx.learning_rate)
+    """The optimizer (AdamW, or the one ``--optimizer`` names) over the parameters that train: all of them, or
+    under LoRA the adapters alone, the frozen base left out."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = tuning.make_optimizer(trainable, ctx.options.tuning, ctx.learning_rate)
     ctx.mark("optimizer_created")
     return optimizer
 

@@ -44,6 +44,20 @@ def test_the_two_training_checks_never_both_pass_on_one_drop():
         assert trained["threshold"] == not_trained["threshold"]
 
 
+def test_a_loss_of_zero_is_no_training_whatever_the_other_variants_show():
+    """A causal LM's cross entropy is positive wherever its forward computed anything: a variant at loss 0 from its
+    second step on (QLoRA's uint8 storage under FSDP2, accelerate#3983) fails the run, named, and no drop is
+    claimed for it; nothing divides by its zero loss."""
+    variants = entries(noisy(12, 6.0, 0.05, 0.01, 4), noisy(12, 6.0, 0.0, 0.01, 5))
+    zeros = [6.0] + [0.0] * 11
+    variants["accelerate"].update(losses=zeros, loss_drop=loss_drop(zeros))
+    checks = run_checks(variants, "cpu")
+    assert checks["losses_finite"] == {"ok": False, "first_non_finite_step": {"accelerate": 1}}
+    assert checks["intended_variants_trained"]["ok"] is False
+    assert checks["intended_variants_trained"]["reason"] == "a loss is not a positive number"
+    assert loss_drop([0.0] * 8) != loss_drop([0.0] * 8)  # NaN: no fall to measure
+
+
 def test_the_bar_follows_the_spread_of_the_batches_not_a_constant():
     quiet = drop_threshold([noisy(40, 6.0, 0.0, 0.001, 1)])["threshold"]
     loud = drop_threshold([noisy(40, 6.0, 0.0, 0.1, 1)])["threshold"]
@@ -115,7 +129,8 @@ def test_a_run_whose_every_variant_failed_claims_no_results_and_says_why_last(tm
 def test_a_run_with_a_failed_check_names_it_on_its_last_line(diverged):
     _, proc = diverged  # a NaN injected at step 1 of the second variant; exit code 1
     assert proc.stderr.strip().splitlines()[-1] == (
-        "FAILED: checks losses_finite, intended_losses_match, intended_variants_trained (a loss is not a number) "
+        "FAILED: checks losses_finite, intended_losses_match, intended_variants_trained (a loss is not a positive "
+        "number) "
         "failed; summary.json says more")
 
 

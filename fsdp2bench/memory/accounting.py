@@ -16,6 +16,13 @@ P = the model's parameter bytes:
 
 So at the peak the unfixed variant holds P + 2P/N against 4P/N: equal at N = 2, worse beyond.
 
+Under LoRA (``--peft lora``, options/tuning.py) only the adapters train: the gradients, the optimizer's state,
+the unfixed variant's stale parameters and the unreduced gradients below are the adapters' alone (read their bytes
+for P there), while the parameters are the shards of the bf16 base and of the fp32 adapters, each padded in its own
+dtype; the frozen base holds its chunk and nothing else (``expected_frozen_bytes``). torchao's low-bit optimizers
+keep a moment of a local chunk in 1 byte an element (8-bit, fp8) or half a byte (4-bit), plus a fp32 scale a block
+and a lookup table, where the chunk is large enough (``tuning.moment_bytes``), and the plain moment elsewhere.
+
 Under HSDP (R replicas x S shards = N) every parameter is split in S, not N: read S for N above
 and rank mod S for the rank. With gradient accumulation (K microbatches per step) the moment between
 two microbatches of a step (``between_microbatches``, counted after the first one's backward) holds,
@@ -53,9 +60,8 @@ from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, UNFIXED
 from fsdp2bench.options import levers
 from fsdp2bench.options.fsdp import AUTOCAST, FP32, FULL_AC, NO_AC, SELECTIVE_AC, FsdpOptions
 from fsdp2bench.options.layout import Degrees, tensor_parallel_dim, tensor_parallel_plan
+from fsdp2bench.options.tuning import STEP_BYTES, state_bytes
 
-ADAMW_MOMENTS = 2
-STEP_BYTES = 4  # AdamW's per-parameter fp32 step counter
 PROJECTION_WORLD_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 
 
@@ -200,8 +206,8 @@ def account(model: nn.Module, optimizer: torch.optim.Optimizer, outputs=None) ->
     def held(tensors) -> int:
         nonlocal device_total
         total = 0
-        for t in tensors:
-            storage = local_tensor(t).untyped_storage()
+        for t in (inner for tensor in tensors for inner in plain_tensors(tensor)):
+            storage = t.untyped_storage()
             key = (str(t.device), storage.data_ptr(), storage.nbytes())
             if key in seen:
                 continue
@@ -213,18 +219,43 @@ def account(model: nn.Module, optimizer: torch.optim.Optimizer, outputs=None) ->
 
     params = _unique_params(model)
     in_model = {id(p) for p in params}
+    frozen = [p for p in params if not p.requires_grad]
     result = {
         "param_bytes": held(params),
         "grad_bytes": held(p.grad for p in params if p.grad is not None),
-        "optimizer_state_bytes": held(v for state in optimizer.state.values() for v in state.values()
-                                      if torch.is_tensor(v)),
+        "optimizer_state_bytes": held(tensors_of_state(optimizer.state.values())),
         "stale_param_bytes": held(p for group in optimizer.param_groups for p in group["params"]
                                   if id(p) not in in_model),
         "unreduced_grad_bytes": held(unreduced_grads(model)),
     }
     state_on_device = device_total  # before the kept outputs are counted: they are not state
     kept = held(v for k, v in (outputs or {}).items() if k != "loss" and torch.is_tensor(v))
-    return {**result, "device_bytes": state_on_device, "kept_output_bytes": kept}
+    return {**result, "device_bytes": state_on_device, "kept_output_bytes": kept, **frozen_held(frozen, optimizer)}
+
+
+def frozen_held(frozen: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict:
+    """What the frozen parameters hold on this rank (counted among the state above): their shards, their gradients
+    and optimizer state (none, where nothing trains them)."""
+    def nbytes(tensors) -> int:
+        return sum(t.untyped_storage().nbytes() for tensor in tensors for t in plain_tensors(tensor))
+
+    return {"frozen_param_bytes": nbytes(frozen),
+            "frozen_grad_bytes": nbytes(p.grad for p in frozen if p.grad is not None),
+            "frozen_state_bytes": nbytes(tensors_of_state(optimizer.state.get(p, {}) for p in frozen))}
+
+
+def tensors_of_state(states) -> list[torch.Tensor]:
+    return [v for state in states for v in state.values() if torch.is_tensor(v)]
+
+
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold a tensor's bytes on this rank: a DTensor's local part, and the inner tensors of a
+    wrapper subclass (torchao's float8 weights, its low-bit optimizer states: codes, scales and lookup table)."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    flatten = getattr(local, "__tensor_flatten__", None)
+    if flatten is None:
+        return [local]
+    return [inner for name in flatten()[0] for inner in plain_tensors(getattr(local, name))]
 
 
 def unreduced_grads(model: nn.Module) -> list[torch.Tensor]:
@@ -252,12 +283,20 @@ def unreduced_grads(model: nn.Module) -> list[torch.Tensor]:
 class ParamShape(NamedTuple):
     """One unique parameter of the unsharded model: its shape, bytes per element, the dim the model's
     tensor-parallel plan splits (None: kept whole on every tp rank), the transformer block that holds it (None:
-    outside the blocks) and whether it is a Linear layer's weight (what float8 converts)."""
+    outside the blocks), whether it is a Linear layer's weight (what float8 converts), whether it trains (a LoRA
+    base does not) and whether its dtype is a floating one (a QLoRA base packed in uint8 is not: no policy casts it)."""
     shape: tuple[int, ...]
     itemsize: int
     tp_dim: int | None = None
     block: int | None = None
     linear_weight: bool = False
+    trainable: bool = True
+    floating: bool = True
+
+
+def trainable(shapes) -> list:
+    """The parameters that get gradients and optimizer state (a shape given as a bare tuple trains)."""
+    return [p for p in shapes if getattr(p, "trainable", True)]
 
 
 def param_shapes(model: nn.Module, config=None, layer_classes: list[str] = ()) -> list[ParamShape]:
@@ -268,21 +307,23 @@ def param_shapes(model: nn.Module, config=None, layer_classes: list[str] = ()) -
     blocks = [f"{name}." for name, _ in levers.blocks(model, list(layer_classes))]
     linear = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     return [ParamShape(tuple(p.shape), p.element_size(), tensor_parallel_dim(name, plan, prefix),
-                       next((i for i, block in enumerate(blocks) if name.startswith(block)), None), name in linear)
+                       next((i for i, block in enumerate(blocks) if name.startswith(block)), None), name in linear,
+                       p.requires_grad, p.is_floating_point())
             for name, p in model.named_parameters()]
 
 
 def expected_gathered_block_bytes(shapes, world_size: int, rank: int, options: FsdpOptions) -> int:
     """What FSDP2 all-gathers for the first block on ``rank``: each parameter's chunk from every rank of its
     shard group, padded to ceil(d0 / S) rows as FSDP2 pads it (TP's part first), in the dtype it gathers: the
-    policy's parameter dtype (bf16, or fp32 under fp32), or one byte for a weight float8 converts."""
+    policy's parameter dtype (bf16), each parameter's own under fp32 (a LoRA base's bf16 beside fp32 adapters) or
+    where it is not floating (a QLoRA base packed in uint8), or one byte for a weight float8 converts."""
     degrees = options.layout.at(world_size)
     fsdp, tp_rank = degrees.fsdp_degree, degrees.coordinates(rank)["tp"]
-    param_bytes = 4 if options.mixed_precision_policy == FP32 else 2
     total = 0
     for param in (p for p in shapes if p.block == 0):
         shape = tp_local_shape(param, degrees.tp, tp_rank)
-        item = 1 if options.float8 and float8_weight(param) else param_bytes
+        item = 1 if options.float8 and float8_weight(param) else \
+            param.itemsize if options.mixed_precision_policy == FP32 or not param.floating else 2
         total += math.ceil((shape[0] if shape else 1) / fsdp) * fsdp * math.prod(shape[1:]) * item
     return total
 
@@ -290,6 +331,11 @@ def expected_gathered_block_bytes(shapes, world_size: int, rank: int, options: F
 def model_bytes(shapes) -> int:
     """P: the bytes of the unsharded model's parameters, from ``param_shapes``."""
     return sum(math.prod(p[0]) * p[1] for p in shapes)
+
+
+def built_bytes(shapes) -> int:
+    """The bytes of the model as it is built, every parameter fp32, before a LoRA base is cast to bf16."""
+    return 4 * parameter_count(shapes)
 
 
 def parameter_count(shapes) -> int:
@@ -313,20 +359,40 @@ def tp_local_shape(param, tp: int, tp_rank: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _shard_bytes(shapes, degrees: Degrees, rank: int) -> tuple[int, int, int]:
-    """(padded shard bytes, unpadded shard bytes, full bytes) summed over parameters, on ``rank``: TP's
-    part first, then FSDP2's chunk of its dim 0 over dp_shard x cp."""
-    padded = local = full = 0
+def _shards(shapes, degrees: Degrees, rank: int):
+    """(parameter, padded shard bytes, elements of its unpadded local chunk, full bytes) of each parameter on
+    ``rank``: TP's part first, then FSDP2's chunk of its dim 0 over dp_shard x cp."""
     fsdp, index, tp_rank = degrees.fsdp_degree, degrees.fsdp_index(rank), degrees.coordinates(rank)["tp"]
     for param in shapes:
         shape, item = tp_local_shape(param, degrees.tp, tp_rank), param[1]
         d0 = shape[0] if shape else 1
-        rest = math.prod(shape[1:]) * item
+        row = math.prod(shape[1:])
         start, stop = shard_rows(d0, fsdp, index)
-        padded += math.ceil(d0 / fsdp) * rest  # every rank stores its chunk padded to full size
-        local += (stop - start) * rest
-        full += math.prod(param[0]) * item
+        # every rank stores its chunk padded to full size
+        yield param, math.ceil(d0 / fsdp) * row * item, (stop - start) * row, math.prod(param[0]) * item
+
+
+def _shard_bytes(shapes, degrees: Degrees, rank: int) -> tuple[int, int, int]:
+    """(padded shard bytes, unpadded shard bytes, full bytes) summed over parameters, on ``rank``."""
+    padded = local = full = 0
+    for param, stored, elements, whole in _shards(shapes, degrees, rank):
+        padded, local, full = padded + stored, local + elements * param[1], full + whole
     return padded, local, full
+
+
+def optimizer_bytes(shapes, degrees: Degrees, rank: int, optimizer: str) -> int:
+    """What ``optimizer`` holds on ``rank`` once it has stepped: for each trainable parameter, its moments of the
+    local chunk and a step counter (tuning.state_bytes)."""
+    return sum(state_bytes(optimizer, elements, param[1])
+               for param, _, elements, _ in _shards(trainable(shapes), degrees, rank))
+
+
+def expected_frozen_bytes(shapes, world_size: int, rank: int, options: FsdpOptions = FsdpOptions()) -> dict:
+    """What the frozen parameters should hold on ``rank``: their padded chunks (1/S of them each), of their
+    unsharded bytes; no gradient and no optimizer state."""
+    frozen = [p for p in shapes if not getattr(p, "trainable", True)]
+    padded, _, full = _shard_bytes(frozen, options.layout.at(world_size), rank)
+    return {"frozen_param_bytes": padded, "frozen_full_bytes": full, "frozen_grad_bytes": 0, "frozen_state_bytes": 0}
 
 
 def _tensor_parallel_bytes(shapes) -> int:
@@ -338,8 +404,8 @@ def output_itemsize(options: FsdpOptions) -> int:
     """Bytes per element of the outputs the model returns: bf16 under either bf16 precision, fp32 under
     fp32. Under autocast accelerate's ``convert_outputs_to_fp32`` runs inside the forward, and FSDP2's policy
     then casts the root's outputs to its ``output_dtype``, bf16; under the policy the head computes in the
-    bf16 parameter dtype."""
-    return 4 if options.mixed_precision_policy == FP32 else 2
+    bf16 parameter dtype; under LoRA the base, its head among it, is bf16 whatever the policy."""
+    return 4 if options.mixed_precision_policy == FP32 and not options.tuning.adapters else 2
 
 
 def reduce_dtype_bytes(options: FsdpOptions) -> int:
@@ -371,16 +437,17 @@ def expected_state(shapes, world_size: int, rank: int, variant: str, phase: str,
     degrees = options.layout.at(world_size)
     if phase == MICROBATCH_PHASE:
         return _between_microbatches(shapes, world_size, degrees, rank, variant, options, steps > 1)
-    padded, local, full = _shard_bytes(shapes, degrees, rank)
+    padded = _shard_bytes(shapes, degrees, rank)[0]
+    trained_padded, _, trained_full = _shard_bytes(trainable(shapes), degrees, rank)
     unfixed = variant == UNFIXED
     trained = phase != "end_of_setup"
     grads_alive = trained and (unfixed or phase == "before_zero_grad")
     return {
         "param_bytes": padded,
-        "grad_bytes": padded if grads_alive else 0,
-        "optimizer_state_bytes": ADAMW_MOMENTS * local + STEP_BYTES * len(shapes)
+        "grad_bytes": trained_padded if grads_alive else 0,
+        "optimizer_state_bytes": optimizer_bytes(shapes, degrees, rank, options.tuning.optimizer)
         if trained and not unfixed else 0,
-        "stale_param_bytes": full if unfixed else 0,
+        "stale_param_bytes": trained_full if unfixed else 0,
         "unreduced_grad_bytes": 0,
     }
 
@@ -389,10 +456,11 @@ def _between_microbatches(shapes, world_size: int, degrees: Degrees, rank: int, 
                           stepped: bool) -> dict:
     """The state after the last step's first microbatch on ``rank`` (see the module text); ``stepped``: an
     optimizer step came before it. The unfixed variant's sharded gradients are never cleared. The gradient
-    not yet reduced is that of this rank's tp part of each parameter, whole."""
-    padded, local, full = _shard_bytes(shapes, degrees, rank)
+    not yet reduced is that of this rank's tp part of each trainable parameter, whole."""
+    padded = _shard_bytes(shapes, degrees, rank)[0]
+    trained_padded, _, trained_full = _shard_bytes(trainable(shapes), degrees, rank)
     tp_rank = degrees.coordinates(rank)["tp"]
-    as_items = [ParamShape(tp_local_shape(p, degrees.tp, tp_rank), 1) for p in shapes]
+    as_items = [ParamShape(tp_local_shape(p, degrees.tp, tp_rank), 1) for p in trainable(shapes)]
     padded_items, _, full_items = _shard_bytes(as_items, Degrees(replicate=1, shard=degrees.fsdp_degree),
                                                degrees.fsdp_index(rank))
     unfixed = variant == UNFIXED
@@ -401,9 +469,10 @@ def _between_microbatches(shapes, world_size: int, degrees: Degrees, rank: int, 
     waiting = full_items if not synced else padded_items if held_back else 0
     return {
         "param_bytes": padded,
-        "grad_bytes": padded if (synced and not held_back) or (unfixed and stepped) else 0,
-        "optimizer_state_bytes": ADAMW_MOMENTS * local + STEP_BYTES * len(shapes) if stepped and not unfixed else 0,
-        "stale_param_bytes": full if unfixed else 0,
+        "grad_bytes": trained_padded if (synced and not held_back) or (unfixed and stepped) else 0,
+        "optimizer_state_bytes": optimizer_bytes(shapes, degrees, rank, options.tuning.optimizer)
+        if stepped and not unfixed else 0,
+        "stale_param_bytes": trained_full if unfixed else 0,
         "unreduced_grad_bytes": waiting * reduce_dtype_bytes(options),
     }
 
@@ -421,7 +490,7 @@ def expected_device_bytes(shapes, world_size: int, rank: int, variant: str, phas
         state["stale_param_bytes"] -= _tensor_parallel_bytes(shapes)
     if options.cpu_offload:
         return state["stale_param_bytes"] + state["unreduced_grad_bytes"]
-    counters = STEP_BYTES * len(shapes) if state["optimizer_state_bytes"] else 0
+    counters = STEP_BYTES * len(trainable(shapes)) if state["optimizer_state_bytes"] else 0
     return sum(state.values()) - counters
 
 

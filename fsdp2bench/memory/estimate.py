@@ -12,14 +12,15 @@ import sys
 from dataclasses import dataclass
 
 from fsdp2bench.cli import UserError
-from fsdp2bench.memory.accounting import expected_device_bytes, expected_state, model_bytes, output_itemsize
+from fsdp2bench.memory.accounting import built_bytes, expected_device_bytes, expected_state, output_itemsize
 from fsdp2bench.names import GIB, MIB, PEAK_PHASES, UNFIXED, phases
 from fsdp2bench.options.fsdp import AUTOCAST, SELECTIVE_AC, FsdpOptions
 from fsdp2bench.options.step import logits_copies, logits_tokens
 
 FIXED_MARGIN = 1 * GIB  # the CUDA context and cuBLAS workspaces
 # What a step holds on the GPU beyond its state and its tokens' activations and logits (``step_bytes``), as a
-# fraction of the model's fp32 bytes P: gathered units and their gradients, the allocator's cached blocks. On
+# fraction of the model's fp32 bytes P (a LoRA base's too, though it is held in bf16: not calibrated on LoRA runs):
+# gathered units and their gradients, the allocator's cached blocks. On
 # one H200 (results/h200/matrix_1.5b, matrix_7b and parallel_7b: 259 rows, every option set, N = 1 to 128)
 # that came to at most 0.46 P for the 1.5B shape, 0.43 P for the 7B one and 0.58 P under its TP sets (tp2_cp2 at
 # N = 128), beside about 0.5 P more with blocks kept gathered after forward, 0.2 P more with fp32 gradient
@@ -53,17 +54,18 @@ def peak_device_bytes(shapes, world_size: int, name: str, options: FsdpOptions, 
 
 def variant_need(shapes, world_size: int, name: str, options: FsdpOptions, token_bytes: int) -> int:
     """Bytes one variant reserves on a GPU at its step peak, rank 0: its state there, AdamW's foreach
-    temporaries (about the local fp32 parameters, while the intended variants step on the GPU; the
-    unfixed one's parameters get no gradients), what a step holds beyond the state (``BEYOND_STATE``),
-    its tokens' activations and logits (``token_bytes``: ``step_bytes``), and the CUDA context."""
+    temporaries (about the local fp32 parameters that train, as their gradients, while the intended variants step
+    on the GPU; the unfixed one's parameters get no gradients), what a step holds beyond the state
+    (``BEYOND_STATE``), its tokens' activations and logits (``token_bytes``: ``step_bytes``), and the CUDA
+    context."""
     state = peak_device_bytes(shapes, world_size, name, options, "cuda")
     steps_on_gpu = name != UNFIXED and not options.cpu_offload
-    temporaries = expected_state(shapes, world_size, 0, name, "before_zero_grad", options)["param_bytes"] \
+    temporaries = expected_state(shapes, world_size, 0, name, "before_zero_grad", options)["grad_bytes"] \
         if steps_on_gpu else 0
     fraction = BEYOND_STATE + (0 if options.reshard_after_forward else NO_RESHARD) + \
         (FP32_REDUCE if options.mixed_precision_policy != AUTOCAST else 0) + (OFFLOADED if options.cpu_offload else 0) + \
         (TENSOR_PARALLEL if options.layout.tensor_parallel else 0)
-    return state + temporaries + int(model_bytes(shapes) * fraction) + token_bytes + FIXED_MARGIN
+    return state + temporaries + int(built_bytes(shapes) * fraction) + token_bytes + FIXED_MARGIN
 
 
 def microbatch_logits_bytes(batch_size: int, block_size: int, config) -> int:
@@ -124,7 +126,7 @@ def gpu_need(shapes, world_size: int, names: list[str], init_device: str, option
     """Bytes one variant may take on one GPU: the largest need among ``names``, or the whole model while
     it is built there (with ``--init_device cuda``)."""
     need = max(variant_need(shapes, world_size, name, options, token_bytes) for name in names)
-    return max(need, int(model_bytes(shapes) * 1.2) if init_device == "cuda" else 0)
+    return max(need, int(built_bytes(shapes) * 1.2) if init_device == "cuda" else 0)
 
 
 def host_bytes(shapes, world_size: int, names: list[str], init_device: str, options: FsdpOptions,
@@ -133,7 +135,7 @@ def host_bytes(shapes, world_size: int, names: list[str], init_device: str, opti
     on the host (``fully_shard`` frees it as it shards; ``shared_build``: counted once for all processes,
     not here) and the state kept on the host (all of it on a CPU run; under CPU offload all but the unfixed
     variant's stale parameters, which stay on the GPU)."""
-    build = model_bytes(shapes) if init_device == "cpu" and not shared_build else 0
+    build = built_bytes(shapes) if init_device == "cpu" and not shared_build else 0
     on_host = 0
     if device_type == "cpu" or options.cpu_offload:
         on_host = max(sum(expected_state(shapes, world_size, 0, name, "before_zero_grad", options).values())

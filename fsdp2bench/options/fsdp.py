@@ -17,8 +17,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from fsdp2bench.cli import UserError, parse_names
+from fsdp2bench.options import tuning
 from fsdp2bench.options.layout import CP_STRATEGIES, Layout
 from fsdp2bench.options.step import Step
+from fsdp2bench.options.tuning import LORA_DEFAULTS, Tuning
 
 # --mixed_precision_policy: accelerate's mixed_precision="bf16" (bf16 autocast, FSDP2 gathers and
 # reduces in bf16; the upstream's), an FSDP2 MixedPrecisionPolicy without autocast, or accelerate's
@@ -56,12 +58,15 @@ class FsdpOptions:
     layout: Layout = Layout()
     # The training step (fsdp2bench/options/step.py): not an FSDP2 option, but applied by every variant alike.
     step: Step = Step()
+    # What the step trains and with which optimizer (fsdp2bench/options/tuning.py): every variant alike.
+    tuning: Tuning = Tuning()
 
     def changed(self) -> dict:
         """The options that differ from the default (today's configuration, the upstream's), by flag name:
         the layout's sizes and the step's loop and loss among them."""
         out = {}
-        for here, default in ((self, FsdpOptions()), (self.layout, Layout()), (self.step, Step())):
+        for here, default in ((self, FsdpOptions()), (self.layout, Layout()), (self.step, Step()),
+                              (self.tuning, Tuning())):
             out.update({f.name: getattr(here, f.name) for f in dataclasses.fields(here)
                         if f.name not in NESTED and getattr(here, f.name) != getattr(default, f.name)})
         return out
@@ -82,7 +87,7 @@ class FsdpOptions:
         def part(value, fields):
             return dataclasses.replace(value, **{k: v for k, v in changes.items() if k in fields})
         return dataclasses.replace(part(self, OWN_FIELDS), layout=part(self.layout, LAYOUT_OPTIONS),
-                                   step=part(self.step, STEP_OPTIONS))
+                                   step=part(self.step, STEP_OPTIONS), tuning=part(self.tuning, TUNING_OPTIONS))
 
     @property
     def checkpoints(self) -> bool:
@@ -97,12 +102,13 @@ class FsdpOptions:
         return self.gradient_accumulation_steps > 1
 
 
-NESTED = ("layout", "step")  # the fields that group options of their own
+NESTED = ("layout", "step", "tuning")  # the fields that group options of their own
 # Booleans whose main.py flag takes a value ({true,false}) rather than standing alone.
 VALUED_BOOLS = ("reshard_after_forward", "sync_each_batch", "requires_all_reduce")
 # The options accelerate's FullyShardedDataParallelPlugin takes; the others go to its other objects.
 LAYOUT_OPTIONS = tuple(f.name for f in dataclasses.fields(Layout))
 STEP_OPTIONS = tuple(f.name for f in dataclasses.fields(Step))
+TUNING_OPTIONS = tuple(f.name for f in dataclasses.fields(Tuning))
 OWN_FIELDS = tuple(f.name for f in dataclasses.fields(FsdpOptions) if f.name not in NESTED)
 PLUGIN_OPTIONS = ("reshard_after_forward", "mixed_precision_policy", "activation_checkpointing",
                   "activation_checkpointing_offload", "cpu_offload")
@@ -188,9 +194,23 @@ def from_args(args) -> FsdpOptions:
                           compile=args.compile, float8=args.float8, cpu_offload=args.cpu_offload,
                           gradient_accumulation_steps=args.gradient_accumulation_steps,
                           sync_each_batch=bool(args.sync_each_batch), requires_all_reduce=args.requires_all_reduce,
-                          layout=layout, step=Step(loop=args.loop, loss=args.loss))
+                          layout=layout, step=Step(loop=args.loop, loss=args.loss), tuning=tuning_of(args))
     check(options)
     return options
+
+
+def tuning_of(args) -> Tuning:
+    """``--peft`` and its knobs, and ``--optimizer``; a knob of the adapters without adapters is refused (it would
+    change nothing)."""
+    given = [name for name in LORA_DEFAULTS if getattr(args, name) is not None]
+    if given and args.peft == Tuning().peft:
+        raise UserError(f"--{given[0]} needs --peft lora or qlora (without adapters there is no LoRA to shape)")
+    if args.qlora_storage is not None and args.peft != tuning.QLORA:
+        raise UserError(f"--qlora_storage needs --peft qlora (the {args.peft} base is not 4-bit)")
+    knobs = {name: default if getattr(args, name) is None else getattr(args, name)
+             for name, default in LORA_DEFAULTS.items()}
+    return Tuning(peft=args.peft, optimizer=args.optimizer, qlora_storage=args.qlora_storage or Tuning().qlora_storage,
+                  **knobs)
 
 
 def check(options: FsdpOptions) -> None:
@@ -206,11 +226,26 @@ def check(options: FsdpOptions) -> None:
     if options.float8 and options.layout.tensor_parallel:
         raise UserError(f"--float8 with --tp_size {options.layout.tp_size}: torchao's float8 under tensor "
                         "parallelism needs its own float8 TP styles, which the suite does not mirror")
+    check_tuning(options)
     if not options.requires_all_reduce and not (options.hsdp and options.accumulates and options.sync_each_batch):
         raise UserError("--requires_all_reduce false needs HSDP (--dp_replicate_size or --dp_shard_size), "
                         "--gradient_accumulation_steps above 1 and --sync_each_batch true: it holds back the "
                         "all-reduce across replicas of the microbatches that are reduce-scattered")
     check_libraries(options)
+
+
+def check_tuning(options: FsdpOptions) -> None:
+    """Adapters where the suite does not mirror what a user would need to make them meet the other option."""
+    peft = options.tuning.peft
+    if options.tuning.adapters and options.layout.tensor_parallel:
+        raise UserError(f"--peft {peft} with --tp_size {options.layout.tp_size}: the model's tensor-parallel plan "
+                        "names the base model's layers, which peft's wrappers rename and split into base and adapters; "
+                        "the suite does not mirror a plan for them")
+    if options.tuning.adapters and options.float8:
+        raise UserError(f"--peft {peft} with --float8: float8 training converts the blocks' Linear layers, the "
+                        "adapters' among them, and a frozen base gains nothing from float8 weight gradients; the suite "
+                        "does not measure the pair")
+    tuning.check(options.tuning)
 
 
 def check_libraries(options: FsdpOptions) -> None:

@@ -7,6 +7,7 @@ from fsdp2bench.cli import say
 from fsdp2bench.names import INTENDED, MIB, MICROBATCH_PHASE, UNFIXED, short_name, size_said
 from fsdp2bench.options.layout import AXES
 from fsdp2bench.options.step import MODEL, UPSTREAM
+from fsdp2bench.options.tuning import LORA, NO_PEFT, QLORA, TUNING_DEFAULTS
 from fsdp2bench.report.summary import (ACCELERATE, MEASURED_FIGURES, TORCH, worst_rank, compared_sizes, failed_status,
                                        run_entries, simulated_entries, unsupported_findings)
 from fsdp2bench.train import throughput
@@ -54,9 +55,9 @@ def print_table(summary: dict) -> None:
         print(f"{name:{NAME_WIDTH}} " + " ".join(f"{cell(v):>{width}}" for _, width, cell, _ in columns))
     print(("MiB. alloc: the CUDA allocator's own peak; resv: its peak reserved; " if gpu else "MiB. ") +
           "RSS: the process's host memory (polled).\n"
-          "     Held by one rank after the last step: params (local shards), grads, optim (AdamW state), stale (tensors\n"
-          "     the optimizer holds that the model no longer uses). drop: fall of the loss from the first to the last\n"
-          "     quarter of steps. summary.json has every figure per rank, the polled peaks and the phases.")
+          "     Held by one rank after the last step: params (local shards), grads, optim (the optimizer's state), stale\n"
+          "     (tensors the optimizer holds that the model no longer uses). drop: fall of the loss from the first to the\n"
+          "     last quarter of steps. summary.json has every figure per rank, the polled peaks and the phases.")
     say(speed_said(summary, [v for v in summary["variants"].values() if v["status"] == "ok"]), indent="     ")
     say(step_said(summary))
     for sentence in explanations(summary):
@@ -134,7 +135,7 @@ def compared_sentence(found: dict | None) -> str | None:
     peak = "no allocator counters on CPU" if diff is None else f"{diff:+.1f} MiB of training peak allocated"
     tensors = "".join(f"; at its peak accelerate holds {row['difference_mib']:+.1f} MiB of {row['tensor']} "
                       f"(allocated at {row['site']})" for row in found.get("peak_tensors_difference", [])[:3])
-    return (f"accelerate against {TORCH}: {peak}; {state} at the step peak (params, grads, AdamW, stale), "
+    return (f"accelerate against {TORCH}: {peak}; {state} at the step peak (params, grads, optimizer state, stale), "
             f"so a difference is in what a step holds beyond it (gathered parameters, activations, buffers)"
             f"{tensors}.")
 
@@ -143,18 +144,21 @@ def explanations(summary: dict) -> list[str]:
     """Plain sentences for the numbers that matter most."""
     out = [f"{name} {cause}; the other variants ran (what the installed libraries cannot do is a finding of this "
            f"run, not its failure)." for name, cause in unsupported_findings(run_entries(summary)).items()]
-    out += [s for s in [compared_sentence(summary.get("accelerate_vs_torch")), uneven_ranks_sentence(summary)] if s]
+    out += [s for s in [compared_sentence(summary.get("accelerate_vs_torch")), uneven_ranks_sentence(summary),
+                        tuning_sentence(summary)] if s]
+    tuned = tuned_options(summary)
     unfixed = summary["variants"].get(UNFIXED)
     if unfixed and unfixed["status"] == "ok":
         rank0 = unfixed["accounting"][0]
         intended = [v["loss_drop"] for n, v in summary["variants"].items()
                     if n in INTENDED and v.get("status") == "ok" and v.get("loss_drop") is not None]
         beside = f"; the intended variants' fell {max(intended):.1%} on the same batches" if intended else ""
-        out.append(f"{UNFIXED}: its optimizer still holds {size_said(rank0['stale_param_bytes'])} of full parameters "
-                   f"per rank that the model no longer uses; they never get gradients, so AdamW never creates "
+        stale = "adapters" if tuned.get("peft", NO_PEFT) != NO_PEFT else "parameters"
+        out.append(f"{UNFIXED}: its optimizer still holds {size_said(rank0['stale_param_bytes'])} of full {stale} "
+                   f"per rank that the model no longer uses; they never get gradients, so the optimizer never creates "
                    f"state ({size_said(rank0['optimizer_state_bytes'])}) and the model's weights never change "
                    f"({unfixed_loss_said(unfixed['loss_drop'])}{beside}); zero_grad() never reaches the model's "
-                   f"sharded parameters, so their "
+                   f"sharded {stale}, so their "
                    f"{size_said(rank0['grad_bytes'])} of gradients are never cleared.")
     out += accumulation_sentences(summary)
     out += graph_break_sentences(summary["variants"])
@@ -163,10 +167,42 @@ def explanations(summary: dict) -> list[str]:
     if n is not None:
         there = proj.get("state_bytes_there") or {name: cell["before_zero_grad"]  # a summary of before the exact N
                                                   for name, cell in proj["per_rank_state_bytes"][str(n)].items()}
-        out.append(f"At the step peak the unfixed variant's state (P + 2P/N) exceeds the intended one's (4P/N) "
+        rule = " (P + 2P/N) exceeds the intended one's (4P/N)" if not tuned or tuned == TUNING_DEFAULTS else \
+            " exceeds the intended one's"  # under LoRA or another optimizer the terms are the adapters' and its state
+        out.append(f"At the step peak the unfixed variant's state{rule} "
                    f"from N = {n} ranks on: {size_said(there[UNFIXED])} vs {size_said(there[proj['reference']])} per rank "
                    f"there (the sharding rule at every N; projection in summary.json).")
     return out
+
+
+def tuned_options(summary: dict) -> dict:
+    """The run's --peft and --optimizer with their knobs (none in a summary written before they existed)."""
+    return summary["meta"].get("fsdp_options", {}).get("tuning", {})
+
+
+ADAPTER_NAMES = {LORA: "LoRA", QLORA: "QLoRA"}
+
+
+def tuning_sentence(summary: dict) -> str | None:
+    """What was trained and with which optimizer, where it is not the whole model with AdamW, and what the frozen
+    base held on each rank (its chunk of the whole, and no gradient or optimizer state)."""
+    tuned = tuned_options(summary)
+    if not tuned or tuned == TUNING_DEFAULTS:
+        return None
+    base = f"4-bit NF4 base packed in {tuned['qlora_storage']}" if tuned["peft"] == QLORA else "bf16 base"
+    trained = (f"{ADAPTER_NAMES[tuned['peft']]} adapters (rank {tuned['lora_rank']}, alpha {tuned['lora_alpha']:g}, "
+               f"dropout {tuned['lora_dropout']:g}, over {tuned['lora_targets']}) on a frozen {base}"
+               if tuned["peft"] != NO_PEFT else "the whole model")
+    said = f"Trained: {trained}, optimizer {tuned['optimizer']}."
+    entry = next((e for _, e in run_entries(summary) if e.get("status") == "ok" and e.get("frozen_base")), None)
+    if entry is None:
+        return said
+    held, whole = entry["frozen_base"], entry["expected_frozen_base"][0]["frozen_full_bytes"]
+    return (said + " The frozen base held " + ", ".join(f"{size_said(r['frozen_param_bytes'])} on rank {i}"
+                                                        for i, r in enumerate(held[:4]))
+            + f" of its {size_said(whole)} (FSDP2's padded chunk), and at most "
+            f"{size_said(max(r['frozen_grad_bytes'] for r in held))} of gradients and "
+            f"{size_said(max(r['frozen_state_bytes'] for r in held))} of optimizer state.")
 
 
 def graph_break_sentences(variants: dict) -> list[str]:

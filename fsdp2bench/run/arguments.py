@@ -16,7 +16,7 @@ from fsdp2bench.cli import OneLineParser, UserError, check_ranges, gpu_memory_gi
 from fsdp2bench.files import check_output_dir, expect_path, looks_like_a_path, refuse_foreign
 from fsdp2bench.memory import estimate
 from fsdp2bench.names import VARIANTS, rank_file
-from fsdp2bench.options import accelerate_config, levers, fsdp as options, step
+from fsdp2bench.options import accelerate_config, levers, fsdp as options, step, tuning
 from fsdp2bench.options.layout import CP_STRATEGIES, Layout
 from fsdp2bench.options.links import Links, check_nodes_fit, parse_links
 from fsdp2bench.processes import simulation
@@ -105,6 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_simulation_options(p)
     add_fsdp_options(p)
     add_step_options(p)
+    add_tuning_options(p)
     p.add_argument("--inject_failure", type=parse_failure, default=None,
                    metavar="VARIANT:STEP:RANK[:kill|:oom|:thread|:nan]",
                    help="test option: VARIANT raises on RANK before STEP (:kill dies by SIGKILL instead, :oom raises "
@@ -153,10 +154,50 @@ def add_step_options(p: argparse.ArgumentParser) -> None:
                         f"-r {step.LIGER_REQUIREMENTS}) (default: {step.MODEL})")
 
 
+def add_tuning_options(p: argparse.ArgumentParser) -> None:
+    """What the step trains and with which optimizer (fsdp2bench/options/tuning.py, docs/fine-tuning.md)."""
+    g = p.add_argument_group("Fine-tuning (every variant trains the same; docs/fine-tuning.md)")
+    defaults = tuning.LORA_DEFAULTS
+    g.add_argument("--peft", choices=tuning.PEFT_MODES, default=tuning.NO_PEFT,
+                   help=f"{tuning.NO_PEFT}: full fine-tuning; {tuning.LORA}: peft's LoRA adapters over the base, "
+                        "which is cast to bf16 and frozen (get_peft_model, then fully_shard); the optimizer takes the "
+                        f"adapters alone; {tuning.QLORA}: the same over a 4-bit base (bitsandbytes' NF4 Linear4bit, "
+                        f"quantized on the run's device), bf16 adapters (pip install -r {tuning.PEFT_REQUIREMENTS}) "
+                        f"(default: {tuning.NO_PEFT})")
+    g.add_argument("--lora_rank", type=int, default=None, metavar="R",
+                   help=f"with --peft lora or qlora: the adapters' rank R (default: {defaults['lora_rank']})")
+    g.add_argument("--lora_alpha", type=float, default=None, metavar="ALPHA",
+                   help="with --peft lora or qlora: the adapters' scale is ALPHA / R "
+                        f"(default: {defaults['lora_alpha']:g})")
+    g.add_argument("--lora_dropout", type=float, default=None, metavar="P",
+                   help=f"with --peft lora or qlora: dropout P on the adapters' input, in [0, 0.99] "
+                        f"(default: {defaults['lora_dropout']:g})")
+    g.add_argument("--lora_targets", default=None, metavar="NAMES",
+                   help="with --peft lora or qlora: comma-separated module NAMES to adapt, as peft's target_modules "
+                        f"(each must name a Linear layer of the model) (default: {defaults['lora_targets']})")
+    g.add_argument("--allow_known_failure", action="store_true",
+                   help="run a combination known to fail under FSDP2 (--qlora_storage uint8) instead of refusing it, "
+                        "to measure it: the end-of-run checks say whether the loss was finite, fell, and whether the "
+                        "base was sharded (default: off)")
+    g.add_argument("--qlora_storage", choices=tuning.QLORA_STORAGES, default=None,
+                   help="with --peft qlora: the dtype bitsandbytes packs the 4-bit weights in "
+                        "(bnb_4bit_quant_storage): bfloat16, which FSDP2 shards like any parameter; uint8 is a known "
+                        "failure under FSDP2 (accelerate#3983), refused without --allow_known_failure "
+                        f"(default: {tuning.QLORA_STORAGES[0]})")
+    g.add_argument("--optimizer", choices=tuning.OPTIMIZERS, default=tuning.ADAMW,
+                   help=f"{tuning.ADAMW}: torch's AdamW; {tuning.ADAMW8BIT}, {tuning.ADAMW4BIT}, {tuning.ADAMW_FP8}: "
+                        "torchao's low-bit AdamW, its step compiled per parameter (pip install -r "
+                        f"{tuning.LOW_BIT_REQUIREMENTS}); {tuning.BNB_ADAMW8BIT} and {tuning.ADAFACTOR} are refused: "
+                        "they do not run on FSDP2's DTensor parameters (docs/fine-tuning.md) "
+                        f"(default: {tuning.ADAMW})")
+
+
 def check_step(fsdp_options: options.FsdpOptions, config, device_type: str) -> None:
-    """The loss and the levers against the model, the layout and the device (main.py's and plan.py's checks)."""
+    """The loss, the levers and the fine-tuning against the model, the layout and the device (main.py's and
+    plan.py's checks)."""
     step.check(fsdp_options.step, config, fsdp_options.layout, device_type)
     levers.check(fsdp_options, device_type, config.num_hidden_layers)
+    tuning.check_device(fsdp_options.tuning, device_type)
 
 
 def add_config_option(p: argparse.ArgumentParser, becomes: str) -> None:
@@ -262,12 +303,14 @@ def add_layout_options(p: argparse.ArgumentParser) -> None:
 
 # What one run can do with each number (closed ranges): a block of one token has no next token to
 # predict (its loss is NaN), larger batches or blocks than any GPU holds for one step, a learning rate that diverges on the first step, a seed beyond the generators' 32 bits, a
-# memory sample rarer than once a minute (a trace of one sample) or more often than once a millisecond.
+# memory sample rarer than once a minute (a trace of one sample) or more often than once a millisecond, a LoRA rank
+# wider than any layer people adapt, an alpha that scales the adapters to nothing, a dropout that drops all.
 NUMBER_RANGES = {"batch_size": (1, 1 << 16), "block_size": (2, 1 << 20), "max_steps": (1, 10_000_000),
                  "ac_every": (1, 1 << 16),
                  "gradient_accumulation_steps": (1, 1 << 16), "dp_replicate_size": (1, 1 << 16),
                  "dp_shard_size": (1, 1 << 16), "cp_size": (1, 1 << 16), "tp_size": (1, 1 << 16),
-                 "learning_rate": (1e-12, 10.0), "seed": (0, 2**32 - 1), "log_interval": (0.001, 60.0)}
+                 "learning_rate": (1e-12, 10.0), "seed": (0, 2**32 - 1), "log_interval": (0.001, 60.0),
+                 "lora_rank": (1, 1 << 16), "lora_alpha": (1e-6, 1e6), "lora_dropout": (0.0, 0.99)}
 
 
 def option_defaults() -> dict:
@@ -334,6 +377,7 @@ def check_options(args: argparse.Namespace, world_size: int) -> tuple[list[str],
     check_ranges(args, NUMBER_RANGES)
     names = parse_names(args.variants, "--variants", VARIANTS)
     fsdp_options = options.from_args(args)
+    tuning.check_known_failure(fsdp_options.tuning, args.allow_known_failure)
     if args.dataset is not None:
         expect_path(args.dataset, "--dataset", "file")
     if args.tokenizer is not None and looks_like_a_path(args.tokenizer):
@@ -537,11 +581,13 @@ def checked_launch(args: argparse.Namespace, world_size: int | None) -> Checked:
     if args.init_device == "cuda" and device_type != "cuda":
         raise UserError("--init_device cuda needs a GPU (this run is on the CPU)")
     check_meta_variants(args.init_device, names)
+    tuning.check_init_device(fsdp_options.tuning, args.init_device)
     if args.gpu_memory is not None and device_type != "cuda":
         raise UserError("--gpu_memory needs a GPU (this run is on the CPU)")
     check_output_dir(args.output_dir, "summary.json")
     refuse_foreign(files_written(args, names, launch_world), "--output_dir")
-    facts = model_facts(args.model, args.seed, lambda model: check_model(model, args.block_size, fsdp_options))
+    facts = model_facts(args.model, args.seed, lambda model: check_model(model, args.block_size, fsdp_options),
+                        fsdp_options.tuning)
     check_wrapped_classes(config, facts.layer_classes)
     try:
         check_step(fsdp_options, facts.config, device_type)

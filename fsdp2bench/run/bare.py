@@ -60,7 +60,8 @@ def bare_loop(argv: list[str]) -> dict:
     meshes = simulation.init_simulated_group(device, 0, world, None if name == "accelerate" else
                                              options.layout.at(world))
     model = None if name == "accelerate" and options.layout.tensor_parallel else \
-        build_for_run(checked.facts.config, args.init_device, device, args.seed, build_threads(), None)[0]
+        build_for_run(checked.facts.config, args.init_device, device, args.seed, build_threads(), None,
+                      options.tuning)[0]
     ctx = utils.Context(device, meshes, args.learning_rate, checked.facts.layer_classes, lambda *a, **k: None,
                         options, checked.facts.config)
     prep = utils.VARIANTS[name](model, ctx)

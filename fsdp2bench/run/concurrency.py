@@ -17,7 +17,7 @@ import psutil
 import torch.distributed as dist
 
 from fsdp2bench.cli import UserError
-from fsdp2bench.memory.accounting import model_bytes
+from fsdp2bench.memory.accounting import built_bytes
 from fsdp2bench.memory.estimate import GpuCap, device_state, gpu_need, host_bytes, tokens_said
 from fsdp2bench.names import GIB
 from fsdp2bench.options.fsdp import FsdpOptions
@@ -101,7 +101,7 @@ def sweep_room(shapes, sizes: list[int], names: list[str], init_device: str, opt
     if total is None:
         return None
     host = host_memory_for_launch() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    host -= model_bytes(shapes) if shared_build and init_device == "cpu" else 0
+    host -= built_bytes(shapes) if shared_build and init_device == "cpu" else 0
     needs = {}
     for n in sizes:
         for name in names:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from fsdp2bench.cli import RankError, UserError, one_line, pick_device
 from fsdp2bench.files import check_replaceable, is_ours, lock_output_dir, prepare_output_dir
 from fsdp2bench.memory.accounting import model_bytes, param_shapes, parameter_count
+from fsdp2bench.options.tuning import Tuning
 from fsdp2bench.processes.isolation import (STORE_TIMEOUT, StoreKeys, StoreLost, catch_interrupts, launcher_env,
                                             set_first, wait_for_keys)
 from fsdp2bench.processes.starting import start_child_server
@@ -58,11 +59,13 @@ class ModelFacts:
         return parameter_count(self.shapes)
 
 
-def model_facts(model: str, seed: int, check_config: Callable[[object], None] = lambda config: None) -> ModelFacts:
-    """A causal LM whose blocks FSDP2 can shard one by one, each parameter in one unit; refused in one line."""
+def model_facts(model: str, seed: int, check_config: Callable[[object], None] = lambda config: None,
+                tuning: Tuning = Tuning()) -> ModelFacts:
+    """A causal LM whose blocks FSDP2 can shard one by one, each parameter in one unit, with the adapters ``tuning``
+    asks for; refused in one line."""
     config = load_config(model)
     check_config(config)
-    meta_model = build_meta_model(model, config, seed)
+    meta_model = build_meta_model(model, config, seed, tuning)
     layer_classes = layer_class_names(meta_model)
     check_units_own_their_parameters(model, meta_model, layer_classes)
     return ModelFacts(model, config, param_shapes(meta_model, config, layer_classes), layer_classes,

@@ -12,6 +12,7 @@ from torch import nn
 
 from fsdp2bench.cli import UserError, from_hub, one_line, say
 from fsdp2bench.files import expect_path, looks_like_a_path
+from fsdp2bench.options.tuning import Tuning, add_adapters
 from fsdp2bench.train.weights import SharedWeights, give_weights
 
 # Built-in model shapes, so that no run needs the Hub: each its model type and the published config's shapes.
@@ -106,12 +107,19 @@ def check_causal_lm(model: str, config) -> None:
                         "(transformers has no AutoModelForCausalLM for it)")
 
 
-def build_model(config, device: torch.device, seed: int, threads: int = 1,
-                weights: SharedWeights | None = None) -> tuple[nn.Module, str]:
-    """Random fp32 weights, built directly on ``device``: same seed, same weights on every rank.
-    On the CPU the weights are drawn on ``threads`` threads (``random_init``), once per rank where
-    ``weights`` is given (weights.py). Also returns where the weights came from: "drew", "mapped"
-    (drawn by an earlier variant of this rank) or "own"."""
+def build_model(config, device: torch.device, seed: int, threads: int = 1, weights: SharedWeights | None = None,
+                tuning: Tuning = Tuning(), run_device: torch.device | None = None) -> tuple[nn.Module, str]:
+    """Random fp32 weights, built directly on ``device``: same seed, same weights on every rank; then the adapters
+    ``tuning`` asks for (tuning.add_adapters; a QLoRA base quantized on ``run_device``, by default ``device``). On
+    the CPU the weights are drawn on ``threads`` threads (``random_init``), once per rank where ``weights`` is given
+    (weights.py). Also returns where the weights came from: "drew", "mapped" (drawn by an earlier variant of this
+    rank) or "own"."""
+    model, source = build_base_model(config, device, seed, threads, weights)
+    return add_adapters(model, tuning, seed, run_device or device), source
+
+
+def build_base_model(config, device: torch.device, seed: int, threads: int,
+                     weights: SharedWeights | None) -> tuple[nn.Module, str]:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -143,13 +151,15 @@ def build_empty(config) -> nn.Module:
 
 
 def build_for_run(config, init_device: str, device: torch.device, seed: int, threads: int,
-                  weights: SharedWeights | None) -> tuple[nn.Module, str]:
+                  weights: SharedWeights | None, tuning: Tuning = Tuning()) -> tuple[nn.Module, str]:
     """The model as ``--init_device`` asks: on the CPU, on the GPU, or empty on meta ("meta": sharded, then each
-    rank draws its own shards)."""
+    rank draws its own shards; refused with adapters); with the adapters ``tuning`` asks for, a QLoRA base quantized
+    on ``device``."""
     if init_device == "meta":
         torch.manual_seed(seed)
         return build_empty(config), "own"
-    return build_model(config, device if init_device == "cuda" else torch.device("cpu"), seed, threads, weights)
+    return build_model(config, device if init_device == "cuda" else torch.device("cpu"), seed, threads, weights,
+                       tuning, device)
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
@@ -215,10 +225,13 @@ def check_units_own_their_parameters(name: str, model: nn.Module, layer_classes:
                         "each unit's parameters separately and cannot shard one tensor in two units")
 
 
-def build_meta_model(name: str, config, seed: int) -> nn.Module:
-    """The model's shapes without its memory; a config transformers cannot build is the user's to fix."""
+def build_meta_model(name: str, config, seed: int, tuning: Tuning = Tuning()) -> nn.Module:
+    """The model's shapes without its memory (adapters included); a config transformers cannot build is the user's
+    to fix."""
     try:
-        return build_model(config, torch.device("meta"), seed)[0]
+        return build_model(config, torch.device("meta"), seed, tuning=tuning)[0]
+    except UserError:
+        raise
     except Exception as exc:
         raise UserError(f"--model {name}: transformers cannot build it ({one_line(exc)})") from None
 

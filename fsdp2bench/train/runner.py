@@ -244,7 +244,7 @@ def build(job: Job, tracker: MemoryTracker):
     to the GPU, as in the upstream and most user code), directly on the GPU, or empty (meta) until sharded."""
     start = time.perf_counter()
     model, weights = build_for_run(job.config, job.train.init_device, job.device, job.train.seed,
-                                   job.train.build_threads, job.train.weights)
+                                   job.train.build_threads, job.train.weights, job.train.options.tuning)
     tracker.mark("model_built", build_device=next(model.parameters()).device.type,
                  build_s=time.perf_counter() - start, weights=weights)
     return model

@@ -1,0 +1,284 @@
+"""Fine-tuning under FSDP2 (fsdp2bench/options/tuning.py, docs/fine-tuning.md): LoRA adapters over a frozen bf16 base
+in all four variants (the intended ones train, the stale one does not, every byte counted, the base sharded 1/N with
+no gradient and no optimizer state); the refusals of what cannot run, in one line, before anything is written."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+
+from conftest import TINY, VARIANTS, load, refusal, run_script
+from fsdp2bench.cli import UserError
+from fsdp2bench.options import tuning
+from fsdp2bench.options.levers import cpp_compiler
+from fsdp2bench.run import arguments
+from fsdp2bench.train.model import PRESETS
+
+UNFIXED = "torch_optimizer_before_fsdp_not_fixed"
+LORA, QLORA = ["--peft", "lora"], ["--peft", "qlora"]
+# The optional packages (requirements-peft.txt, requirements-float8.txt): where one is not installed its option is
+# refused, which the last test checks everywhere by blocking it. torchao's optimizers compile each parameter's step
+# (inductor builds C++ on the CPU).
+needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
+needs_bitsandbytes = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
+                                        reason="bitsandbytes is not installed")
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None or cpp_compiler() is None,
+                                   reason="torchao or a C++ compiler is missing")
+
+
+def tiny_lora_parameters(rank: int) -> tuple[list[tuple[int, ...]], int]:
+    """The tiny preset's frozen base (the shape of every parameter) and its adapters' parameter count at ``rank``,
+    from the preset's sizes: every projection of both blocks adapted, A (rank x in) and B (out x rank)."""
+    p = PRESETS["tiny"]
+    h, i, layers, head = p["hidden_size"], p["intermediate_size"], p["num_hidden_layers"], h_dim(p)
+    kv = p["num_key_value_heads"] * head
+    projections = [(h, h, True), (kv, h, True), (kv, h, True), (h, h, False), (i, h, False), (i, h, False),
+                   (h, i, False)]  # (out, in, bias): q, k, v, o, gate, up, down; Qwen2's q, k, v have biases
+    block = [shape for out, inp, bias in projections for shape in [(out, inp)] + ([(out,)] if bias else [])]
+    base = [(p["vocab_size"], h)] + layers * (block + [(h,), (h,)]) + [(h,)]  # embeddings (tied head), norms
+    adapters = layers * sum(rank * (inp + out) for out, inp, _ in projections)
+    return base, adapters
+
+
+def h_dim(preset: dict) -> int:
+    return preset["hidden_size"] // preset["num_attention_heads"]
+
+
+def padded_chunk_bytes(shapes: list[tuple[int, ...]], n: int, itemsize: int) -> int:
+    """What FSDP2 stores of each parameter on every rank of n: ceil(d0 / n) rows."""
+    return sum(math.ceil(s[0] / n) * math.prod(s[1:]) * itemsize for s in shapes)
+
+
+@needs_peft
+def test_lora_trains_every_intended_variant_and_the_stale_optimizer_holds_old_adapters(tmp_path):
+    """2 ranks, rank 16 over every projection: the intended variants' losses fall (bit-equal), the unfixed one's
+    does not; every byte of the state is the rule's; the bf16 base holds its padded half on each rank and never a
+    gradient or optimizer state; the stale optimizer holds the whole fp32 adapters, and no state."""
+    proc = run_script(["main.py", *TINY, *LORA, "--quiet", "--output_dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    summary = load(tmp_path / "summary.json")
+    checks = summary["checks"]
+    for check in ("intended_variants_trained", "unfixed_did_not_train", "intended_losses_match",
+                  "accounting_matches_expected", "frozen_base_sharded", "options_applied"):
+        assert checks[check]["ok"] is True, (check, checks[check])
+    base, adapters = tiny_lora_parameters(16)
+    half = padded_chunk_bytes(base, 2, 2)
+    for name in VARIANTS:
+        entry = summary["variants"][name]
+        for rank in entry["frozen_base"]:
+            assert rank == {"frozen_param_bytes": half, "frozen_grad_bytes": 0, "frozen_state_bytes": 0}, name
+        assert entry["expected_frozen_base"][0]["frozen_full_bytes"] == 2 * sum(math.prod(s) for s in base)
+        for rank in entry["accounting"]:  # the adapters' fp32 chunks beside the base's bf16 ones
+            assert rank["param_bytes"] > half and rank["before_zero_grad"]["grad_bytes"] < 4 * adapters
+    for rank in summary["variants"][UNFIXED]["accounting"]:
+        assert rank["stale_param_bytes"] == 4 * adapters and rank["optimizer_state_bytes"] == 0
+    assert "Trained: LoRA adapters (rank 16" in " ".join(proc.stdout.split())
+    assert summary["meta"]["fsdp_options"]["tuning"]["peft"] == "lora"
+
+
+@needs_peft
+@needs_bitsandbytes
+def test_qlora_trains_every_intended_variant_over_a_sharded_four_bit_base(tmp_path):
+    """2 ranks, bitsandbytes' CPU kernels: every projection 4-bit (NF4, packed two codes a byte in bf16 storage,
+    (numel + 1) // 4 rows of one bf16), bf16 adapters. The intended variants train and the stale one does not,
+    every byte as the rule says, and each rank holds its padded chunk of the packed base and of the rest."""
+    proc = run_script(["main.py", *TINY, *QLORA, "--quiet", "--output_dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    summary = load(tmp_path / "summary.json")
+    for check in ("intended_variants_trained", "unfixed_did_not_train", "intended_losses_match",
+                  "accounting_matches_expected", "frozen_base_sharded"):
+        assert summary["checks"][check]["ok"] is True, (check, summary["checks"][check])
+    base, adapters = tiny_lora_parameters(16)
+    embeddings, rest = base[0], base[1:]
+    packed = [((math.prod(s) + 1) // 4, 1) for s in rest if len(s) == 2]
+    kept = [embeddings] + [s for s in rest if len(s) == 1]
+    for name in VARIANTS:
+        held = summary["variants"][name]["frozen_base"]
+        assert [r["frozen_param_bytes"] for r in held] == [padded_chunk_bytes(packed + kept, 2, 2)] * 2, name
+    for rank in summary["variants"][UNFIXED]["accounting"]:
+        assert rank["stale_param_bytes"] == 2 * adapters  # the whole adapters, bf16
+    assert "Trained: QLoRA adapters (rank 16" in " ".join(proc.stdout.split())
+
+
+@needs_peft
+@needs_bitsandbytes
+def test_qlora_in_uint8_runs_only_when_asked_and_the_checks_catch_accelerates_whole_base(tmp_path):
+    """uint8 storage (accelerate#3983), run anyway: on the CPU the torch variant shards it and trains, while
+    accelerate 1.15 leaves every non-floating 4-bit weight out of sharding, whole on every rank, which the checks
+    name; the run fails."""
+    proc = run_script(["main.py", *TINY, *QLORA, "--qlora_storage", "uint8", "--allow_known_failure", "--quiet",
+                       "--variants", "torch_optimizer_after_fsdp,accelerate", "--output_dir", str(tmp_path)])
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    checks = load(tmp_path / "summary.json")["checks"]
+    assert checks["frozen_base_sharded"] == {"ok": False, "mismatched": ["accelerate"]}
+    assert checks["accounting_matches_expected"] == {"ok": False, "mismatched": ["accelerate"]}
+    variants = load(tmp_path / "summary.json")["variants"]
+    chunk = variants["accelerate"]["expected_frozen_base"][0]["frozen_param_bytes"]
+    assert all(r["frozen_param_bytes"] > chunk for r in variants["accelerate"]["frozen_base"])
+    assert all(r["frozen_param_bytes"] == chunk for r in variants["torch_optimizer_after_fsdp"]["frozen_base"])
+    assert "frozen_base_sharded failed" in proc.stderr
+
+
+@needs_bitsandbytes
+def test_qlora_where_bitsandbytes_cannot_quantize_on_the_cpu_is_refused(monkeypatch):
+    """Releases before bitsandbytes 0.46 had CUDA kernels alone: asked, not assumed."""
+    import bitsandbytes.functional
+
+    def no_kernel(*args, **kwargs):
+        raise NotImplementedError("no CPU backend")
+
+    monkeypatch.setattr(bitsandbytes.functional, "quantize_4bit", no_kernel)
+    with pytest.raises(UserError, match=r"--peft qlora on the CPU: bitsandbytes .* cannot quantize there "
+                                        r"\(NotImplementedError: no CPU backend\); run it on a GPU"):
+        tuning.check_device(tuning.Tuning(peft="qlora"), "cpu")
+    tuning.check_device(tuning.Tuning(peft="qlora"), "cuda")  # a GPU's kernels are its CUDA build's
+
+
+# The optimizer state of every rank at LoRA rank 256 on the tiny model at N = 2, by the rule torchao keeps (a local
+# chunk of at least 4096 elements and whole blocks is quantized: every adapter's here): 28 adapters of 294,400
+# local elements in all, two moments each and a 4-byte step. 8-bit: a byte an element, a fp32 scale per 256 and a
+# table of 256 fp32 per moment; 4-bit: half a byte, a scale per 128, a table of 16; fp8: a byte, a scale per 256.
+ELEMENTS, ADAPTERS = 294_400, 28
+LOW_BIT_STATE = {"adamw8bit": 2 * (ELEMENTS + 4 * ELEMENTS // 256 + ADAPTERS * 4 * 256) + 4 * ADAPTERS,
+                 "adamw4bit": 2 * (ELEMENTS // 2 + 4 * ELEMENTS // 128 + ADAPTERS * 4 * 16) + 4 * ADAPTERS,
+                 "adamw_fp8": 2 * (ELEMENTS + 4 * ELEMENTS // 256) + 4 * ADAPTERS}
+
+
+@needs_peft
+@needs_torchao
+@pytest.mark.parametrize("optimizer", LOW_BIT_STATE)
+def test_torchaos_low_bit_adamw_trains_lora_in_every_variant_with_its_state_counted(tmp_path, optimizer):
+    """2 ranks, LoRA rank 256 (each rank's chunk of every adapter large enough to be quantized), 8 steps: the
+    intended variants train, bit-equal, the stale one does not, and each rank's state is the quantized one's, to
+    the byte (a quarter of AdamW's fp32 moments or less, where AdamW's would be 2 x 4 x 294,400 + 112 bytes)."""
+    proc = run_script(["main.py", *TINY, *LORA, "--lora_rank", "256", "--optimizer", optimizer, "--max_steps", "8",
+                       "--quiet", "--output_dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    summary = load(tmp_path / "summary.json")
+    for check in ("intended_variants_trained", "unfixed_did_not_train", "intended_losses_match",
+                  "accounting_matches_expected", "frozen_base_sharded"):
+        assert summary["checks"][check]["ok"] is True, (check, summary["checks"][check])
+    for name in ("torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_fixed", "accelerate"):
+        held = [rank["before_zero_grad"]["optimizer_state_bytes"] for rank in summary["variants"][name]["accounting"]]
+        assert held == [LOW_BIT_STATE[optimizer]] * 2, (name, held)
+    assert LOW_BIT_STATE[optimizer] < (2 * 4 * ELEMENTS + 4 * ADAPTERS) / 3
+
+
+@needs_peft
+def test_the_matrix_gives_lora_to_every_launch_and_skips_the_sets_it_cannot_run(tmp_path):
+    """matrix.py passes --peft on like any main.py option; a set whose layout LoRA is not measured under (TP) is
+    skipped, said with the reason, and the others run it: the base sharded at simulated N = 4."""
+    out = tmp_path / "matrix"
+    proc = run_script(["matrix.py", "--option_sets", "default,tp2", "--nproc_per_node", "0", "--simulate_world_size",
+                       "4", "--sweep_steps", "2", "--device", "cpu", "--model", "tiny", "--variants",
+                       "torch_optimizer_after_fsdp", *LORA, "--output_dir", str(out)], nproc=None, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "--peft lora with --tp_size 2" in " ".join(proc.stdout.split())
+    summary = load(out / "default" / "sweep" / "summary.json")
+    assert summary["meta"]["fsdp_options"]["tuning"]["peft"] == "lora"
+    assert summary["checks"]["frozen_base_sharded"] == {"ok": True, "mismatched": []}
+    assert not (out / "tp2").exists()
+
+
+# One step of each optimizer on an nn.Linear sharded by FSDP2 over 2 gloo ranks: what it says, on rank 0.
+PROBE = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("gloo")
+model = fully_shard(torch.nn.Sequential(torch.nn.Linear(64, 512)))
+def make(name, params):
+    if name == "bitsandbytes":
+        import bitsandbytes
+        return bitsandbytes.optim.AdamW8bit(params, lr=1e-3)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+        return Adafactor(params, lr=1e-3, relative_step=False, scale_parameter=False)
+    return torch.optim.AdamW(params, lr=1e-3)
+for name in sys.argv[1:]:
+    optimizer = make(name, list(model.parameters()))
+    model(torch.ones(2, 64)).sum().backward()
+    try:
+        optimizer.step()
+        said = "runs"
+    except Exception as exc:
+        said = "fails: " + str(exc).splitlines()[0]
+    if dist.get_rank() == 0:
+        print(f"probe {name} {said}", flush=True)
+"""
+
+
+@needs_bitsandbytes
+def test_the_refused_optimizers_still_fail_on_fsdp2s_dtensor_parameters(tmp_path):
+    """Why --optimizer bnb_adamw8bit and adafactor are refused, asked of the installed releases: a step of either on
+    FSDP2's DTensor parameters meets a plain tensor of its own state (torch's AdamW, beside them, runs). Where a
+    release runs them, this fails, and the refusal is to be lifted."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    proc = run_script([str(script), "adamw", "bitsandbytes", "adafactor"])
+    said = dict(line.split(" ", 2)[1:] for line in proc.stdout.splitlines() if line.startswith("probe "))
+    assert said["adamw"] == "runs", proc.stdout + proc.stderr[-2000:]
+    for name in ("bitsandbytes", "adafactor"):
+        assert said[name].startswith("fails: ") and "got mixed torch.Tensor and DTensor" in said[name], said
+
+
+@pytest.mark.parametrize("argv, said", [
+    ([*LORA, "--lora_rank", "0"], "--lora_rank must be in [1, 65536], got 0"),
+    ([*LORA, "--lora_rank", "-4"], "--lora_rank must be in [1, 65536], got -4"),
+    ([*LORA, "--lora_rank", str(10**12)], "--lora_rank must be in [1, 65536]"),
+    ([*LORA, "--lora_rank", "nan"], "--lora_rank: invalid int value: 'nan'"),
+    ([*LORA, "--lora_alpha", "nan"], "--lora_alpha must be in"),
+    ([*LORA, "--lora_alpha", "-1"], "--lora_alpha must be in"),
+    ([*LORA, "--lora_dropout", "1"], "--lora_dropout must be in [0, 0.99]"),
+    ([*LORA, "--lora_targets", "q_proj,qkv_proj"], "--lora_targets q_proj,qkv_proj: qkv_proj matches no Linear layer"),
+    ([*LORA, "--lora_targets", ","], "--lora_targets : no name given matches no Linear layer"),
+    (["--lora_rank", "8"], "--lora_rank needs --peft lora"),
+    (["--optimizer", "sgd"], "--optimizer: invalid choice: 'sgd'"),
+    (["--optimizer", "bnb_adamw8bit"], "--optimizer bnb_adamw8bit: bitsandbytes' AdamW8bit keeps its state in plain"),
+    (["--optimizer", "adafactor"], "--optimizer adafactor: transformers' Adafactor keeps its factored row and column"),
+    (["--peft", "dora"], "--peft: invalid choice: 'dora'"),
+    ([*LORA, "--simulate_world_size", "2", "--tp_size", "2"], "--peft lora with --tp_size 2"),
+    pytest.param([*QLORA, "--qlora_storage", "uint8"],
+                 "--qlora_storage uint8: 4-bit weights stored as uint8 are no floating tensor that FSDP2 can shard",
+                 marks=needs_bitsandbytes),
+    pytest.param([*QLORA, "--qlora_storage", "uint8"], "(accelerate#3983); the fix: store them as bf16 "
+                                                       "(--qlora_storage bfloat16", marks=needs_bitsandbytes),
+    ([*LORA, "--qlora_storage", "bfloat16"], "--qlora_storage needs --peft qlora"),
+    ([*LORA, "--init_device", "meta", "--variants", "torch_optimizer_after_fsdp"],
+     "--peft lora with --init_device meta: peft adds the adapters to a built base"),
+    pytest.param([*QLORA, "--allow_known_failure"], "--allow_known_failure: nothing in this command line is a known "
+                                                    "failure", marks=needs_bitsandbytes),
+    ([*QLORA, "--qlora_storage", "int4"], "--qlora_storage: invalid choice: 'int4'"),
+])
+@needs_peft
+def test_a_bad_fine_tuning_option_is_refused_in_one_line(tmp_path, argv, said):
+    line = refusal(arguments.validate, ["--model", "tiny", "--device", "cpu", "--output_dir", str(tmp_path), *argv])
+    assert line is not None and said in line, line
+
+
+# main.py launched with the named packages made unimportable first, as if they were not installed.
+WITHOUT = ("import runpy, sys\n"
+           "for name in sys.argv[1].split(','): sys.modules[name] = None\n"
+           "sys.argv = ['main.py', *sys.argv[2:]]\n"
+           "runpy.run_path('main.py', run_name='__main__')")
+
+
+@pytest.mark.parametrize("blocked, argv, said", [
+    ("peft", LORA, "error: --peft lora: peft cannot be imported (import of peft halted; None in sys.modules); "
+                   "install it with pip install -r requirements-peft.txt"),
+    ("bitsandbytes", QLORA, "error: --peft qlora: bitsandbytes cannot be imported (import of bitsandbytes halted; "
+                            "None in sys.modules); install it with pip install -r requirements-peft.txt"),
+    ("torchao.optim", ["--optimizer", "adamw8bit"], "error: --optimizer adamw8bit: torchao cannot be imported "
+                                                    "(import of torchao.optim halted; None in sys.modules); install it "
+                                                    "with pip install -r requirements-float8.txt"),
+    pytest.param("none", [*LORA, "--lora_targets", "wq"], "error: --lora_targets wq: wq matches no Linear layer",
+                 marks=needs_peft),
+    ("none", [*LORA, "--lora_rank", "0"], "error: --lora_rank must be in [1, 65536], got 0"),
+])
+def test_a_launch_refused_says_one_line_and_writes_nothing(tmp_path, blocked, argv, said):
+    out = tmp_path / "out"
+    proc = run_script(["-c", WITHOUT, blocked, *TINY, *argv, "--output_dir", str(out)], nproc=None)
+    assert proc.returncode == 2 and not out.exists(), proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(said), lines
