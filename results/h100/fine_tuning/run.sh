@@ -6,6 +6,7 @@
 set -u
 out=$1
 shift
+# bitsandbytes's wheel carried with only its CUDA 13 and CPU libraries (the image has torch 2.11+cu130)
 python3 -m pip install -q --no-deps .device_wheels/*.whl > /dev/null 2>&1
 nvidia-smi --query-gpu=name,power.limit,memory.total,clocks.max.sm --format=csv > "$out/gpu.txt" 2>&1
 python3 -c "import torch, accelerate, transformers, peft, bitsandbytes, torchao, sys; print(torch.__version__, \
@@ -32,7 +33,10 @@ for name in "$@"; do
                          --variants torch_optimizer_after_fsdp,accelerate ;;
         8b_full) run 8b_full $B8 --activation_checkpointing full ;;
         8b_lora) run 8b_lora $B8 --peft lora ;;
-        8b_qlora_8bit) run 8b_qlora_8bit $B8 --peft qlora --optimizer adamw8bit ;;
+        8b_qlora_8bit) run 8b_qlora_8bit $B8 --peft qlora --optimizer adamw8bit ;;  # refused since (torchao on bf16)
+        8b_qlora) run 8b_qlora $B8 --peft qlora ;;
+        8b_lora_ac) run 8b_lora_ac $B8 --peft lora --activation_checkpointing full ;;
+        8b_lora_8bit) run 8b_lora_8bit $B8 --peft lora --optimizer adamw8bit --activation_checkpointing full ;;
         *) echo "unknown run $name"; exit 2 ;;
     esac
 done
