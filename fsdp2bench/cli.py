@@ -58,8 +58,18 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
     def parse_known_args(self, args=None, namespace=None):
-        return super().parse_known_args(self.dash_values_joined(sys.argv[1:] if args is None else list(args)),
-                                        namespace)
+        parsed, extras = super().parse_known_args(
+            self.dash_values_joined(sys.argv[1:] if args is None else list(args)), namespace)
+        self.refuse_blank_values(parsed)
+        return parsed, extras
+
+    def refuse_blank_values(self, parsed: argparse.Namespace) -> None:
+        """A text value left empty (``--model ''``) would read as not given, its default taken in silence: refused,
+        as every other value an option cannot take is (a number, a choice: argparse's own line)."""
+        for action in self._actions:
+            value = getattr(parsed, action.dest, None)
+            if action.option_strings and isinstance(value, str) and not value.strip() and value != action.default:
+                self.error(f"{action.option_strings[0]}: an empty value (leave the option out for its default)")
 
     def dash_values_joined(self, argv: list[str]) -> list[str]:
         """An option's value that starts with a dash (``--links -1,50``) is its value, not a missing one: joined
