@@ -16,7 +16,7 @@ from fsdp2bench.processes.first import one_line_interrupts
 if __name__ == "__main__":  # before any other import: a Ctrl-C from here on is one line, never a traceback
     one_line_interrupts()
 
-from fsdp2bench.processes.starting import interrupts_raise, quiet_while_starting
+from fsdp2bench.processes.starting import interrupts_raise, quiet_while_starting, refuse_launcher
 
 if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them is one line
     quiet_while_starting()
@@ -159,7 +159,13 @@ def run(args: argparse.Namespace, forwarded: list[str]) -> int:
 
 
 def main() -> None:
-    exit_with(lambda: run(*parse_args()))
+    exit_with(lambda: run(*launched_alone_args()))
+
+
+def launched_alone_args() -> tuple[argparse.Namespace, list[str]]:
+    """The command line, read once this process is known to be the only one (matrix.py starts main.py's ranks)."""
+    refuse_launcher("matrix.py is one process that launches main.py for each option set")
+    return parse_args()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from fsdp2bench.processes.first import one_line_interrupts
 if __name__ == "__main__":  # before any other import: a Ctrl-C from here on is one line, never a traceback
     one_line_interrupts()
 
-from fsdp2bench.processes.starting import interrupts_raise, quiet_while_starting
+from fsdp2bench.processes.starting import interrupts_raise, quiet_while_starting, refuse_launcher
 
 if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them is one line
     quiet_while_starting()
@@ -137,6 +137,7 @@ def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[st
     arguments as the timed launch's rank 0 will check them."""
     from fsdp2bench.run import arguments
 
+    refuse_launcher("speed.py is one process that launches the main.py it times")
     args = parse_args(argv)
     check_ranges(args, {"nproc_per_node": (1, 4096)})
     json_flag = "--json" if args.json is not None else "--output_dir"

@@ -30,7 +30,7 @@ from fsdp2bench.plan.layout.timing import timing_dir
 from fsdp2bench.plan.probes import BATCH, BLOCK, BLOCK_STEP, LAYOUT, block_step
 from fsdp2bench.processes.isolation import launcher_keeps_to_one_thread
 from fsdp2bench.processes.simulation import check_fake_group_available, parse_world_sizes
-from fsdp2bench.processes.starting import check_launcher_env
+from fsdp2bench.processes.starting import refuse_launcher
 from fsdp2bench.run import arguments
 from fsdp2bench.run.session import ModelFacts, model_facts
 from fsdp2bench.run.versions import check_releases
@@ -183,6 +183,7 @@ def validate(argv: list[str] | None = None) -> Checked | CheckedSearch:
     """Everything plan.py refuses, in one line, before anything runs; an option the user's config set is named by
     its field there."""
     launcher_keeps_to_one_thread()
+    refuse_launcher("plan.py is one process that plays every rank")
     args, given = parse_args(argv)
     try:
         common = checked_common(args, given)
@@ -194,8 +195,6 @@ def validate(argv: list[str] | None = None) -> Checked | CheckedSearch:
 def checked_common(args: argparse.Namespace, given: set[str]) -> Common:
     """The checks both modes share, in the order a user would fix them."""
     check_releases()
-    if check_launcher_env()[1] != 1:
-        raise UserError("plan.py is one process that plays every rank: run it with python3, not a launcher")
     refuse_unread(given, args.find)
     check_ranges(args, NUMBER_RANGES)
     sizes = parse_world_sizes(args.world_size, "--world_size")
