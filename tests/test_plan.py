@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import time
 import types
@@ -236,6 +237,38 @@ def test_bad_input_is_refused_before_any_probe(argv, message, tmp_path):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace("+", r"\+")):
         plan.validate(["--device", "cpu", "--output_dir", str(tmp_path / "out"), *argv])
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["--world_size", "2,8", "--sets", "default,all"], r"one probe \((default|all) at N = 2, "),
+    (["--find", "layout", "--world_size", "2", "--global_batch", "4"], r"the lightest candidate's timing \(N = 2: "),
+])
+def test_a_plan_the_host_cannot_hold_is_refused_with_the_figure(monkeypatch, tmp_path, argv, what):
+    """The 7B shape on a 24 GiB CPU host had its first probe killed by the kernel after 109 s, and the layout search
+    ended with every timing refused and "raise --max_timings": each probe's or timing's process (the model built on
+    the host, its state, the runtime) must fit the host's memory, else one line says both figures."""
+    argv = ["--device", "cpu", *argv, "--output_dir", str(tmp_path / "out")]
+    assert refusal(plan.validate, argv) is None
+    monkeypatch.setattr(checks, "host_memory_for_launch", lambda: 256 * MIB)
+    line = refusal(plan.validate, argv)
+    need = re.search(rf"needs about ([0-9.]+) GiB of host memory for {what}", line or "")
+    assert need and float(need.group(1)) > 0.25 and "0.2 GiB are available" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_cpu_plan_sets_a_probe_up_ahead_only_where_the_host_holds_two(monkeypatch):
+    from fsdp2bench.plan import room
+    from fsdp2bench.plan.probes import BATCH, Probe, ProbeRunner, Question
+
+    monkeypatch.setattr(room, "host_bytes", lambda *args: 2 << 30)
+    session = types.SimpleNamespace(device=torch.device("cpu"), shapes=None)
+    runner = ProbeRunner(session, types.SimpleNamespace(init_device="cpu", build_threads=32), None, {}, {}, None, "")
+    question = Question("default", 8, 0, "torch_optimizer_after_fsdp", BATCH, 128)
+    stepping = Probe(question_key="k", question=question, value=4, room=0, setup=0)
+    ahead = Probe(question_key="k", question=question, value=None, room=0, setup=0, ahead=True)
+    for host_gib, starts in ((3, False), (5, True)):
+        monkeypatch.setattr(room, "host_memory_for_launch", lambda: host_gib << 30)
+        assert runner.gpu.may_start(ahead, [stepping]) is starts
 
 
 @pytest.mark.parametrize("argv, reason", [

@@ -17,7 +17,8 @@ from fsdp2bench.cli import (OneLineParser, UserError, check_ranges, given_option
 from fsdp2bench.files import check_output_dir, digest_of, is_ours, path_kind, refuse_foreign
 from fsdp2bench.memory import estimate
 from fsdp2bench.memory.accounting import model_bytes
-from fsdp2bench.names import VARIANTS
+from fsdp2bench.memory.estimate import host_bytes
+from fsdp2bench.names import GIB, VARIANTS
 from fsdp2bench.options import accelerate_config, levers as lever_checks, fsdp as options
 from fsdp2bench.options.layout import Layout
 from fsdp2bench.options.links import parse_links
@@ -32,6 +33,7 @@ from fsdp2bench.processes.isolation import launcher_keeps_to_one_thread
 from fsdp2bench.processes.simulation import check_fake_group_available, parse_world_sizes
 from fsdp2bench.processes.starting import refuse_launcher
 from fsdp2bench.run import arguments
+from fsdp2bench.run.concurrency import host_memory_for_launch
 from fsdp2bench.run.session import ModelFacts, model_facts
 from fsdp2bench.run.versions import check_releases
 from fsdp2bench.train.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, max_positions
@@ -273,6 +275,8 @@ def checked_plan(args: argparse.Namespace, common: Common) -> Checked:
     cap = estimate.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
     args.init_device = build_device(args.init_device, facts.shapes, cap)
     sets, skipped = plannable_sets(args, base, sets, common, config, facts.config)
+    check_host_fits(args, [(name, n, set_options(base, name)) for name in sets for n in common.sizes
+                           if set_options(base, name).layout.fits(n)], variants, facts, device.type)
     return Checked(args=args, sets=sets, sizes=common.sizes, variants=variants, blocks=blocks, upper=upper,
                    facts=facts, cap=cap, skipped=skipped, base=base, config=config)
 
@@ -305,6 +309,25 @@ def plannable_sets(args: argparse.Namespace, base: options.FsdpOptions, sets: li
     if not any(fits_at.values()):
         raise UserError(nothing_fits(args, base, config, common.sizes))
     return sets, skipped
+
+
+def check_host_fits(args: argparse.Namespace, planned: list[tuple[str, int, options.FsdpOptions]], variants: list[str],
+                    facts: ModelFacts, device_type: str) -> None:
+    """Each probe is a process of its own on this host (the model built there, unless on the GPU, and on a CPU run
+    its whole state): one that the host cannot hold would be killed by the kernel minutes in, with no word."""
+    need, name, world_size, variant = max((host_bytes(facts.shapes, n, [v], args.init_device, chosen, device_type),
+                                           name, n, v) for name, n, chosen in planned for v in variants)
+    refuse_beyond_host(need, f"--model {args.model} needs about {{}} of host memory for one probe ({name} at "
+                             f"N = {world_size}, {variant}")
+
+
+def refuse_beyond_host(need: int, said: str) -> None:
+    """``said`` (with ``{}`` where the figure goes) refused where ``need`` bytes exceed what the host has free."""
+    available = host_memory_for_launch()
+    if need > available:
+        raise UserError(said.format(f"{need / GIB:.1f} GiB") + ": the model built on the host, its state and the "
+                        f"runtime); {available / GIB:.1f} GiB are available: plan a smaller model here, or on a "
+                        "larger host")
 
 
 def nothing_fits(args: argparse.Namespace, base: options.FsdpOptions, config: accelerate_config.ConfigOptions | None,
@@ -396,8 +419,12 @@ def checked_search(args: argparse.Namespace, common: Common) -> CheckedSearch:
                   cap=cap, links=links, device_type=device.type, gpu_name=gpu_name() if device.type == "cuda" else None,
                   output_dir=args.output_dir, max_timings=args.max_timings, init_device=args.init_device,
                   num_parameters=facts.num_parameters, confirm=args.confirm, time_budget_s=args.time_budget_s)
-    return CheckedSearch(setup=setup, candidates=candidates_of(layouts, chosen, sequences, device.type),
-                         notes=notes + refused, args=args)
+    candidates = candidates_of(layouts, chosen, sequences, device.type)
+    need = min(host_bytes(facts.shapes, world_size, [VARIANTS[0]], args.init_device, options_of, device.type)
+               for options_of in {c.options(setup.base) for c in candidates})
+    refuse_beyond_host(need, f"--model {common.model} needs about {{}} of host memory for the lightest candidate's "
+                             f"timing (N = {world_size}")
+    return CheckedSearch(setup=setup, candidates=candidates, notes=notes + refused, args=args)
 
 
 def check_config_path(output_dir: str) -> None:

@@ -137,17 +137,21 @@ class GpuRoom:
         could step at once on the whole GPU, or ``WAITING_AT_LEAST`` where that is fewer."""
         if self.session.device.type != "cuda" or self.cap is None:
             # A CPU run: one piece at a time (beside one another they would only share the cores), and beside
-            # it the probe set up ahead of its value
-            return isinstance(item, Probe) and item.value is None and len(live) == 1
+            # it the probe set up ahead of its value where the host holds both
+            return isinstance(item, Probe) and item.value is None and len(live) == 1 and self.host_holds(item, live)
         held = sum(self.holding(o) for o in live)
         gpu = held + self.holding(item) <= self.cap.total
         if isinstance(item, Probe):
             pending = [o for o in live if isinstance(o, Probe) and o.went_at is None] + [item]
             gpu = gpu and sum(o.setup for o in pending) + max(o.room - o.setup for o in pending) <= self.cap.total \
                 and (len(pending) <= WAITING_AT_LEAST or sum(o.room for o in pending) <= self.cap.total)
+        return gpu and self.host_holds(item, live) and len(live) < self.train.build_threads
+
+    def host_holds(self, item: Probe | Shared, live: list[Probe | Shared]) -> bool:
+        """Whether the host holds ``item``'s process beside the pieces ``live`` (each counted as large)."""
         host = (len(live) + 1) * host_bytes(self.session.shapes, item.question.world_size, [item.question.variant],
-                                            self.train.init_device, item.question.options, "cuda")
-        return gpu and host <= host_memory_for_launch() and len(live) < self.train.build_threads
+                                            self.train.init_device, item.question.options, self.session.device.type)
+        return host <= host_memory_for_launch()
 
     def may_go(self, probe: Probe, live: list[Probe | Shared]) -> bool:
         """Whether a probe at its gate can go on to its steps: the GPU holds its room beside what the others
