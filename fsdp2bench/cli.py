@@ -32,6 +32,13 @@ class Stopped(Exception):
     """SIGINT or SIGTERM reached this process (isolation.Interrupted is one)."""
 
 
+def not_a_script(what: str, instead: str) -> NoReturn:
+    """A library file at the top of the tree run as a script: it would do nothing and exit 0; one line says what to
+    run instead."""
+    print(f"error: {what}, not a script: run {instead} (--help lists its options)", file=sys.stderr)
+    sys.exit(2)
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """The description's line breaks kept; a switch says that it takes no value (``--quiet``, not ``--quiet
     true``)."""

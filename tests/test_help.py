@@ -132,3 +132,19 @@ def test_an_empty_model_is_refused_by_a_launch():
     proc = run_script(["main.py", "--device", "cpu", "--model", ""], nproc=None)
     assert proc.returncode == 2 and proc.stderr.strip() == \
         "error: --model: an empty value (leave the option out for its default) (see --help)", proc.stderr
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in ROOT.glob("*.py")))
+def test_every_python_file_at_the_top_runs_or_says_it_is_not_a_script(script):
+    """``python3 utils.py --help`` (and measure.py) did nothing and exited 0: each file a newcomer sees beside main.py
+    either shows its help or says in one line that it is not a script, and what to run."""
+    proc = run_script([script, "--help"], nproc=None)
+    if script in SCRIPTS:
+        assert proc.returncode == 0 and proc.stdout.startswith("usage: "), proc.stderr[-2000:]
+    else:
+        assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+        assert proc.stderr.strip() == f"error: {script} {NOT_SCRIPTS[script]}, not a script: run python3 main.py " \
+                                      "(--help lists its options)", proc.stderr
+
+
+NOT_SCRIPTS = {"utils.py": "holds main.py's four variants", "measure.py": "holds the memory tracker of main.py's runs"}
