@@ -129,7 +129,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "model, wrapping, levers and loss, no tracker, no polling, no accounting), then the launch; "
                         "speed.json gets both medians and the suite's own cost per step (default: off)")
     p.add_argument("main_args", nargs=argparse.REMAINDER, help="arguments for main.py, after -- (default: none)")
-    return p.parse_args(argv)
+    args, unknown = p.parse_known_args(argv)
+    if unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}{where_main_options_go(unknown)}")
+    return args
+
+
+def where_main_options_go(unknown: list[str]) -> str:
+    """Where main.py's options go, said where one was given before the ``--`` (speed.py's parser knows none)."""
+    from fsdp2bench.run import arguments
+
+    main_options = {f"--{name}" for name in vars(arguments.parse_args([]))}
+    given = [word.split("=", 1)[0] for word in unknown if word.split("=", 1)[0] in main_options]
+    return f" ({given[0]} is main.py's: its options go after --, python3 speed.py -- {given[0]} ...)" if given else ""
 
 
 def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
