@@ -32,6 +32,7 @@ from fsdp2bench.options import accelerate_config, fsdp as options
 from fsdp2bench.processes.simulation import DEFAULT_STEPS, parse_world_sizes
 from fsdp2bench.report import matrix
 from fsdp2bench.run import arguments
+from fsdp2bench.run.session import move_earlier_runs_aside, new_run_id
 
 NUMBER_RANGES = {"nproc_per_node": (0, 4096), "sweep_steps": (1, 10_000_000)}  # 0 processes: sweeps only
 # main.py's FSDP2, accumulation and layout options: each launch gets those of its option set (over the user's
@@ -115,6 +116,7 @@ def run(args: argparse.Namespace, forwarded: list[str]) -> int:
     interrupts_raise()  # the launches' loop passes a Ctrl-C on (matrix.Launches)
     sets, refused, options_from = check(args, forwarded)
     prepare_output_dir(args.output_dir)
+    move_earlier_runs_aside(args.output_dir, new_run_id())  # the sets' own folders are their runs' to keep
     meta = matrix.meta_of(sets, args.simulate_world_size, args.sweep_steps, args.nproc_per_node, forwarded)
     meta["options_from"] = options_from  # each set's options are put over these
     summaries: dict[str, tuple[str, dict]] = {}
