@@ -317,17 +317,16 @@ def check_host_fits(args: argparse.Namespace, planned: list[tuple[str, int, opti
     its whole state): one that the host cannot hold would be killed by the kernel minutes in, with no word."""
     need, name, world_size, variant = max((host_bytes(facts.shapes, n, [v], args.init_device, chosen, device_type),
                                            name, n, v) for name, n, chosen in planned for v in variants)
-    refuse_beyond_host(need, f"--model {args.model} needs about {{}} of host memory for one probe ({name} at "
-                             f"N = {world_size}, {variant}")
+    refuse_beyond_host(need, args.model, "one probe", f"{name} at N = {world_size}, {variant}")
 
 
-def refuse_beyond_host(need: int, said: str) -> None:
-    """``said`` (with ``{}`` where the figure goes) refused where ``need`` bytes exceed what the host has free."""
+def refuse_beyond_host(need: int, model: str, what: str, where: str) -> None:
+    """Refused where ``need`` bytes, the process of ``what`` (``where``), exceed what the host has free."""
     available = host_memory_for_launch()
     if need > available:
-        raise UserError(said.format(f"{need / GIB:.1f} GiB") + ": the model built on the host, its state and the "
-                        f"runtime); {available / GIB:.1f} GiB are available: plan a smaller model here, or on a "
-                        "larger host")
+        raise UserError(f"--model {model} needs about {need / GIB:.1f} GiB of host memory for {what} ({where}: the "
+                        f"model built on the host, its state and the runtime); {available / GIB:.1f} GiB are "
+                        "available: plan a smaller model here, or on a larger host")
 
 
 def nothing_fits(args: argparse.Namespace, base: options.FsdpOptions, config: accelerate_config.ConfigOptions | None,
@@ -422,8 +421,7 @@ def checked_search(args: argparse.Namespace, common: Common) -> CheckedSearch:
     candidates = candidates_of(layouts, chosen, sequences, device.type)
     need = min(host_bytes(facts.shapes, world_size, [VARIANTS[0]], args.init_device, options_of, device.type)
                for options_of in {c.options(setup.base) for c in candidates})
-    refuse_beyond_host(need, f"--model {common.model} needs about {{}} of host memory for the lightest candidate's "
-                             f"timing (N = {world_size}")
+    refuse_beyond_host(need, common.model, "the lightest candidate's timing", f"N = {world_size}")
     return CheckedSearch(setup=setup, candidates=candidates, notes=notes + refused, args=args)
 
 
