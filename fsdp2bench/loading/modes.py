@@ -327,9 +327,13 @@ def loaded_what(summary: dict) -> str:
             f"{checkpoint['dtype']} {checkpoint['format']} checkpoint of {size_said(checkpoint['bytes'], 0)}")
 
 
+def on_gpu(summary: dict) -> bool:
+    """Whether the tables have a GPU column: a CPU run has no allocator to read."""
+    return summary["device"] != "cpu"
+
+
 def gpu_cell(text: str, summary: dict) -> str:
-    """A GPU column's cell, on a GPU run alone (a CPU run has no allocator to read)."""
-    return f" {text:>13}" if summary["device"] != "cpu" else ""
+    return f" {text:>13}" if on_gpu(summary) else ""
 
 
 def print_table(summary: dict) -> None:
@@ -348,7 +352,7 @@ def print_table(summary: dict) -> None:
         print(f"{mode:16} {m['load_time_s']:>7.2f} {added:>28} {m['host_ram_added_sum_mib']:>8.0f}"
               f"{gpu_cell('n/a' if gpu is None else f'{gpu:.0f}', summary)} {'yes' if m['weights_match'] else 'NO':>6}")
     print("RSS added: the process's peak resident memory (kernel high-water mark) minus its resident memory "
-          "when loading began;\n" + ("GPU peak: the allocator's peak counter; " if gpu_cell("", summary) else "")
+          "when loading began;\n" + ("GPU peak: the allocator's peak counter; " if on_gpu(summary) else "")
           + "match: every rank's shard equals the checkpoint's rows exactly.")
     shared = summary["modes"].get("shared_memory", {})
     if shared.get("status") == "ok":
