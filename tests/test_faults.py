@@ -163,6 +163,8 @@ BAD_INPUTS = {
     "dataset too short": (["--dataset", "{tmp}/short.txt"], "too few for one step"),
     "fraction zero": (["--dataset_fraction", "0"], "--dataset_fraction must be in (0, 1]"),
     "fraction above one": (["--dataset_fraction", "1.5"], "--dataset_fraction must be in (0, 1]"),
+    # A fraction so small that the text repeated for one step outgrows its bound: the fraction is named as the cause.
+    "fraction tiny": (["--dataset_fraction", "5e-10"], "--dataset_fraction 5e-10 keeps that share of them"),
     "no gpu": (["--device", "cuda"], "--device cuda: no CUDA GPU"),
     "output under a file": (["--output_dir", "{tmp}/short.txt/out"], "cannot write there"),
     "bad failure spec": (["--inject_failure", "accelerate:x:1"], "expected VARIANT:STEP:RANK"),
