@@ -281,6 +281,24 @@ def _number(x: float) -> str:
     return str(x) if isinstance(x, int) else f"{x:g}"
 
 
+@contextlib.contextmanager
+def quiet_imports() -> Iterator[None]:
+    """What some installs log as a package is imported, and the run never uses (torchao's kernels built for another
+    Python, which transformers' quantizers and peft import where torchao is installed; bitsandbytes' optional CPU
+    kernels; torch's note on torchao's enums): kept off the console, so that a refusal after it stays one line."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("torchao", "bitsandbytes", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def one_line(exc: BaseException) -> str:
     """The first line of an exception's message, for an error line that names its cause."""
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

@@ -20,11 +20,10 @@ other), and the adapters are bf16. uint8 storage is a known failure under FSDP2 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Iterator, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from fsdp2bench.cli import UserError
+from fsdp2bench.cli import UserError, quiet_imports
 
 if TYPE_CHECKING:
     import torch
@@ -230,24 +229,6 @@ def check_targets(model: nn.Module, targets: list[str]) -> None:
     if missing or not targets:
         raise UserError(f"--lora_targets {','.join(targets)}: {', '.join(missing) or 'no name given'} matches no "
                         f"Linear layer of this model; its Linear layers are named {', '.join(sorted(linear))}")
-
-
-@contextlib.contextmanager
-def quiet_imports() -> Iterator[None]:
-    """peft imports torchao and bitsandbytes where they are installed, and on some installs they log at import what
-    the run never uses (torchao's kernels built for another Python, bitsandbytes' optional CPU kernels, torch's note
-    on torchao's enums): kept off the console, so that a refusal after it stays one line."""
-    import logging
-
-    loggers = [logging.getLogger(name) for name in ("torchao", "bitsandbytes", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
 
 
 # --------------------------------------------------------------------------- checks

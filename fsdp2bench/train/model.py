@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from fsdp2bench.cli import UserError, from_hub, one_line, say
+from fsdp2bench.cli import UserError, from_hub, one_line, quiet_imports, say
 from fsdp2bench.files import expect_path, looks_like_a_path
 from fsdp2bench.options.tuning import Tuning, add_adapters
 from fsdp2bench.train.weights import SharedWeights, give_weights
@@ -122,6 +122,7 @@ def build_base_model(config, device: torch.device, seed: int, threads: int,
                      weights: SharedWeights | None) -> tuple[nn.Module, str]:
     from transformers import AutoModelForCausalLM
 
+    quietly_import_models()
     torch.manual_seed(seed)
     if device.type != "cpu":
         with device:
@@ -138,12 +139,20 @@ def build_base_model(config, device: torch.device, seed: int, threads: int,
     return model, source or "own"
 
 
+def quietly_import_models() -> None:
+    """transformers' model code, imported first here: its quantizers import torchao where it is installed, which
+    logs on some installs what no run uses (cli.quiet_imports)."""
+    with quiet_imports():
+        import transformers.modeling_utils  # noqa: F401
+
+
 def build_empty(config) -> nn.Module:
     """Parameters on the meta device, no memory (buffers such as rotary frequencies computed on the CPU): sharded
     first, then only each rank's shards get storage (``utils.materialize_shards``, ``loading``'s modes)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
+    quietly_import_models()
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.tie_weights()  # re-registering parameters on meta unties them; FSDP2 must see one shared tensor
