@@ -26,7 +26,7 @@ from fsdp2bench.options.step import LIGER, Step, check_liger
 from fsdp2bench.plan.layout.candidates import (COMPILE, FLOAT8, LEVER_NAMES, Levers, candidates_of, layouts_of,
                                                parse_levers)
 from fsdp2bench.plan.layout.report import CONFIG_NAME, written_config_digest
-from fsdp2bench.plan.layout.search import Setup
+from fsdp2bench.plan.layout.search import SearchInputs
 from fsdp2bench.plan.layout.timing import compute_dir, timing_dir
 from fsdp2bench.plan.probes import BATCH, BLOCK, BLOCK_STEP, LAYOUT, block_step
 from fsdp2bench.processes.isolation import launcher_keeps_to_one_thread
@@ -186,7 +186,7 @@ class Checked:
 @dataclass(frozen=True, kw_only=True)
 class CheckedSearch:
     """A layout search that can run: its setup, its candidates and what was left out and why."""
-    setup: Setup
+    setup: SearchInputs
     candidates: list
     notes: list[str]
     args: argparse.Namespace
@@ -427,7 +427,7 @@ def checked_search(args: argparse.Namespace, common: Common) -> CheckedSearch:
                         f"(their data-parallel ranks, {', '.join(map(str, splits))}, each leave a remainder)")
     cap = estimate.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
     args.init_device = build_device(args.init_device, facts.shapes, cap)
-    setup = Setup(model=common.model, world_size=world_size, block=block, global_sequences=sequences,
+    setup = SearchInputs(model=common.model, world_size=world_size, block=block, global_sequences=sequences,
                   shapes=facts.shapes, config=facts.config, base=options.FsdpOptions(step=Step(loop=args.loop)),
                   cap=cap, links=links, device_type=device.type, gpu_name=gpu_name() if device.type == "cuda" else None,
                   output_dir=args.output_dir, max_timings=args.max_timings, init_device=args.init_device,
