@@ -16,7 +16,7 @@ from fsdp2bench.processes.first import one_line_interrupts
 if __name__ == "__main__":  # before any other import: a Ctrl-C from here on is one line, never a traceback
     one_line_interrupts()
 
-from fsdp2bench.processes.starting import interrupts_raise, quiet_while_starting
+from fsdp2bench.processes.starting import interrupts_raise, quiet_while_starting, refuse_launcher
 
 if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them is one line
     quiet_while_starting()
@@ -32,6 +32,7 @@ from fsdp2bench.options import accelerate_config, fsdp as options
 from fsdp2bench.processes.simulation import DEFAULT_STEPS, parse_world_sizes
 from fsdp2bench.report import matrix
 from fsdp2bench.run import arguments
+from fsdp2bench.run.session import move_earlier_runs_aside, new_run_id
 
 NUMBER_RANGES = {"nproc_per_node": (0, 4096), "sweep_steps": (1, 10_000_000)}  # 0 processes: sweeps only
 # main.py's FSDP2, accumulation and layout options: each launch gets those of its option set (over the user's
@@ -115,6 +116,7 @@ def run(args: argparse.Namespace, forwarded: list[str]) -> int:
     interrupts_raise()  # the launches' loop passes a Ctrl-C on (matrix.Launches)
     sets, refused, options_from = check(args, forwarded)
     prepare_output_dir(args.output_dir)
+    move_earlier_runs_aside(args.output_dir, new_run_id())  # the sets' own folders are their runs' to keep
     meta = matrix.meta_of(sets, args.simulate_world_size, args.sweep_steps, args.nproc_per_node, forwarded)
     meta["options_from"] = options_from  # each set's options are put over these
     summaries: dict[str, tuple[str, dict]] = {}
@@ -159,7 +161,13 @@ def run(args: argparse.Namespace, forwarded: list[str]) -> int:
 
 
 def main() -> None:
-    exit_with(lambda: run(*parse_args()))
+    exit_with(lambda: run(*launched_alone_args()))
+
+
+def launched_alone_args() -> tuple[argparse.Namespace, list[str]]:
+    """The command line, read once this process is known to be the only one (matrix.py starts main.py's ranks)."""
+    refuse_launcher("matrix.py is one process that launches main.py for each option set")
+    return parse_args()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ segment, and the variant's true peak is the maximum over segments.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports below: said at once
+    from fsdp2bench.cli import not_a_script
+
+    not_a_script("measure.py holds the memory tracker of main.py's runs", "python3 main.py")
+
 import os
 import re
 import threading

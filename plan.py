@@ -111,7 +111,7 @@ def run(argv: list[str] | None = None) -> int:
             say_landed(plan, questions, searches, landed, time.time() - started)
         return plan
 
-    # A shared process for each answer that leads its set, N and fixed value; shares learned within a set
+    # A shared process for each answer that leads its set, N and fixed value; the blocks free learned within a set
     planner = Planner(searches, group=lambda key: key[0], unready=set(searches) - set(runner.leaders),
                               leaders=runner.leaders)
     try:

@@ -16,7 +16,7 @@ from fsdp2bench.processes.first import one_line_interrupts
 if __name__ == "__main__":  # before any other import: a Ctrl-C from here on is one line, never a traceback
     one_line_interrupts()
 
-from fsdp2bench.processes.starting import interrupts_raise, quiet_while_starting
+from fsdp2bench.processes.starting import interrupts_raise, quiet_while_starting, refuse_launcher
 
 if __name__ == "__main__":  # ahead of the imports below: a Ctrl-C during them is one line
     quiet_while_starting()
@@ -129,7 +129,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "model, wrapping, levers and loss, no tracker, no polling, no accounting), then the launch; "
                         "speed.json gets both medians and the suite's own cost per step (default: off)")
     p.add_argument("main_args", nargs=argparse.REMAINDER, help="arguments for main.py, after -- (default: none)")
-    return p.parse_args(argv)
+    args, unknown = p.parse_known_args(argv)
+    if unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}{where_main_options_go(unknown)}")
+    return args
+
+
+def where_main_options_go(unknown: list[str]) -> str:
+    """Where main.py's options go, said where one was given before the ``--`` (speed.py's parser knows none)."""
+    from fsdp2bench.run import arguments
+
+    main_options = {f"--{name}" for name in vars(arguments.parse_args([]))}
+    given = [word.split("=", 1)[0] for word in unknown if word.split("=", 1)[0] in main_options]
+    return f" ({given[0]} is main.py's: its options go after --, python3 speed.py -- {given[0]} ...)" if given else ""
 
 
 def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -137,6 +149,7 @@ def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[st
     arguments as the timed launch's rank 0 will check them."""
     from fsdp2bench.run import arguments
 
+    refuse_launcher("speed.py is one process that launches the main.py it times")
     args = parse_args(argv)
     check_ranges(args, {"nproc_per_node": (1, 4096)})
     json_flag = "--json" if args.json is not None else "--output_dir"

@@ -7,6 +7,11 @@ for all four and lives in the ``fsdp2bench`` package and ``measure.py``.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports below: said at once
+    from fsdp2bench.cli import not_a_script
+
+    not_a_script("utils.py holds main.py's four variants", "python3 main.py")
+
 import contextlib
 import os
 import re

@@ -32,6 +32,13 @@ class Stopped(Exception):
     """SIGINT or SIGTERM reached this process (isolation.Interrupted is one)."""
 
 
+def not_a_script(what: str, instead: str) -> NoReturn:
+    """A library file at the top of the tree run as a script: it would do nothing and exit 0; one line says what to
+    run instead."""
+    print(f"error: {what}, not a script: run {instead} (--help lists its options)", file=sys.stderr)
+    sys.exit(2)
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """The description's line breaks kept; a switch says that it takes no value (``--quiet``, not ``--quiet
     true``)."""
@@ -58,8 +65,18 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
     def parse_known_args(self, args=None, namespace=None):
-        return super().parse_known_args(self.dash_values_joined(sys.argv[1:] if args is None else list(args)),
-                                        namespace)
+        parsed, extras = super().parse_known_args(
+            self.dash_values_joined(sys.argv[1:] if args is None else list(args)), namespace)
+        self.refuse_blank_values(parsed)
+        return parsed, extras
+
+    def refuse_blank_values(self, parsed: argparse.Namespace) -> None:
+        """A text value left empty (``--model ''``) would read as not given, its default taken in silence: refused,
+        as every other value an option cannot take is (a number, a choice: argparse's own line)."""
+        for action in self._actions:
+            value = getattr(parsed, action.dest, None)
+            if action.option_strings and isinstance(value, str) and not value.strip() and value != action.default:
+                self.error(f"{action.option_strings[0]}: an empty value (leave the option out for its default)")
 
     def dash_values_joined(self, argv: list[str]) -> list[str]:
         """An option's value that starts with a dash (``--links -1,50``) is its value, not a missing one: joined

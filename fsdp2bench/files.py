@@ -199,8 +199,8 @@ def cannot_create_in(directory: str) -> str | None:
     ``os.access`` where a read-only mount or an immutable directory refuses it), or None."""
     try:
         fd, probe = tempfile.mkstemp(prefix=".write_test", dir=directory)
-    except OSError as exc:
-        return exc.strerror or type(exc).__name__
+    except OSError as exc:  # said as the making's failure: /proc's ENOENT is no missing /proc
+        return f"no file can be made in it: {exc.strerror or type(exc).__name__}"
     os.close(fd)
     os.remove(probe)
     return None

@@ -121,7 +121,7 @@ def replay_plan(path: str) -> list[dict]:
         questions[key], records[key] = q, recorded(a, q.unit)
         searches[key] = search_for(q, lower, meta["upper_bound"] // q.unit, cap, facts.config)
         if records[key].shared:
-            searches[key].take_shared(records[key].shared)
+            searches[key].take_shared_values(records[key].shared)
     leaders = leaders_of(questions, searches, facts.shapes)
 
     def run_round(wanted):

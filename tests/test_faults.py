@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -17,7 +18,7 @@ import psutil
 import pytest
 from conftest import TINY, VARIANTS, load, refusal, run_script, start_script
 
-from fsdp2bench.run import arguments
+from fsdp2bench.run import arguments, concurrency
 
 FIXED = "torch_optimizer_before_fsdp_fixed"
 SHORT = ["--model", "tiny", "--device", "cpu", "--max_steps", "6"]
@@ -162,6 +163,8 @@ BAD_INPUTS = {
     "dataset too short": (["--dataset", "{tmp}/short.txt"], "too few for one step"),
     "fraction zero": (["--dataset_fraction", "0"], "--dataset_fraction must be in (0, 1]"),
     "fraction above one": (["--dataset_fraction", "1.5"], "--dataset_fraction must be in (0, 1]"),
+    # A fraction so small that the text repeated for one step outgrows its bound: the fraction is named as the cause.
+    "fraction tiny": (["--dataset_fraction", "5e-10"], "--dataset_fraction 5e-10 keeps that share of them"),
     "no gpu": (["--device", "cuda"], "--device cuda: no CUDA GPU"),
     "output under a file": (["--output_dir", "{tmp}/short.txt/out"], "cannot write there"),
     "bad failure spec": (["--inject_failure", "accelerate:x:1"], "expected VARIANT:STEP:RANK"),
@@ -537,3 +540,16 @@ def test_a_signal_in_a_childs_first_moments_fails_it_naming_the_signal(monkeypat
         for signum, handler in saved.items():
             signal.signal(signum, handler)
     assert failures == ["rank 0: Interrupted: SIGTERM"] and "Traceback" not in (tmp_path / "stderr").read_text()
+
+
+def test_a_cpu_run_counts_its_steps_activations_on_the_host(monkeypatch, tmp_path):
+    """``--batch_size 65536`` of tiny on the CPU passed the host check (its logits alone, 16 GiB) and was killed by the
+    kernel after 54 s: on a CPU a step's activations are host memory too (tiny at batch 4096 peaked at 6.99 GiB of
+    RSS), so the check counts them by the planner's rule."""
+    monkeypatch.setattr(concurrency, "host_memory_for_launch", lambda: 4 << 30)
+    argv = [*TINY, "--output_dir", str(tmp_path / "out")]
+    assert refusal(arguments.validate, [*argv, "--batch_size", "8"]) is None
+    line = refusal(arguments.validate, [*argv, "--batch_size", "4096"])
+    need = re.search(r"needs about ([0-9.]+) GiB of host memory .*, a step and the runtime\); 4.0 GiB are available",
+                     line or "")
+    assert need and 6.5 < float(need.group(1)) < 10.0, line  # the runtime (HOST_RUNTIME) on top

@@ -188,7 +188,13 @@ import sys, torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 dist.init_process_group("gloo")
 model = fully_shard(torch.nn.Sequential(torch.nn.Linear(64, 512)))
+bf16 = fully_shard(torch.nn.Sequential(torch.nn.Linear(64, 512, dtype=torch.bfloat16)))
 def make(name, params):
+    if name == "torchao_bf16":
+        from torchao.optim import AdamW8bit
+        global model
+        model = bf16
+        return AdamW8bit(list(bf16.parameters()), lr=1e-3)
     if name == "bitsandbytes":
         import bitsandbytes
         return bitsandbytes.optim.AdamW8bit(params, lr=1e-3)
@@ -198,7 +204,7 @@ def make(name, params):
     return torch.optim.AdamW(params, lr=1e-3)
 for name in sys.argv[1:]:
     optimizer = make(name, list(model.parameters()))
-    model(torch.ones(2, 64)).sum().backward()
+    model(torch.ones(2, 64, dtype=next(model.parameters()).dtype)).sum().backward()
     try:
         optimizer.step()
         said = "runs"
@@ -223,6 +229,19 @@ def test_the_refused_optimizers_still_fail_on_fsdp2s_dtensor_parameters(tmp_path
         assert said[name].startswith("fails: ") and "got mixed torch.Tensor and DTensor" in said[name], said
 
 
+@needs_torchao
+def test_torchaos_low_bit_states_still_fail_on_bf16_dtensor_parameters(tmp_path):
+    """Why a torchao optimizer is refused with --peft qlora (bf16 adapters): its quantized state on FSDP2's bf16
+    DTensor parameter meets aten.view(dtype), which it does not implement (a plain bf16 tensor and fp32 DTensors
+    run). Where a release runs it, this fails, and the refusal is to be lifted."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    proc = run_script([str(script), "torchao_bf16"], timeout=600)
+    said = dict(line.split(" ", 2)[1:] for line in proc.stdout.splitlines() if line.startswith("probe "))
+    assert said["torchao_bf16"].startswith("fails: "), proc.stdout + proc.stderr[-2000:]
+    assert "aten.view" in said["torchao_bf16"] or "view" in said["torchao_bf16"], said
+
+
 @pytest.mark.parametrize("argv, said", [
     ([*LORA, "--lora_rank", "0"], "--lora_rank must be in [1, 65536], got 0"),
     ([*LORA, "--lora_rank", "-4"], "--lora_rank must be in [1, 65536], got -4"),
@@ -237,6 +256,8 @@ def test_the_refused_optimizers_still_fail_on_fsdp2s_dtensor_parameters(tmp_path
     (["--optimizer", "sgd"], "--optimizer: invalid choice: 'sgd'"),
     (["--optimizer", "bnb_adamw8bit"], "--optimizer bnb_adamw8bit: bitsandbytes' AdamW8bit keeps its state in plain"),
     (["--optimizer", "adafactor"], "--optimizer adafactor: transformers' Adafactor keeps its factored row and column"),
+    pytest.param([*QLORA, "--optimizer", "adamw8bit"], "--optimizer adamw8bit with --peft qlora: torchao 0.18's "
+                 "quantized optimizer states implement no aten.view(dtype)", marks=needs_bitsandbytes),
     (["--peft", "dora"], "--peft: invalid choice: 'dora'"),
     ([*LORA, "--simulate_world_size", "2", "--tp_size", "2"], "--peft lora with --tp_size 2"),
     pytest.param([*QLORA, "--qlora_storage", "uint8"],

@@ -300,3 +300,17 @@ def test_a_second_run_into_a_directory_moves_the_first_runs_files_aside_in_one_l
     drawn = run_script(["visualize.py", "--dir", str(out)], nproc=None)
     assert drawn.returncode == 0 and "note:" not in drawn.stdout, drawn.stdout
     assert sorted(p.name for p in out.glob("*.png")) == ["memory_vs_world_size.png", "my_notes.png"]
+
+
+def test_a_matrix_run_again_keeps_the_earlier_matrix_json_aside(tmp_path):
+    """matrix.py replaced the matrix.json of the run before it in silence (main.py, plan.py and loading.py move an
+    earlier run's files to earlier_runs/): it keeps it the same way."""
+    args = ["matrix.py", "--model", "tiny", "--device", "cpu", "--max_steps", "2", "--option_sets", "default",
+            "--output_dir", str(tmp_path)]
+    assert run_script(args, nproc=None).returncode == 0
+    first = (tmp_path / "matrix.json").read_bytes()
+    second = run_script(args, nproc=None)
+    assert second.returncode == 0 and f"note: moved the 1 file(s) of earlier runs in {tmp_path} to" in second.stdout, \
+        second.stdout[-2000:] + second.stderr[-2000:]
+    kept = list((tmp_path / "earlier_runs").glob("before-*/matrix.json"))
+    assert [k.read_bytes() for k in kept] == [first] and (tmp_path / "matrix.json").read_bytes() != first

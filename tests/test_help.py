@@ -6,7 +6,7 @@ import argparse
 import re
 
 import pytest
-from conftest import ROOT, run_script
+from conftest import ROOT, refusal, run_script
 
 import loading
 import matrix
@@ -113,3 +113,38 @@ def test_matrix_help_says_main_options_pass_through_and_which_the_sets_own():
         assert flag in said.split("pass through")[1]
     for name in matrix.OWNED:
         assert f"--{name}" in said.split("refused here:")[1]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_option_refuses_an_empty_value_rather_than_reading_it_as_not_given(script, monkeypatch):
+    """``--model ''`` once trained the default model, matrix.py's ``--simulate_world_size ''`` ran no sweep and plan.py's
+    ``--levers ''`` blamed float8: every option that takes a value refuses it empty or blank, in one line naming it."""
+    takes_a_value = [a for a in options_of(parser_of(SCRIPTS[script], monkeypatch)) if a.option_strings and a.nargs is None]
+    monkeypatch.undo()
+    assert takes_a_value
+    for action in takes_a_value:
+        for value in ("", " "):
+            line = refusal(SCRIPTS[script].parse_args, [action.option_strings[0], value])
+            assert line is not None and action.option_strings[0] in line, (action.option_strings, value, line)
+
+
+def test_an_empty_model_is_refused_by_a_launch():
+    proc = run_script(["main.py", "--device", "cpu", "--model", ""], nproc=None)
+    assert proc.returncode == 2 and proc.stderr.strip() == \
+        "error: --model: an empty value (leave the option out for its default) (see --help)", proc.stderr
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in ROOT.glob("*.py")))
+def test_every_python_file_at_the_top_runs_or_says_it_is_not_a_script(script):
+    """``python3 utils.py --help`` (and measure.py) did nothing and exited 0: each file a newcomer sees beside main.py
+    either shows its help or says in one line that it is not a script, and what to run."""
+    proc = run_script([script, "--help"], nproc=None)
+    if script in SCRIPTS:
+        assert proc.returncode == 0 and proc.stdout.startswith("usage: "), proc.stderr[-2000:]
+    else:
+        assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+        assert proc.stderr.strip() == f"error: {script} {NOT_SCRIPTS[script]}, not a script: run python3 main.py " \
+                                      "(--help lists its options)", proc.stderr
+
+
+NOT_SCRIPTS = {"utils.py": "holds main.py's four variants", "measure.py": "holds the memory tracker of main.py's runs"}

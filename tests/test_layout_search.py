@@ -70,8 +70,8 @@ def test_the_memory_model_prunes_what_cannot_fit_and_says_by_how_much():
     assert pruned.memory["over_gib"] == pytest.approx((estimate - 2 * GIB) / GIB)
 
 
-def setup_of(cap=None, links=Links()) -> layout_search.Setup:
-    return layout_search.Setup(model="tiny", world_size=8, block=128, global_sequences=16, shapes=TINY.shapes,
+def setup_of(cap=None, links=Links()) -> layout_search.SearchInputs:
+    return layout_search.SearchInputs(model="tiny", world_size=8, block=128, global_sequences=16, shapes=TINY.shapes,
                                config=TINY.config, base=FsdpOptions(), cap=cap, links=links, device_type="cpu",
                                gpu_name=None, output_dir="unused", max_timings=2, init_device="cpu",
                                num_parameters=123008)

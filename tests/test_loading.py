@@ -82,6 +82,7 @@ def test_a_simulated_world_size_loads_rank0_alone_and_skips_the_modes_that_need_
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     summary = load(tmp_path / "loading_summary.json")
     assert summary["modes"] == {} and list(summary["simulated"]) == ["2", "8"]
+    assert "GPU peak" not in proc.stdout  # a CPU run's table has no GPU column
     for n in ("2", "8"):
         by_mode = summary["simulated"][n]
         for mode in ("rank0_broadcast", "accelerate"):
@@ -253,6 +254,7 @@ def test_a_run_without_a_model_on_the_cpu_says_its_own_model_and_time(tmp_path):
         "No --model given and no GPU: loading.py loads the tiny model, a functional run of seconds (13 s with torchrun "
         "--nproc_per_node 2 on 2 cores). The real one on the CPU: add --model qwen2.5-1.5b.")
     assert "main.py" not in proc.stdout
+    assert "GPU peak" not in proc.stdout  # a CPU run has no allocator: no column of n/a, no word of it
     assert (tmp_path / "out" / "loading_summary.json").exists()
 
 

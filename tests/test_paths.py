@@ -97,7 +97,8 @@ def test_a_place_no_file_can_be_made_in_is_refused_before_anything_is_written(sc
     path = str(where / "speed.json") if flag == "--json" else str(where)
     with pytest.raises(UserError) as refused:
         check([flag, path, *rest])
-    assert "cannot write" in str(refused.value) and "Read-only file system" in str(refused.value), str(refused.value)
+    assert "cannot write" in str(refused.value) and "no file can be made in it: Read-only file system" in \
+        str(refused.value), str(refused.value)
     assert str(refused.value).startswith(f"{flag} {path if flag != '--json' else where}"), str(refused.value)
     assert os.listdir(where) == []
 

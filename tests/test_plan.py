@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import time
 import types
@@ -18,7 +19,7 @@ from fsdp2bench.cli import OneLineParser, UserError, gpu_memory_gib
 from fsdp2bench.memory import estimate
 from fsdp2bench.names import MIB
 from fsdp2bench.plan import checks, report as plan_report, search as plan_search
-from fsdp2bench.plan.probes import BLOCK_SHARE, ProbeRunner, Question
+from fsdp2bench.plan.probes import BLOCKS_FREE, ProbeRunner, Question
 from fsdp2bench.plan.room import ROOM_MARGIN
 from fsdp2bench.plan.search import Outcome, Search, run_searches
 from fsdp2bench.run.session import model_facts
@@ -90,40 +91,40 @@ def test_finished_searches_aim_the_others_with_the_edge_they_found():
     done, waiting = Search(1, 4096, LIMIT, PER_SEQUENCE, 74.0, 1.5), Search(1, 4096, LIMIT, PER_SEQUENCE, 74.0, 1.5)
     for value, fits in [(1, True), (28, True), (29, True), (30, False)]:
         done.record(Outcome(value, fits, STATE + PER_SEQUENCE * value))
-    plan_search.share_edges({"a": done, "b": waiting})
-    assert done.done and waiting.block_share == plan_search.edge_share(done) != 1.5
+    plan_search.aim_with_edges({"a": done, "b": waiting})
+    assert done.done and waiting.blocks_free == plan_search.edge_blocks_free(done) != 1.5
 
 
 BEND = 2400.0  # MiB: AdamW's transients, the peak of a small batch (the line through batch 1 bends)
 BLOCK = 74.0  # MiB: one sequence's fp32 logits, the largest block of a step
 
 
-def gpu_rank(limit: float, share: float, quirk: int | None = None):
+def gpu_rank(limit: float, blocks_free: float, quirk: int | None = None):
     """A simulated rank under a cap: its peak allocated bends at small batches; a value fits while its peak
-    leaves ``share`` of its largest block free under ``limit``, except ``quirk``, which fits above the edge
+    leaves ``blocks_free`` of its largest block free under ``limit``, except ``quirk``, which fits above the edge
     (the allocator's packing: a reserved peak that is not monotone)."""
     def peak(v: int) -> float:
         return STATE + max(BEND, PER_SEQUENCE * v)
 
     def fits(v: int) -> bool:
-        return v == quirk or peak(v) + share * BLOCK * v <= limit
+        return v == quirk or peak(v) + blocks_free * BLOCK * v <= limit
     return peak, fits
 
 
-def shared_then_fresh(limit: float, share: float, quirk: int | None = None, variants: int = 1) -> list[Search]:
+def shared_then_fresh(limit: float, blocks_free: float, quirk: int | None = None, variants: int = 1) -> list[Search]:
     """plan.py's order for the ``variants`` answers of one option set and N: a shared process's ladder for the
     first (under its own lower limit), fresh probes aimed by its line, then the other variants' fresh probes
     from the edge it found."""
-    peak, fits = gpu_rank(limit, share, quirk)
+    peak, fits = gpu_rank(limit, blocks_free, quirk)
     ladder = plan_search.Ladder(1, 4096, plan_search.SHARED_LIMIT * limit, PER_SEQUENCE * 1.1,
-                            free_mib=BLOCK * BLOCK_SHARE)  # as plan.py's (ProbeRunner.ladder)
+                            free_mib=BLOCK * BLOCKS_FREE)  # as plan.py's (ProbeRunner.ladder)
     points = []
     while (value := ladder.next_value(points)) is not None:
         assert peak(value) <= plan_search.SHARED_LIMIT * limit, "a shared process's values stay under its own limit"
         points.append((value, peak(value)))
     assert len(points) == 3 and points[-1][1] > 0.5 * limit  # batch 1, then two far above it
-    searches = {i: Search(1, 4096, limit, PER_SEQUENCE * 1.1, BLOCK, BLOCK_SHARE) for i in range(variants)}
-    searches[0].take_shared([Outcome(v, True, y) for v, y in points])
+    searches = {i: Search(1, 4096, limit, PER_SEQUENCE * 1.1, BLOCK, BLOCKS_FREE) for i in range(variants)}
+    searches[0].take_shared_values([Outcome(v, True, y) for v, y in points])
     run_searches(searches, lambda wanted: {(k, v): Outcome(v, fits(v), peak(v)) for k, v in wanted},
                  leaders={i: (0, 0) for i in range(1, variants)})
     return list(searches.values())
@@ -132,13 +133,13 @@ def shared_then_fresh(limit: float, share: float, quirk: int | None = None, vari
 @pytest.mark.parametrize("limit", [24049.0, 40433.0, 81393.0])
 def test_a_shared_line_aims_the_fresh_probes_at_the_edge(limit):
     """The probes confirm each edge from both sides, at most 3 fresh ones per answer on average over an option
-    set's two variants at one N, across edges that leave the share a search starts from free, less, or more
+    set's two variants at one N, across edges that leave the blocks a search starts from free, fewer, or more
     (0.4-1.5: what the 1.5B model's left on one H200); the second variant takes two."""
     counts = []
-    for share in (0.4, 0.7, 1.0, 1.2, 1.5):
-        peak, fits = gpu_rank(limit, share)
+    for blocks_free in (0.4, 0.7, 1.0, 1.2, 1.5):
+        peak, fits = gpu_rank(limit, blocks_free)
         edge = max(v for v in range(1, 4096) if fits(v))
-        searches = shared_then_fresh(limit, share, variants=2)
+        searches = shared_then_fresh(limit, blocks_free, variants=2)
         for found in (search.answer() for search in searches):
             assert found["largest"] == edge and found["above"]["value"] == edge + 1 and not found["above"]["fits"]
         counts += [search.answer()["probes"] for search in searches]
@@ -175,24 +176,24 @@ def test_a_followers_probe_gets_the_room_its_leaders_line_predicts():
     leader's line (the memory model's estimate without it was a third of what they held under 80 GiB)."""
     cap = estimate.GpuCap(24.0, 140 * 1024 * MIB, 527 * MIB)
     keys = [("default", 8, variant, 128) for variant in ("torch_optimizer_after_fsdp", "accelerate")]
-    searches = {key: Search(1, 4096, LIMIT, PER_SEQUENCE, BLOCK, BLOCK_SHARE) for key in keys}
-    searches[keys[0]].take_shared([Outcome(v, True, STATE + PER_SEQUENCE * v) for v in (1, 8, 20)])
+    searches = {key: Search(1, 4096, LIMIT, PER_SEQUENCE, BLOCK, BLOCKS_FREE) for key in keys}
+    searches[keys[0]].take_shared_values([Outcome(v, True, STATE + PER_SEQUENCE * v) for v in (1, 8, 20)])
     session = types.SimpleNamespace(device=torch.device("cuda", 0))
     questions = {key: Question(key[0], key[1], 0, key[2], "batch_size", key[3]) for key in keys}
     runner = ProbeRunner(session, None, None, questions, searches, cap, "unused", leaders={keys[1]: (keys[0], 0)})
     expected = int((STATE + PER_SEQUENCE * 15) * MIB * ROOM_MARGIN) + cap.context
-    assert runner.gpu.probe(keys[1], 15) == runner.gpu.probe(keys[0], 15) == expected < cap.process_bytes
+    assert runner.gpu.probe_room(keys[1], 15) == runner.gpu.probe_room(keys[0], 15) == expected < cap.process_bytes
     # Within NEAR_CAP_RESERVED of the cap (25: 20,800 MiB on the line), reserved may reach it: the whole cap
-    assert runner.gpu.probe(keys[1], 25) == runner.gpu.probe(keys[0], 25) == cap.process_bytes
+    assert runner.gpu.probe_room(keys[1], 25) == runner.gpu.probe_room(keys[0], 25) == cap.process_bytes
 
 
 def test_a_fit_above_the_edge_of_a_shared_line_is_listed_and_the_edge_is_a_fresh_pair():
     """A reserved peak that is not monotone: a value above the first failure may fit. The answer is always a
     fit and a failure one above it, both probed; a fit above a failure it saw is listed, and never the edge."""
-    limit, share = 24049.0, 0.7
-    edge = max(v for v in range(1, 4096) if gpu_rank(limit, share)[1](v))
+    limit, blocks_free = 24049.0, 0.7
+    edge = max(v for v in range(1, 4096) if gpu_rank(limit, blocks_free)[1](v))
     for quirk in (edge + 2, edge + 3):
-        search, = shared_then_fresh(limit, share, quirk=quirk)
+        search, = shared_then_fresh(limit, blocks_free, quirk=quirk)
         found, failed = search.answer(), [o.value for o in search.outcomes if not o.fits]
         assert found["above"]["value"] == found["largest"] + 1 and not found["above"]["fits"]
         assert found["largest"] == (edge if edge + 1 in failed or quirk not in [o.value for o in search.outcomes]
@@ -207,7 +208,7 @@ def test_without_peaks_the_fresh_probes_start_inside_the_edge_a_shared_process_m
     while (value := ladder.next_value(points)) is not None and value <= edge:
         points.append((value, None))
     search = Search(1, 4096)
-    search.take_shared([Outcome(v, True) for v, _ in points] + ([Outcome(value, False)] if value else []))
+    search.take_shared_values([Outcome(v, True) for v, _ in points] + ([Outcome(value, False)] if value else []))
     run_searches({"q": search}, lambda wanted: {(k, v): Outcome(v, v <= edge) for k, v in wanted})
     found = search.answer()
     assert found["largest"] == edge and found["above"]["value"] == edge + 1
@@ -239,6 +240,38 @@ def test_bad_input_is_refused_before_any_probe(argv, message, tmp_path):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace("+", r"\+")):
         plan.validate(["--device", "cpu", "--output_dir", str(tmp_path / "out"), *argv])
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["--world_size", "2,8", "--sets", "default,all"], r"one probe \((default|all) at N = 2, "),
+    (["--find", "layout", "--world_size", "2", "--global_batch", "4"], r"the lightest candidate's timing \(N = 2: "),
+])
+def test_a_plan_the_host_cannot_hold_is_refused_with_the_figure(monkeypatch, tmp_path, argv, what):
+    """The 7B shape on a 24 GiB CPU host had its first probe killed by the kernel after 109 s, and the layout search
+    ended with every timing refused and "raise --max_timings": each probe's or timing's process (the model built on
+    the host, its state, the runtime) must fit the host's memory, else one line says both figures."""
+    argv = ["--device", "cpu", *argv, "--output_dir", str(tmp_path / "out")]
+    assert refusal(plan.validate, argv) is None
+    monkeypatch.setattr(checks, "host_memory_for_launch", lambda: 256 * MIB)
+    line = refusal(plan.validate, argv)
+    need = re.search(rf"needs about ([0-9.]+) GiB of host memory for {what}", line or "")
+    assert need and float(need.group(1)) > 0.25 and "0.2 GiB are available" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_cpu_plan_sets_a_probe_up_ahead_only_where_the_host_holds_two(monkeypatch):
+    from fsdp2bench.plan import room
+    from fsdp2bench.plan.probes import BATCH, Probe, ProbeRunner, Question
+
+    monkeypatch.setattr(room, "host_bytes", lambda *args: 2 << 30)
+    session = types.SimpleNamespace(device=torch.device("cpu"), shapes=None)
+    runner = ProbeRunner(session, types.SimpleNamespace(init_device="cpu", build_threads=32), None, {}, {}, None, "")
+    question = Question("default", 8, 0, "torch_optimizer_after_fsdp", BATCH, 128)
+    stepping = Probe(question_key="k", question=question, value=4, room=0, setup_bytes=0)
+    ahead = Probe(question_key="k", question=question, value=None, room=0, setup_bytes=0, ahead=True)
+    for host_gib, starts in ((3, False), (5, True)):
+        monkeypatch.setattr(room, "host_memory_for_launch", lambda: host_gib << 30)
+        assert runner.gpu.may_start(ahead, [stepping]) is starts
 
 
 @pytest.mark.parametrize("argv, reason", [
@@ -590,7 +623,7 @@ def test_a_probe_out_of_memory_beside_others_runs_again_alone_only_where_the_gpu
     beside = [Probe(question_key="k", question=question, value=20, room=10 * 1024 * MIB, started_at=0.0,
                     ended_at=1.0) for _ in range(6)]
     probe = Probe(question_key="k", question=question, value=30, room=cap.process_bytes, started_at=0.5,
-                  ended_at=2.0, found=Outcome(30, False, None, {
+                  ended_at=2.0, result=Outcome(30, False, None, {
         "error": f"rank 0: out of memory (CUDA out of memory. Tried to allocate 2.03 GiB. GPU 0 has a total "
                  f"capacity of 139.80 GiB of which {free} is free."}))
     assert runner.gpu.crowded_out(probe, beside) is again
@@ -603,7 +636,7 @@ def test_a_shared_process_whose_first_value_fills_its_room_measures_only_that():
     ladder = plan_search.Ladder(1, 4096, 31000.0, PER_SEQUENCE)
     assert ladder.next_value([]) == 1 and ladder.next_value([(1, 29546.0)]) is None
     search = Search(1, 4096, 40433.0, PER_SEQUENCE, BLOCK, 1.5)
-    search.take_shared([Outcome(1, True, 29546.0)])
+    search.take_shared_values([Outcome(1, True, 29546.0)])
     assert search.line() == (1, 29546.0, PER_SEQUENCE) and search.next_values() == [search.aim(1.5)] != [1]
 
 
@@ -621,7 +654,7 @@ def test_probes_set_up_ahead_and_step_only_where_the_gpu_holds_their_room(monkey
     question = Question("default", 8, 0, "torch_optimizer_after_fsdp", BATCH, 128)
     live: list = []
     for _ in range(12):
-        probe = Probe(question_key="k", question=question, value=30, room=cap.process_bytes, setup=1500 * MIB)
+        probe = Probe(question_key="k", question=question, value=30, room=cap.process_bytes, setup_bytes=1500 * MIB)
         if not runner.gpu.may_start(probe, live):
             break
         live.append(probe)
@@ -635,44 +668,45 @@ def test_probes_set_up_ahead_and_step_only_where_the_gpu_holds_their_room(monkey
     assert all(runner.gpu.may_go(p, live) for p in live[:stepping])
 
 
-def queue_of(monkeypatch, gib: float, shares: list[float], limit: float):
-    """A plan's queue on a simulated 140 GiB GPU: an option set per share, each answered for two variants (the
-    second follows the first); a probe's outcome and a shared process's values come from ``gpu_rank``."""
+def queue_of(monkeypatch, gib: float, blocks_free_each: list[float], limit: float):
+    """A plan's queue on a simulated 140 GiB GPU: an option set per blocks_free value, each answered for two variants
+    (the second follows the first); a probe's outcome and a shared process's values come from ``gpu_rank``."""
     from fsdp2bench.plan import probes, room
     from fsdp2bench.plan.probes import BATCH, PlanQueue
 
     monkeypatch.setattr(room, "host_bytes", lambda *args: 1 << 30)
     cap = estimate.GpuCap(gib, 140 * 1024 * MIB, 527 * MIB)
     variants = ("torch_optimizer_after_fsdp", "accelerate")
-    keys = [(f"set{s}", 8, variant, 128) for s in range(len(shares)) for variant in variants]
+    keys = [(f"set{s}", 8, variant, 128) for s in range(len(blocks_free_each)) for variant in variants]
     questions = {key: Question("default", 8, 0, key[2], BATCH, 128) for key in keys}
-    searches = {key: Search(1, 4096, limit, PER_SEQUENCE, BLOCK, BLOCK_SHARE) for key in keys}
+    searches = {key: Search(1, 4096, limit, PER_SEQUENCE, BLOCK, BLOCKS_FREE) for key in keys}
     leaders = {key: ((key[0], 8, variants[0], 128), 0) for key in keys if key[2] == variants[1]}
-    rank = {key: gpu_rank(limit, shares[int(key[0][3:])]) for key in keys}
+    rank = {key: gpu_rank(limit, blocks_free_each[int(key[0][3:])]) for key in keys}
     session = types.SimpleNamespace(device=torch.device("cuda", 0), shapes=None)
     runner = ProbeRunner(session, types.SimpleNamespace(init_device="cpu", build_threads=32), None, questions,
                          searches, cap, "", leaders=leaders)
 
     def took(probe, job, failure, beside):
         peak, fits = rank[probe.question_key]
-        probe.found = Outcome(probe.value, fits(probe.value), peak(probe.value))
+        probe.result = Outcome(probe.value, fits(probe.value), peak(probe.value))
         runner.probes.append(probe)
         return True
 
-    def take_series(shared, job, failure):
+    def take_shared_process(shared, job, failure):
         peak = rank[shared.question_key][0]
-        searches[shared.question_key].take_shared([Outcome(v, True, peak(v)) for v in (1, 8, 20)])
+        searches[shared.question_key].take_shared_values([Outcome(v, True, peak(v)) for v in (1, 8, 20)])
 
     monkeypatch.setattr(runner, "piece", lambda item: types.SimpleNamespace(args=(None,)))
-    monkeypatch.setattr(runner.gpu, "setup", lambda key: 1500 * MIB)
-    for name, fake in [("took_probe", took), ("take_series", take_series), ("file_probe", lambda *args: None)]:
+    monkeypatch.setattr(runner.gpu, "setup_bytes", lambda key: 1500 * MIB)
+    for name, fake in [("took_probe", took), ("take_shared_process", take_shared_process),
+                       ("file_probe", lambda *args: None)]:
         monkeypatch.setattr(runner, name, fake)
     planner = plan_search.Planner(searches, group=lambda key: key[0], unready={k for k in keys if k not in leaders},
                               leaders=leaders)
     queue = PlanQueue(runner, planner, lambda: None)
     for key in keys:
         if key not in leaders:
-            queue.add(probes.Shared(question_key=key, question=questions[key], ladder=None,
+            queue.add(probes.SharedProcess(question_key=key, question=questions[key], ladder=None,
                                     room=runner.cap.process_bytes // 4))
     return queue, rank
 
@@ -681,7 +715,7 @@ def drive(queue, setup: float = 3.0, step: float = 4.0, shared_s: float = 10.0) 
     """run_queue's part in virtual time: a probe reaches its gate ``setup`` s after it starts and ends ``step`` s
     after its go (at once, stood down); a shared process ends ``shared_s`` s after it starts. Returns the time
     the last piece ended; fails where every running piece waits at its gate for ever, or the GPU is overdrawn."""
-    from fsdp2bench.plan.probes import Shared
+    from fsdp2bench.plan.probes import SharedProcess
     from fsdp2bench.processes.isolation import STAND_DOWN
 
     now, running, at_gate, ready_at, ends_at = 0.0, [], [], {}, {}
@@ -694,7 +728,7 @@ def drive(queue, setup: float = 3.0, step: float = 4.0, shared_s: float = 10.0) 
         while (i := queue.next_piece(list(running))) is not None:
             running.append(i)
             queue.started(i)
-            if isinstance(queue.items[i], Shared):
+            if isinstance(queue.items[i], SharedProcess):
                 ends_at[i] = now + shared_s
             else:
                 at_gate.append(i)
@@ -738,25 +772,25 @@ def test_a_crowded_gpu_runs_every_search_to_its_edge_with_probes_set_up_ahead(mo
     assert sum(p.ahead for p in runner.probes) >= 0.75 * len(runner.probes)
 
 
-def test_a_share_learned_after_the_first_probe_aims_the_second():
+def test_blocks_free_learned_after_the_first_probe_aim_the_second():
     """The value beside the first probe only where that probe was aimed by finished searches' edges (most often
-    off by one); one aimed by the prior share is followed by the learned share's aim."""
+    off by one); one aimed by the prior blocks_free is followed by the learned blocks_free's aim."""
     for learned_first in (True, False):
         search = Search(1, 4096, LIMIT, PER_SEQUENCE, BLOCK, 1.5)
-        search.take_shared([Outcome(v, True, STATE + PER_SEQUENCE * v) for v in (1, 8, 20)])
+        search.take_shared_values([Outcome(v, True, STATE + PER_SEQUENCE * v) for v in (1, 8, 20)])
         search.learned = learned_first
         first, = search.next_values()
         search.record(Outcome(first, True, STATE + PER_SEQUENCE * first))
-        search.block_share, search.learned = 0.4, True  # the edges other searches found since
+        search.blocks_free, search.learned = 0.4, True  # the edges other searches found since
         assert search.aim(0.4) > first + 1
         assert search.next_values() == [first + 1 if learned_first else search.aim(0.4)]
 
 
-def test_a_shared_process_leaves_a_share_of_the_largest_block_free_under_its_target():
-    """Its values aim as the probes do: peak plus a share of the step's largest block (the logits) at the target.
+def test_a_shared_process_leaves_blocks_free_of_the_largest_block_under_its_target():
+    """Its values aim as the probes do: peak plus blocks_free of the step's largest block (the logits) at the target.
     Aimed at the peak alone, the third value of a set with checkpointing and offload ran out of memory in its own
     process on one H200 (3.5 GiB of logits asked with 1.8 GiB cached apart), leaving its line no slope."""
-    limit, slope, free = 16834.0, 250.0, BLOCK * BLOCK_SHARE
+    limit, slope, free = 16834.0, 250.0, BLOCK * BLOCKS_FREE
 
     def peak(v: int) -> float:  # the `all` set's at N = 8 under 24 GiB: 261 MiB a sequence above batch 19
         return 3680 + 238.6 * (v - 1) if v < 19 else 20509 + 261 * (v - 67)
@@ -809,11 +843,11 @@ def test_a_long_sequences_search_steps_down_from_a_far_failure_instead_of_walkin
     for shared, intercept, slope, block, edge, before in LONG_CONTEXT:
         def peak(v: int) -> float:
             return intercept + slope * v * unit
-        share = (limit - peak(edge // unit + 0.5)) / (block * unit * (edge // unit + 0.5))
-        search = Search(2, 2048, limit, 6.5 * unit, block * unit, BLOCK_SHARE)
-        search.take_shared([Outcome(x // unit, True, y) for x, y in shared])
-        run_searches({"q": search}, lambda wanted: {(k, v): Outcome(v, peak(v) + share * block * unit * v <= limit,
-                                                                    peak(v)) for k, v in wanted})
+        blocks_free = (limit - peak(edge // unit + 0.5)) / (block * unit * (edge // unit + 0.5))
+        search = Search(2, 2048, limit, 6.5 * unit, block * unit, BLOCKS_FREE)
+        search.take_shared_values([Outcome(x // unit, True, y) for x, y in shared])
+        run_searches({"q": search}, lambda wanted: {
+            (k, v): Outcome(v, peak(v) + blocks_free * block * unit * v <= limit, peak(v)) for k, v in wanted})
         found = search.answer()
         assert found["largest"] * unit == edge and found["above"]["value"] * unit == edge + unit
         counts.append(found["probes"])

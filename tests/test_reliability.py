@@ -377,3 +377,17 @@ def test_passing_tests_leave_nothing_in_pytests_temp_dir(tmp_path, failing):
     assert proc.returncode == int(failing), proc.stdout + proc.stderr
     left = sorted(p.name for p in root.rglob("*") if p.is_file())
     assert left == (["look.txt", "run.json"] if failing else [])
+
+
+@pytest.mark.parametrize("script,args", [("plan.py", ["--world_size", "2"]), ("matrix.py", ["--option_sets", "default"]),
+                                         ("speed.py", ["--", "--max_steps", "2"])])
+def test_a_script_that_starts_its_own_processes_refuses_a_launcher(tmp_path, script, args):
+    """Under ``torchrun --nproc_per_node 2`` matrix.py ran the whole matrix twice into one directory, and speed.py
+    lost its ``--`` to torchrun (main.py's options read as its own): each driver is one process, and says so."""
+    out = tmp_path / "out"
+    proc = run_script([script, "--device", "cpu", "--output_dir", str(out), *args] if script != "speed.py" else
+                      [script, "--output_dir", str(out), *args, "--device", "cpu"], nproc=2)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and said and said[0].startswith(f"error: {script} is one process that ") and \
+        said[0].endswith(": run it with python3, not a launcher (torchrun, accelerate launch)"), proc.stderr[-2000:]
+    assert not out.exists()

@@ -221,3 +221,16 @@ def test_emulated_communication_without_a_simulated_rank_is_refused_in_one_line(
                                     "--emulate_communication"])
     assert line == "error: --emulate_communication needs --simulate_world_size: real ranks communicate for real", line
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--model", "tiny"], "--model is main.py's: its options go after --, python3 speed.py -- --model ..."),
+    (["--nproc_per_node", "2", "--max_steps=3"], "--max_steps is main.py's: its options go after --"),
+    (["--jsn", "x.json"], None),
+])
+def test_a_main_option_before_the_double_dash_is_told_where_it_goes(argv, said):
+    """``speed.py --model tiny`` was "unrecognized arguments: --model": main.py's options given before the ``--``
+    are named as main.py's, a typo of speed.py's own is not."""
+    line = refusal(speed.validate, argv)
+    assert line is not None and line.startswith("error: unrecognized arguments: "), line
+    assert (said in line) if said else "main.py's" not in line, line

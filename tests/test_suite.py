@@ -177,7 +177,11 @@ def test_without_a_gpu_and_without_model_the_tiny_model_is_chosen_and_said(suite
     proc = run_script(["main.py", "--max_steps", "2", "--learning_rate", "1e-3", "--variants", VARIANTS[0],
                        "--output_dir", str(tmp_path)], nproc=None)
     assert proc.returncode == 0, proc.stderr
-    assert "No --model given and no GPU: main.py takes the tiny model, a functional run of a few minutes" in proc.stdout
+    said = " ".join(proc.stdout.split())
+    assert "No --model given and no GPU: main.py takes the tiny model, a functional run of a few minutes on 2 cores " \
+           "(measured and dated: docs/results-overview.md)" in said  # the figure has one home, the page
+    # A CPU run's console speaks of ranks, not GPUs (tok/s per GPU was said of 2 CPU ranks).
+    assert "per rank over the median step" in said and "per GPU" not in said
     assert load(tmp_path / "summary.json")["meta"]["model"] == "tiny"
     assert "No --model given" not in suite[1].stdout  # an explicit --model is kept, without the line
 

@@ -318,9 +318,19 @@ def loaded_what(summary: dict) -> str:
             f"{checkpoint['dtype']} {checkpoint['format']} checkpoint of {size_said(checkpoint['bytes'], 0)}")
 
 
+def on_gpu(summary: dict) -> bool:
+    """Whether the tables have a GPU column: a CPU run has no allocator to read."""
+    return summary["device"] != "cpu"
+
+
+def gpu_cell(text: str, summary: dict) -> str:
+    return f" {text:>13}" if on_gpu(summary) else ""
+
+
 def print_table(summary: dict) -> None:
     print(f"{loaded_what(summary)} on {summary['world_size']} rank(s)")
-    header = f"{'mode':16} {'load s':>7} {'RSS added, per rank (MiB)':>28} {'sum':>8} {'GPU peak MiB':>13} {'match':>6}"
+    header = f"{'mode':16} {'load s':>7} {'RSS added, per rank (MiB)':>28} {'sum':>8}" \
+             f"{gpu_cell('GPU peak MiB', summary)} {'match':>6}"
     print(header)
     print("-" * len(header))
     for mode, m in summary["modes"].items():
@@ -330,11 +340,11 @@ def print_table(summary: dict) -> None:
         added = ", ".join(f"{r['peak_rss_mib'] - r['baseline_rss_mib']:.0f}" for r in m["ranks"])
         gpu = max((r["peak_allocated_mib"] or 0) for r in m["ranks"]) if m["ranks"][0]["peak_allocated_mib"] \
             is not None else None
-        print(f"{mode:16} {m['load_time_s']:>7.2f} {added:>28} {m['host_ram_added_sum_mib']:>8.0f} "
-              f"{'n/a' if gpu is None else f'{gpu:.0f}':>13} {'yes' if m['weights_match'] else 'NO':>6}")
+        print(f"{mode:16} {m['load_time_s']:>7.2f} {added:>28} {m['host_ram_added_sum_mib']:>8.0f}"
+              f"{gpu_cell('n/a' if gpu is None else f'{gpu:.0f}', summary)} {'yes' if m['weights_match'] else 'NO':>6}")
     print("RSS added: the process's peak resident memory (kernel high-water mark) minus its resident memory "
-          "when loading began;\nGPU peak: the allocator's peak counter; match: every rank's shard equals the "
-          "checkpoint's rows exactly.")
+          "when loading began;\n" + ("GPU peak: the allocator's peak counter; " if on_gpu(summary) else "")
+          + "match: every rank's shard equals the checkpoint's rows exactly.")
     shared = summary["modes"].get("shared_memory", {})
     if shared.get("status") == "ok":
         fillers = ", ".join(str(i) for i, r in enumerate(shared["ranks"]) if r["filled_node_copy"])
@@ -345,8 +355,8 @@ def print_table(summary: dict) -> None:
 def print_simulated(summary: dict) -> None:
     """One line per (simulated N, mode): rank 0 of N, played alone."""
     print(f"{loaded_what(summary)}, as rank 0 of simulated world sizes")
-    header = f"{'N':>5} {'mode':16} {'load s':>7} {'RSS added MiB':>14} {'node copy MiB':>14} {'GPU peak MiB':>13} " \
-             f"{'match':>6}"
+    header = f"{'N':>5} {'mode':16} {'load s':>7} {'RSS added MiB':>14} {'node copy MiB':>14}" \
+             f"{gpu_cell('GPU peak MiB', summary)} {'match':>6}"
     print(header)
     print("-" * len(header))
     for n, by_mode in summary["simulated"].items():
@@ -358,6 +368,6 @@ def print_simulated(summary: dict) -> None:
             gpu = "n/a" if r["peak_allocated_mib"] is None else f"{r['peak_allocated_mib']:.0f}"
             copy = f"{m['node_copy_mib']:.0f}" if "node_copy_mib" in m else "-"
             print(f"{n:>5} {mode:16} {m['load_time_s']:>7.2f} {r['peak_rss_mib'] - r['baseline_rss_mib']:>14.0f} "
-                  f"{copy:>14} {gpu:>13} {'yes' if m['weights_match'] else 'NO':>6}")
+                  f"{copy:>14}{gpu_cell(gpu, summary)} {'yes' if m['weights_match'] else 'NO':>6}")
     print("RSS added: the process's peak resident memory minus its resident memory when loading began (a node "
           "copy's pages count in it\nonce mapped); node copy: shared_memory's one copy of the checkpoint per node.")

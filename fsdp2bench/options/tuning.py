@@ -60,6 +60,15 @@ REFUSED_OPTIMIZERS = {
 }
 
 
+# Found on the CPU (torch 2.13) and on an H100 (torch 2.11), torchao 0.18: its quantized states implement no
+# aten.view(dtype), which its compiled step calls for a bf16 DTensor parameter (a plain bf16 tensor and fp32 DTensors
+# run); QLoRA's adapters are bf16, LoRA's fp32.
+LOW_BIT_ON_BF16 = ("torchao 0.18's quantized optimizer states implement no aten.view(dtype), which its compiled step "
+                   "calls on FSDP2's bf16 parameters such as QLoRA's adapters (NotImplementedError in OptimState8bit, "
+                   "OptimState4bit and OptimStateFp8 dispatch, on the CPU and on an H100); --peft lora (fp32 adapters) "
+                   "runs with it, and --optimizer adamw runs with QLoRA")
+
+
 class LowBit(NamedTuple):
     """How a torchao optimizer stores a moment of a parameter's local chunk: quantized in blocks where the chunk
     holds at least ``QUANTIZED_FROM`` elements and a whole number of blocks (codes, one fp32 scale a block, and its
@@ -232,6 +241,8 @@ def check(tuning: Tuning) -> None:
                             f"install -r {PEFT_REQUIREMENTS}") from None
     if tuning.optimizer in REFUSED_OPTIMIZERS:
         raise UserError(f"--optimizer {tuning.optimizer}: {REFUSED_OPTIMIZERS[tuning.optimizer]}")
+    if tuning.optimizer in LOW_BIT and tuning.peft == QLORA:
+        raise UserError(f"--optimizer {tuning.optimizer} with --peft qlora: {LOW_BIT_ON_BF16}")
     if tuning.optimizer in LOW_BIT:
         try:
             with quiet_imports():

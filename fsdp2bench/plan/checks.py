@@ -17,7 +17,8 @@ from fsdp2bench.cli import (OneLineParser, UserError, check_ranges, given_option
 from fsdp2bench.files import check_output_dir, digest_of, is_ours, path_kind, refuse_foreign
 from fsdp2bench.memory import estimate
 from fsdp2bench.memory.accounting import model_bytes
-from fsdp2bench.names import VARIANTS
+from fsdp2bench.memory.estimate import host_bytes
+from fsdp2bench.names import GIB, VARIANTS
 from fsdp2bench.options import accelerate_config, levers as lever_checks, fsdp as options
 from fsdp2bench.options.layout import Layout
 from fsdp2bench.options.links import Links, check_nodes_fit, parse_links
@@ -25,13 +26,14 @@ from fsdp2bench.options.step import LIGER, Step, check_liger
 from fsdp2bench.plan.layout.candidates import (COMPILE, FLOAT8, LEVER_NAMES, Levers, candidates_of, layouts_of,
                                                parse_levers)
 from fsdp2bench.plan.layout.report import CONFIG_NAME, written_config_digest
-from fsdp2bench.plan.layout.search import Setup
+from fsdp2bench.plan.layout.search import SearchInputs
 from fsdp2bench.plan.layout.timing import compute_dir, timing_dir
 from fsdp2bench.plan.probes import BATCH, BLOCK, BLOCK_STEP, LAYOUT, block_step
 from fsdp2bench.processes.isolation import launcher_keeps_to_one_thread
 from fsdp2bench.processes.simulation import check_fake_group_available, parse_world_sizes
-from fsdp2bench.processes.starting import check_launcher_env
+from fsdp2bench.processes.starting import refuse_launcher
 from fsdp2bench.run import arguments
+from fsdp2bench.run.concurrency import host_memory_for_launch
 from fsdp2bench.run.session import ModelFacts, model_facts
 from fsdp2bench.run.versions import check_releases
 from fsdp2bench.train.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, max_positions
@@ -184,7 +186,7 @@ class Checked:
 @dataclass(frozen=True, kw_only=True)
 class CheckedSearch:
     """A layout search that can run: its setup, its candidates and what was left out and why."""
-    setup: Setup
+    setup: SearchInputs
     candidates: list
     notes: list[str]
     args: argparse.Namespace
@@ -194,6 +196,7 @@ def validate(argv: list[str] | None = None) -> Checked | CheckedSearch:
     """Everything plan.py refuses, in one line, before anything runs; an option the user's config set is named by
     its field there."""
     launcher_keeps_to_one_thread()
+    refuse_launcher("plan.py is one process that plays every rank")
     args, given = parse_args(argv)
     try:
         common = checked_common(args, given)
@@ -205,8 +208,6 @@ def validate(argv: list[str] | None = None) -> Checked | CheckedSearch:
 def checked_common(args: argparse.Namespace, given: set[str]) -> Common:
     """The checks both modes share, in the order a user would fix them."""
     check_releases()
-    if check_launcher_env()[1] != 1:
-        raise UserError("plan.py is one process that plays every rank: run it with python3, not a launcher")
     refuse_unread(given, args.find)
     check_ranges(args, NUMBER_RANGES)
     sizes = parse_world_sizes(args.world_size, "--world_size")
@@ -287,6 +288,8 @@ def checked_plan(args: argparse.Namespace, common: Common) -> Checked:
     cap = estimate.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
     args.init_device = build_device(args.init_device, facts.shapes, cap)
     sets, skipped = plannable_sets(args, base, sets, common, config, facts.config)
+    check_host_fits(args, [(name, n, set_options(base, name)) for name in sets for n in common.sizes
+                           if set_options(base, name).layout.fits(n)], variants, facts, device.type)
     return Checked(args=args, sets=sets, sizes=common.sizes, variants=variants, blocks=blocks, upper=upper,
                    facts=facts, cap=cap, skipped=skipped, base=base, config=config, links=links)
 
@@ -319,6 +322,24 @@ def plannable_sets(args: argparse.Namespace, base: options.FsdpOptions, sets: li
     if not any(fits_at.values()):
         raise UserError(nothing_fits(args, base, config, common.sizes))
     return sets, skipped
+
+
+def check_host_fits(args: argparse.Namespace, planned: list[tuple[str, int, options.FsdpOptions]], variants: list[str],
+                    facts: ModelFacts, device_type: str) -> None:
+    """Each probe is a process of its own on this host (the model built there, unless on the GPU, and on a CPU run
+    its whole state): one that the host cannot hold would be killed by the kernel minutes in, with no word."""
+    need, name, world_size, variant = max((host_bytes(facts.shapes, n, [v], args.init_device, chosen, device_type),
+                                           name, n, v) for name, n, chosen in planned for v in variants)
+    refuse_beyond_host(need, args.model, "one probe", f"{name} at N = {world_size}, {variant}")
+
+
+def refuse_beyond_host(need: int, model: str, what: str, where: str) -> None:
+    """Refused where ``need`` bytes, the process of ``what`` (``where``), exceed what the host has free."""
+    available = host_memory_for_launch()
+    if need > available:
+        raise UserError(f"--model {model} needs about {need / GIB:.1f} GiB of host memory for {what} ({where}: the "
+                        f"model built on the host, its state and the runtime); {available / GIB:.1f} GiB are "
+                        "available: plan a smaller model here, or on a larger host")
 
 
 def nothing_fits(args: argparse.Namespace, base: options.FsdpOptions, config: accelerate_config.ConfigOptions | None,
@@ -406,14 +427,17 @@ def checked_search(args: argparse.Namespace, common: Common) -> CheckedSearch:
                         f"(their data-parallel ranks, {', '.join(map(str, splits))}, each leave a remainder)")
     cap = estimate.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
     args.init_device = build_device(args.init_device, facts.shapes, cap)
-    setup = Setup(model=common.model, world_size=world_size, block=block, global_sequences=sequences,
+    setup = SearchInputs(model=common.model, world_size=world_size, block=block, global_sequences=sequences,
                   shapes=facts.shapes, config=facts.config, base=options.FsdpOptions(step=Step(loop=args.loop)),
                   cap=cap, links=links, device_type=device.type, gpu_name=gpu_name() if device.type == "cuda" else None,
                   output_dir=args.output_dir, max_timings=args.max_timings, init_device=args.init_device,
                   num_parameters=facts.num_parameters, confirm=args.confirm, time_budget_s=args.time_budget_s,
                   links_given=os.path.abspath(args.links) if args.links and os.path.isfile(args.links) else args.links)
-    return CheckedSearch(setup=setup, candidates=candidates_of(layouts, chosen, sequences, device.type),
-                         notes=notes + refused, args=args)
+    candidates = candidates_of(layouts, chosen, sequences, device.type)
+    need = min(host_bytes(facts.shapes, world_size, [VARIANTS[0]], args.init_device, options_of, device.type)
+               for options_of in {c.options(setup.base) for c in candidates})
+    refuse_beyond_host(need, common.model, "the lightest candidate's timing", f"N = {world_size}")
+    return CheckedSearch(setup=setup, candidates=candidates, notes=notes + refused, args=args)
 
 
 def check_config_path(output_dir: str) -> None:

@@ -7,7 +7,7 @@ A fresh probe holds little while it sets up (the process, the context, its shard
 as soon as that fits, then waits at a gate until the GPU has the room of its steps, so that the set-ups of
 some overlap the steps of others, and until its search names its value: a search's next probe sets up while
 the one before steps (``PlanQueue``). A probe that is expected to stay well under the cap (the line of its
-search says so) is given the room of that expectation plus a margin, so that several share the GPU; one
+search says so) is given the room of that expectation plus a margin, so that several run side by side on the GPU; one
 that may reach the cap is given the whole cap. A probe that ran out of memory where the GPU itself was
 full (torch's message says what was free) may have been crowded out, not capped: it is run again alone,
 and only what it finds then counts.
@@ -33,19 +33,19 @@ from fsdp2bench.memory.estimate import GpuCap, activation_bytes_per_token, varia
 from fsdp2bench.names import MIB, PEAK_PHASES, phases
 from fsdp2bench.options.fsdp import OPTION_SETS, FsdpOptions
 from fsdp2bench.options.step import largest_block_per_token
-from fsdp2bench.plan.room import GpuRoom, Probe, Shared
+from fsdp2bench.plan.room import GpuRoom, Probe, SharedProcess
 from fsdp2bench.plan.search import Ladder, Outcome, Planner, Search
-from fsdp2bench.plan.shared import AtValue, SeriesJob, point_key, series_process
+from fsdp2bench.plan.shared import AtValue, SharedJob, point_key, run_shared_process
 from fsdp2bench.processes.isolation import STAND_DOWN, Piece, StoreKeys, gather_records, has_keys, run_queue
 from fsdp2bench.report.summary import memory_summary
 from fsdp2bench.run.session import Session
 from fsdp2bench.train.runner import Job, TrainConfig, probe_process
 from measure import HELD_AT_FAILURE
 
-# The share of a step's largest block (the fp32 logits) a search's first aim leaves free under the limit: the
-# middle of what the 1.5B model's edges left on one H200 (search.SHARE_BOUNDS; a plan's finished answers then aim
+# How many of a step's largest block (the fp32 logits) a search's first aim leaves free under the limit: the
+# middle of what the 1.5B model's edges left on one H200 (search.BLOCKS_FREE_BOUNDS; a plan's finished answers then aim
 # the others of their option set with what they found).
-BLOCK_SHARE = 0.7
+BLOCKS_FREE = 0.7
 BLOCK_STEP = 64  # tokens: a searched block is a multiple of it (a finer edge is not a length people train at)
 BATCH, BLOCK, LAYOUT = "batch_size", "block_size", "layout"
 
@@ -114,7 +114,7 @@ def search_for(question: Question, lower: int, upper: int, cap: GpuCap | None, c
     tokens = question.unit * question.fixed / question.options.layout.cp_size
     per_unit = activation_bytes_per_token(config, question.options) * tokens
     block = largest_block_per_token(question.options.step, config) * tokens
-    return Search(lower, upper, cap.allocator_bytes / MIB, per_unit / MIB, block / MIB, BLOCK_SHARE)
+    return Search(lower, upper, cap.allocator_bytes / MIB, per_unit / MIB, block / MIB, BLOCKS_FREE)
 
 
 def slow_first(options: FsdpOptions) -> tuple[bool, bool]:
@@ -155,7 +155,7 @@ class ProbeRunner:
     inject_oom_above: int | None = None
     leaders: dict[object, tuple[object, int]] = dataclasses.field(default_factory=dict)  # leaders_of
     probes: list[Probe] = dataclasses.field(default_factory=list)
-    shared: dict[object, Shared] = dataclasses.field(default_factory=dict)
+    shared_processes: dict[object, SharedProcess] = dataclasses.field(default_factory=dict)
     t0: float = dataclasses.field(default_factory=time.monotonic)  # the plan's start, for each piece's start time
     stood_down: list[Probe] = dataclasses.field(default_factory=list)  # set up ahead, and no value came
     ahead_count: itertools.count = dataclasses.field(default_factory=itertools.count)
@@ -171,28 +171,29 @@ class ProbeRunner:
         queue = PlanQueue(self, planner, after)
         for key in sorted(self.searches, key=lambda key: slow_first(self.questions[key].options)):
             if key not in self.leaders:
-                room = self.gpu.shared(key)
-                queue.add(Shared(question_key=key, question=self.questions[key], ladder=self.ladder(key, room), room=room))
+                room = self.gpu.shared_room(key)
+                queue.add(SharedProcess(question_key=key, question=self.questions[key], ladder=self.ladder(key, room),
+                                        room=room))
         run_queue(queue.pieces, queue.next_piece, 0, self.session.store, self.session.device, queue.started,
                   queue.ended, queue.let_go)
 
     def shared_records(self) -> dict:
         """Each shared process as plan.json holds it, its start counted from the plan's."""
-        return {key: shared.as_dict(self.t0) for key, shared in self.shared.items()}
+        return {key: shared.as_dict(self.t0) for key, shared in self.shared_processes.items()}
 
-    def piece(self, item: Probe | Shared) -> Piece:
-        if isinstance(item, Shared):
-            job = self.series_job(item)
-            return Piece(series_process, (job,), job.keys)
+    def piece(self, item: Probe | SharedProcess) -> Piece:
+        if isinstance(item, SharedProcess):
+            job = self.shared_job(item)
+            return Piece(run_shared_process, (job,), job.keys)
         job = self.job(item)
         return Piece(probe_process, (job,), job.keys, gated=job.gated)
 
     def took_probe(self, probe: Probe, job: Job, failure: str | None, beside: list) -> bool:
         """A probe's outcome, kept and said; False where it ran out of memory beside others that may have
         crowded it out (it is then run again alone)."""
-        probe.found = probe_outcome(probe, job, failure, self.session, self.t0)
-        if isinstance(probe.found, Outcome):
-            probe.found.detail["ran_beside"] = len(beside)
+        probe.result = probe_outcome(probe, job, failure, self.session, self.t0)
+        if isinstance(probe.result, Outcome):
+            probe.result.detail["ran_beside"] = len(beside)
         self.probes.append(probe)
         self.say(probe)
         return not self.gpu.crowded_out(probe, beside)
@@ -204,9 +205,9 @@ class ProbeRunner:
         search = self.searches[key]
         limit = (room - self.cap.context) / MIB if room else None
         return Ladder(search.lower, search.upper, limit, search.slope_mib, self.inject_oom_above,
-                      search.block_mib * search.block_share)
+                      search.block_mib * search.blocks_free)
 
-    def series_job(self, shared: Shared) -> SeriesJob:
+    def shared_job(self, shared: SharedProcess) -> SharedJob:
         q, s = shared.question, self.session
         name = f"{q.option_set}_N{q.world_size}_{q.variant}_{'L' if q.searched == BATCH else 'B'}{q.fixed}_shared"
         directory = os.path.join(self.output_dir, "probes", name)
@@ -216,12 +217,12 @@ class ProbeRunner:
         meta = {"run_id": s.run_id, "rank": q.rank, "world_size": q.world_size, "simulated": True,
                 "shared": dataclasses.asdict(q)}
         no_batches = self.tokens[:0]  # the child makes each value's own
-        return SeriesJob(name=q.variant, train=train, device=s.device, config=s.config, batches=no_batches,
+        return SharedJob(name=q.variant, train=train, device=s.device, config=s.config, batches=no_batches,
                          layer_classes=s.layer_classes, meta=meta, rank=q.rank, world_size=q.world_size,
                          keys=StoreKeys(f"probe/{name}"), output_dir=directory, simulated=True, question=q,
                          ladder=shared.ladder, tokens=self.tokens)
 
-    def take_series(self, shared: Shared, job: SeriesJob, failure: str | None) -> None:
+    def take_shared_process(self, shared: SharedProcess, job: SharedJob, failure: str | None) -> None:
         """What a shared process measured (its points are in the store even when it failed), given to its search:
         an out-of-memory error is the ladder's next value not fitting, in that process."""
         shared.ended_at = time.monotonic()
@@ -232,15 +233,15 @@ class ProbeRunner:
         shared.error = failure
         if failure is None:
             shared.setup_s = gather_records(store, job.keys, [job.rank])[0].get("setup_s")
-        found = [Outcome(p["value"], True, p["peak_allocated_mib"], {"kind": "shared", **p}) for p in shared.points]
+        outcomes = [Outcome(p["value"], True, p["peak_allocated_mib"], {"kind": "shared", **p}) for p in shared.points]
         search = self.searches[shared.question_key]
         if failure is not None and "out of memory" in failure:
             above = shared.ladder.next_value([(p["value"], p["peak_allocated_mib"]) for p in shared.points])
-            found.append(Outcome(above, False, None, {"kind": "shared", "error": failure}))
+            outcomes.append(Outcome(above, False, None, {"kind": "shared", "error": failure}))
         elif failure is not None:  # as a probe's: any failure but memory ends the answer with its reason
             search.stop(f"{shared.question.title} (its shared process): {failure}")
-        search.take_shared(found)
-        self.shared[shared.question_key] = shared
+        search.take_shared_values(outcomes)
+        self.shared_processes[shared.question_key] = shared
         values = ", ".join(f"{p['value']}: {p['peak_allocated_mib']:.0f} MiB" if p["peak_allocated_mib"] is not None
                            else str(p["value"]) for p in shared.points)
         print(f"[shared] {shared.question.title}: {values or 'nothing measured'}"
@@ -281,14 +282,14 @@ class ProbeRunner:
             os.rename(job.output_dir, named)
 
     def say(self, probe: Probe) -> None:
-        found = probe.found
-        if isinstance(found, str):
-            what = f"FAILED: {found}"
-        elif found.fits:
-            what = "fits" + (f", {found.detail['peak_reserved_mib']:.0f} MiB reserved, {found.peak_mib:.0f} "
-                             f"allocated" if found.peak_mib is not None else "")
+        result = probe.result
+        if isinstance(result, str):
+            what = f"FAILED: {result}"
+        elif result.fits:
+            what = "fits" + (f", {result.detail['peak_reserved_mib']:.0f} MiB reserved, {result.peak_mib:.0f} "
+                             f"allocated" if result.peak_mib is not None else "")
         else:
-            what = f"out of memory (after {found.detail.get('phase')})"
+            what = f"out of memory (after {result.detail.get('phase')})"
         alone = " (again, alone)" if probe.alone else ""
         print(f"[probe] {probe.question.label(probe.value)}{alone}: {what}", flush=True)
 
@@ -321,12 +322,12 @@ class PlanQueue:
     runner: ProbeRunner
     planner: Planner
     after: Callable[[], None]
-    items: list[Probe | Shared] = dataclasses.field(default_factory=list)
+    items: list[Probe | SharedProcess] = dataclasses.field(default_factory=list)
     pieces: list[Piece | None] = dataclasses.field(default_factory=list)  # each made as it starts (``start``)
     waiting: list[int] = dataclasses.field(default_factory=list)  # not started, in the order they may start
     ahead: dict[object, int] = dataclasses.field(default_factory=dict)  # a search's probe set up ahead of its value
 
-    def add(self, item: Probe | Shared) -> int:
+    def add(self, item: Probe | SharedProcess) -> int:
         self.items.append(item)
         self.pieces.append(None)
         self.enqueue(len(self.items) - 1)
@@ -370,9 +371,10 @@ class PlanQueue:
             i = self.ahead.pop(key, None)
             if i is None:
                 self.add(Probe(question_key=key, question=self.runner.questions[key], value=value,
-                               room=self.runner.gpu.probe(key, value), setup=self.runner.gpu.setup(key)))
+                               room=self.runner.gpu.probe_room(key, value),
+                               setup_bytes=self.runner.gpu.setup_bytes(key)))
                 continue
-            self.items[i].value, self.items[i].room = value, self.runner.gpu.probe(key, value)
+            self.items[i].value, self.items[i].room = value, self.runner.gpu.probe_room(key, value)
             if i in self.waiting:
                 self.waiting.remove(i)
                 self.enqueue(i)
@@ -388,7 +390,7 @@ class PlanQueue:
         for key in awaited - set(self.ahead):
             room = runner.cap.process_bytes if runner.cap and runner.session.device.type == "cuda" else 0
             self.ahead[key] = self.add(Probe(question_key=key, question=runner.questions[key], value=None, room=room,
-                                             setup=runner.gpu.setup(key), ahead=True))
+                                             setup_bytes=runner.gpu.setup_bytes(key), ahead=True))
 
     def awaited(self, running: list[int]) -> set:
         """The searches whose next probe may be wanted once a piece running now ends: a leader's while its shared
@@ -399,7 +401,7 @@ class PlanQueue:
             return set()
         keys = set()
         for item in (self.items[r] for r in running):
-            if isinstance(item, Shared):
+            if isinstance(item, SharedProcess):
                 keys.add(item.question_key)
             elif item.went_at is not None and item.value is not None:
                 keys |= moved_by(item, self.runner.searches, self.runner.leaders)
@@ -413,7 +415,7 @@ class PlanQueue:
         ahead and its search awaits nothing now."""
         probe, runner = self.items[i], self.runner
         probe.ready_at = probe.ready_at or time.monotonic()
-        probe.setup = int(held) + (runner.cap.context if runner.cap else 0)
+        probe.setup_bytes = int(held) + (runner.cap.context if runner.cap else 0)
         if probe.value is None:
             if probe.question_key in self.awaited(running):
                 return None
@@ -428,18 +430,18 @@ class PlanQueue:
     def ended(self, i: int, failure: str | None) -> None:
         item, job, runner = self.items[i], self.pieces[i].args[0], self.runner
         item.ended_at = time.monotonic()
-        if isinstance(item, Shared):
-            runner.take_series(item, job, failure)
+        if isinstance(item, SharedProcess):
+            runner.take_shared_process(item, job, failure)
             self.planner.ready(item.question_key)
         elif item.value is None:
             self.end_ahead(i, item, job, failure)
         else:
             runner.file_probe(item, job, failure)
             if runner.took_probe(item, job, failure, [o for o in self.items if item.overlaps(o)]):
-                self.planner.took(item.question_key, item.value, item.found)
+                self.planner.took(item.question_key, item.value, item.result)
             else:
                 self.add(Probe(question_key=item.question_key, question=item.question, value=item.value,
-                               room=runner.cap.process_bytes, alone=True, setup=item.setup))
+                               room=runner.cap.process_bytes, alone=True, setup_bytes=item.setup_bytes))
         self.name_values()
         self.after()
 
@@ -456,8 +458,8 @@ class PlanQueue:
             search.stop(f"{probe.question.title} (set up ahead): {failure}")
 
 
-def turn_of(item: Probe | Shared) -> Turn:
-    if isinstance(item, Shared):
+def turn_of(item: Probe | SharedProcess) -> Turn:
+    if isinstance(item, SharedProcess):
         return Turn.SHARED
     return Turn.ALONE if item.alone else Turn.NAMED if item.value is not None else Turn.AHEAD
 
@@ -479,7 +481,8 @@ def probe_outcome(probe: Probe, job: Job, failure: str | None, session: Session,
     common = {"kind": "fresh", "attempt": int(probe.alone), "room_mib": probe.room / MIB,
               "started_s": probe.started_at - t0, "wall_s": probe.ended_at - probe.started_at,
               "set_up_s": probe.ready_at - probe.started_at if probe.ready_at is not None else None,
-              "waited_s": probe.went_at - probe.ready_at if probe.went_at is not None else None, "set_up_mib": probe.setup / MIB,
+              "waited_s": probe.went_at - probe.ready_at if probe.went_at is not None else None,
+              "set_up_mib": probe.setup_bytes / MIB,
               "set_up_ahead": probe.ahead}
     if failure is None:
         record, = gather_records(store, job.keys, [q.rank])

@@ -27,17 +27,17 @@ def plan_record(meta: dict, questions: dict, searches: dict[Hashable, Search], p
 
 def answer_of(question, search: Search, limit_mib: float | None) -> dict:
     """One answer of plan.json, its values in tokens or sequences (a search counts in ``question.unit`` steps)."""
-    found = in_units(search.answer(), question.unit)
-    largest, fit = found["largest"], found["fit"]
+    edge = in_units(search.answer(), question.unit)
+    largest, fit = edge["largest"], edge["fit"]
     reserved = (fit or {}).get("peak_reserved_mib")
     headroom = limit_mib - reserved if limit_mib is not None and reserved is not None else None
     return {**{k: getattr(question, k) for k in ("option_set", "world_size", "rank", "variant", "searched", "fixed")},
-            **found, "headroom_mib": headroom,
+            **edge, "headroom_mib": headroom,
             "tokens_per_rank_per_step": question.tokens_per_rank_per_step(largest // question.unit) if largest
             else None,
             "outcomes": [in_units(outcome_said(o), question.unit)
                          for o in sorted(search.outcomes, key=lambda o: o.value)],
-            "shared": [in_units(outcome_said(o), question.unit) for o in search.shared],
+            "shared": [in_units(outcome_said(o), question.unit) for o in search.shared_values],
             "line": line_of(search, question.unit)}
 
 
@@ -50,17 +50,17 @@ def line_of(search: Search, unit: int) -> dict | None:
     return {"value": x * unit, "peak_allocated_mib": y, "slope_mib": slope / unit}
 
 
-def in_units(found: dict | None, unit: int) -> dict | None:
+def in_units(said: dict | None, unit: int) -> dict | None:
     """A search's answer or outcome with its values times ``unit``."""
-    if found is None or unit == 1:
-        return found
-    scaled = {k: None if found.get(k) is None else found[k] * unit
+    if said is None or unit == 1:
+        return said
+    scaled = {k: None if said.get(k) is None else said[k] * unit
               for k in ("largest", "value", "at_least", "below", "started_at")
-              if k in found}
-    scaled.update({k: in_units(found[k], unit) for k in ("fit", "above") if k in found})
-    if "fits_above_edge" in found:
-        scaled["fits_above_edge"] = [v * unit for v in found["fits_above_edge"]]
-    return {**found, **scaled}
+              if k in said}
+    scaled.update({k: in_units(said[k], unit) for k in ("fit", "above") if k in said})
+    if "fits_above_edge" in said:
+        scaled["fits_above_edge"] = [v * unit for v in said["fits_above_edge"]]
+    return {**said, **scaled}
 
 
 def findings(answers: list[dict], reference: str, device_type: str = "cuda") -> list[str]:

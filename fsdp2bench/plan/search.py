@@ -7,7 +7,7 @@ driver, runs them a round at a time through a function with a known edge).
 
 The aim: a step's peak grows close to linearly with the batch beyond the state it holds anyway, so
 the line through the shared process's values (or the largest fresh fit, with their slope, or the memory
-model's estimate of a sequence's activations) says where the cap is crossed, less a share of the step's
+model's estimate of a sequence's activations) says where the cap is crossed, less some of the step's
 largest block. The probes then confirm the edge from both sides. Where the line is no help (no peaks on
 a CPU run, or it was wrong) the search doubles until a value fails, then halves the gap.
 """
@@ -30,19 +30,19 @@ class Outcome:
     detail: dict = field(default_factory=dict, compare=False)  # the probe's own record, for plan.json
 
 
-# The share of a step's largest block that a search's edge leaves free (``Search``), within these bounds: on one
+# How many of a step's largest block a search's edge leaves free (``Search.blocks_free``), within these bounds: on one
 # H200 the 1.5B model's edges left 0.4-1.5 of it under 24 GiB (the default set at N = 8 about 1.4, at N = 64 about
 # 0.7, the sets with activation checkpointing 0.45-0.75) and the default set at N = 8 about 1.5 under 80 GiB.
-SHARE_BOUNDS = (0.35, 1.7)
+BLOCKS_FREE_BOUNDS = (0.35, 1.7)
 # A shared process runs under its own allocator limit, SHARED_LIMIT of the probes' (or more where the memory
-# model says its first value needs it). After the lower bound its values aim at these shares of the way from
+# model says its first value needs it). After the lower bound its values aim at these fractions of the way from
 # that value's peak to SHARED_TOP of its own limit (room for a slope that is wrong by 10%): far enough up that
 # the blocks' activations, not the optimizer's transients, make the slope between the last two.
 SHARED_LIMIT, SHARED_TOP, SHARED_TARGETS = 0.7, 0.9, (0.4, 1.0)
 # ... and at most this many MiB: under a large cap the activations outweigh the transients well below it, and
 # six shared processes fit on one 140 GiB GPU where two of 0.7 of 80 GiB would.
 SHARED_MOST_MIB = 20 * 1024
-# A slope between two values where the smaller is below this share of the larger is bent by the optimizer's
+# A slope between two values where the smaller is below this fraction of the larger is bent by the optimizer's
 # transients (large beside a small batch's activations): the model's estimate aims instead.
 SHARED_NEAR = 0.25
 # Failures in a row after which a search steps down on its own (``Search.stepped_down``), the line's aim set aside.
@@ -56,10 +56,10 @@ SHARED_DOUBLINGS = 6  # without peaks (a CPU run) a shared process doubles from 
 @dataclass(frozen=True)
 class Ladder:
     """The values one shared process measures, each chosen from the peaks of those before it (no torch: the
-    child calls ``next_value``). Always upward, so the first out-of-memory error ends the series.
+    child calls ``next_value``). Always upward, so the first out-of-memory error ends the ladder.
 
     A value's peak on the line, plus ``free_mib`` a unit of the step's largest block (what the probes leave
-    free: ``Search.aim``), meets its target: a step needs that block whole, and a series aimed at the peak alone
+    free: ``Search.aim``), meets its target: a step needs that block whole, and a ladder aimed at the peak alone
     ran out of memory at its third value under checkpointing with offload (3.5 GiB of logits asked, 1.8 GiB
     cached apart), leaving no slope for those sets' line."""
     lower: int
@@ -70,7 +70,7 @@ class Ladder:
     free_mib: float = 0.0
 
     def next_value(self, points: list[tuple[int, float | None]]) -> int | None:
-        """The next value after ``points`` (value, peak allocated), or None once the series is done."""
+        """The next value after ``points`` (value, peak allocated), or None once the ladder is done."""
         if not points:
             return self.lower
         x, y = points[-1]
@@ -94,25 +94,25 @@ class SearchState:
     break that: ``largest_fit``)."""
 
     def __init__(self, lower: int, upper: int, limit_mib: float | None = None, slope_mib: float | None = None,
-                 block_mib: float = 0.0, block_share: float = 0.0):
+                 block_mib: float = 0.0, blocks_free: float = 0.0):
         if not 1 <= lower <= upper:
             raise ValueError(f"a search needs 1 <= lower <= upper, got {lower}, {upper}")
         self.lower, self.upper, self.limit_mib, self.slope_mib = lower, upper, limit_mib, slope_mib
-        self.block_mib, self.block_share = block_mib, block_share
+        self.block_mib, self.blocks_free = block_mib, blocks_free
         self.outcomes: list[Outcome] = []
-        self.shared: list[Outcome] = []  # measured in one shared process: they aim the probes, never decide
+        self.shared_values: list[Outcome] = []  # measured in one shared process: they aim the probes, never decide
         self.error: str | None = None  # a probe failed for a reason other than memory
-        self.learned = False  # block_share is what finished searches left free (share_edges), not the prior
-        self.first_learned = False  # the first probe was aimed with a learned share
+        self.learned = False  # blocks_free is what finished searches left free (aim_with_edges), not the prior
+        self.first_learned = False  # the first probe was aimed with learned blocks_free
         self.seed: int | None = None  # where a search like this one found its edge (``follow``)
 
     def record(self, outcome: Outcome) -> None:
         self.outcomes.append(outcome)
 
-    def take_shared(self, outcomes: list[Outcome]) -> None:
+    def take_shared_values(self, outcomes: list[Outcome]) -> None:
         """A shared process's values: their line aims the first probes, and where it has no peaks (a CPU run),
         the edge it met in its own process is where the probes start."""
-        self.shared = sorted(outcomes, key=lambda o: o.value)
+        self.shared_values = sorted(outcomes, key=lambda o: o.value)
 
     def follow(self, edge: int) -> None:
         """Search outward from ``edge``, where a search like this one (another variant, the same set and N) found
@@ -175,14 +175,14 @@ class Search(SearchState):
     unit of the searched value adds to a step's peak allocated; ``block_mib``: what it adds to the
     step's largest allocation (the logits; under a chunked or fused loss the MLP's widest activation). Near the
     cap a step fails once its peak leaves no free stretch of the largest block's size: the first aim is a peak of
-    the limit less ``block_share`` of that block, and each probe after it bounds that share (``share_bounds``).
+    the limit less ``blocks_free`` of that block, and each probe after it bounds that number (``blocks_free_bounds``).
     Without them the search doubles and halves; ``follow`` starts it at another search's edge instead.
     """
 
-    def share_bounds(self) -> tuple[float, float]:
-        """The shares this search's own probes allow, within ``SHARE_BOUNDS``: a value that fit left at most the
-        share its peak left free, one that failed at least the share the line leaves free there."""
-        low, high = SHARE_BOUNDS
+    def blocks_free_bounds(self) -> tuple[float, float]:
+        """The blocks free this search's own probes allow, within ``BLOCKS_FREE_BOUNDS``: a value that fit left at most
+        what its peak left free, one that failed at least what the line leaves free there."""
+        low, high = BLOCKS_FREE_BOUNDS
         if not self.block_mib:
             return low, high
         for o in self.outcomes:
@@ -220,24 +220,24 @@ class Search(SearchState):
         return lo + max(1, lo - self.seed - 1) if hi is None else hi - max(1, self.seed - hi)
 
     def aimed_value(self, lo: int | None, hi: int | None) -> int:
-        """The line's edge at the share the search starts from; after one probe aimed by other searches' edges
-        (most often off by one) the value beside it, after one aimed by the prior the edge at the share they have
-        found since; then the middle of the shares its probes still allow, unless the line keeps missing
+        """The line's edge at the blocks free the search starts from; after one probe aimed by other searches' edges
+        (most often off by one) the value beside it, after one aimed by the prior the edge at the blocks free they have
+        left since; then the middle of the blocks free its probes still allow, unless the line keeps missing
         (``stepped_down``)."""
         if not self.outcomes:
             self.first_learned = self.learned
-            return self.aim(self.block_share)
+            return self.aim(self.blocks_free)
         if len(self.outcomes) == 1 and self.learned:
-            return (lo + 1 if lo is not None else hi - 1) if self.first_learned else self.aim(self.block_share)
+            return (lo + 1 if lo is not None else hi - 1) if self.first_learned else self.aim(self.blocks_free)
         if (value := self.stepped_down(lo, hi)) is not None:
             return value
-        low, high = self.share_bounds()
+        low, high = self.blocks_free_bounds()
         if low >= high:  # the allocator's packing broke the line's order: halve the bracket
             return lo + 1 if hi is None else self.floor(lo, hi) + (hi - self.floor(lo, hi)) // 2
         return self.aim(math.sqrt(low * high))
 
     def stepped_down(self, lo: int | None, hi: int | None) -> int | None:
-        """Where failures show the line misses the edge by more than its shares correct, a step down of its own.
+        """Where failures show the line misses the edge by more than its blocks free correct, a step down of its own.
         Before any fit, a failure far beyond the shared process's values (a long sequence: its slope, measured
         far below, was 9% low at 8192 tokens) steps ``FAR_STEP`` of the way back towards them, so that the next
         probe likely fits and its peak gives the slope where the edge is; after ``MISSES`` failures in a row,
@@ -257,7 +257,7 @@ class Search(SearchState):
     def floor(self, lo: int | None, hi: int) -> int:
         """The largest value known to fit below ``hi``: a fresh fit, else the shared process's largest value (its
         peaks are not a fresh run's, but they lie far under the cap), else the lower bound."""
-        return lo if lo is not None else max((o.value for o in self.shared if o.fits and o.value < hi),
+        return lo if lo is not None else max((o.value for o in self.shared_values if o.fits and o.value < hi),
                                              default=self.lower)
 
     def unaimed_values(self, lo: int | None, hi: int | None) -> list[int]:
@@ -280,8 +280,8 @@ class Search(SearchState):
 
     def shared_edge(self) -> tuple[int | None, int | None]:
         """The largest value a shared process measured and the value it ran out of memory at, if it did."""
-        return (max((o.value for o in self.shared if o.fits), default=None),
-                min((o.value for o in self.shared if not o.fits), default=None))
+        return (max((o.value for o in self.shared_values if o.fits), default=None),
+                min((o.value for o in self.shared_values if not o.fits), default=None))
 
     def line(self) -> tuple[float, float, float] | None:
         """(value, peak, slope) of the line that aims: through the largest value that fits, with the
@@ -292,7 +292,7 @@ class Search(SearchState):
         lo, hi = self.largest_fit, self.smallest_failure
         points = sorted((o.value, o.peak_mib) for o in self.outcomes
                         if o.fits and o.peak_mib is not None and lo is not None and o.value <= lo)
-        shared = [(o.value, o.peak_mib) for o in self.shared
+        shared = [(o.value, o.peak_mib) for o in self.shared_values
                   if o.fits and o.peak_mib is not None and (hi is None or o.value < hi)]
         x2, y2 = (points or shared or [(None, None)])[-1]
         if x2 is None:
@@ -306,14 +306,14 @@ class Search(SearchState):
         slope = _slope(far, 0.0) or own or _slope(points, 0.5) or self.slope_mib
         return (x2, y2, slope) if slope else None
 
-    def aim(self, share: float) -> int:
-        """The largest value whose peak on the line leaves ``share`` of its largest block free under the limit."""
+    def aim(self, blocks_free: float) -> int:
+        """The largest value whose peak on the line leaves ``blocks_free`` of its largest block free under the limit."""
         x, y, slope = self.line()
-        return _meets(self.limit_mib, x, y, slope, share * self.block_mib)
+        return _meets(self.limit_mib, x, y, slope, blocks_free * self.block_mib)
 
     def predicted_peak(self, value: int) -> float | None:
         """The line's peak at ``value``: what a probe is expected to hold, so that probes that will
-        stay well under the cap can share the GPU."""
+        stay well under the cap can run side by side on the GPU."""
         line = self.line()
         if line is None:
             return None
@@ -342,7 +342,7 @@ def outcome_said(outcome: Outcome | None) -> dict | None:
                                          **outcome.detail}
 
 
-# A round's probes, (search key, value) each, and what each found; a key's probe that failed for a
+# A round's probes, (search key, value) each, and the result of each; a key's probe that failed for a
 # reason other than memory comes back as a string.
 RoundRunner = Callable[[list[tuple[Hashable, int]]], dict[tuple[Hashable, int], "Outcome | str"]]
 
@@ -352,7 +352,7 @@ class Planner:
     of its own is out; one in ``unready`` waits until its shared process has ended, and a follower
     (``leaders``: key -> (its leader's key, the values it is expected to fit beyond it)) until its leader has
     found its edge, where it starts (``Search.follow``). Each outcome's finished searches aim the others of
-    their ``group`` (``share_edges``)."""
+    their ``group`` (``aim_with_edges``)."""
 
     def __init__(self, searches: dict[Hashable, Search], group: Callable[[Hashable], Hashable] = lambda key: None,
                  unready: set | None = None, leaders: dict[Hashable, tuple[Hashable, int]] | None = None):
@@ -380,24 +380,24 @@ class Planner:
         the leader failed for another reason, it searches on its own, aimed by the leader's shared process."""
         for key, (leader, shift) in self.leaders.items():
             search, led = self.searches[key], self.searches[leader]
-            if not led.done or search.seed is not None or search.outcomes or search.shared:
+            if not led.done or search.seed is not None or search.outcomes or search.shared_values:
                 continue
             if led.error is None:
                 search.follow((led.largest_fit or led.lower) + shift)
             else:
-                search.take_shared(led.shared)
+                search.take_shared_values(led.shared_values)
 
-    def took(self, key: Hashable, value: int, found: Outcome | str) -> None:
+    def took(self, key: Hashable, value: int, result: Outcome | str) -> None:
         self.out.discard((key, value))
-        if isinstance(found, str):
-            self.searches[key].stop(found)
+        if isinstance(result, str):
+            self.searches[key].stop(result)
         else:
-            self.searches[key].record(found)
-        share_edges(self.searches, self.group)
+            self.searches[key].record(result)
+        aim_with_edges(self.searches, self.group)
 
 
-def edge_share(search: Search) -> float | None:
-    """The share of its largest block that a finished search's edge left free: from the midpoint
+def edge_blocks_free(search: Search) -> float | None:
+    """How many of its largest block a finished search's edge left free: from the midpoint
     between its largest fit's peak and the line's peak one value above. None until both are known."""
     lo, hi, line = search.largest_fit, search.smallest_failure, search.line()
     if lo is None or hi != lo + 1 or line is None or not search.block_mib:
@@ -406,19 +406,19 @@ def edge_share(search: Search) -> float | None:
     return max(0.0, (search.limit_mib - y - slope / 2) / (search.block_mib * (lo + 0.5)))
 
 
-def share_edges(searches: dict[Hashable, Search], group: Callable[[Hashable], Hashable] = lambda key: None) -> None:
+def aim_with_edges(searches: dict[Hashable, Search], group: Callable[[Hashable], Hashable] = lambda key: None) -> None:
     """Aim every unfinished search with the edges the finished ones found under the same cap: the
-    median share of the largest block they left free, among those of its own group where there are any
-    (one option set leaves much the same share at every N and variant, another set not)."""
-    found: dict[Hashable, list[float]] = {}
+    median of the largest blocks they left free, among those of its own group where there are any
+    (one option set leaves much the same at every N and variant, another set not)."""
+    blocks_free_by_group: dict[Hashable, list[float]] = {}
     for key, search in searches.items():
-        if search.done and (share := edge_share(search)) is not None:
-            found.setdefault(group(key), []).append(share)
-    every = sorted(f for shares in found.values() for f in shares)
+        if search.done and (free := edge_blocks_free(search)) is not None:
+            blocks_free_by_group.setdefault(group(key), []).append(free)
+    every = sorted(f for frees in blocks_free_by_group.values() for f in frees)
     for key, search in searches.items():
-        shares = sorted(found.get(group(key), every))
-        if shares and not search.done:
-            search.block_share, search.learned = shares[len(shares) // 2], True
+        frees = sorted(blocks_free_by_group.get(group(key), every))
+        if frees and not search.done:
+            search.blocks_free, search.learned = frees[len(frees) // 2], True
 
 
 def run_searches(searches: dict[Hashable, Search], run_round: RoundRunner,
@@ -429,8 +429,8 @@ def run_searches(searches: dict[Hashable, Search], run_round: RoundRunner,
     planner, rounds = Planner(searches, group, leaders=leaders), 0
     while wanted := planner.wanted():
         rounds += 1
-        for (key, value), found in run_round(wanted).items():
-            planner.took(key, value, found)
+        for (key, value), result in run_round(wanted).items():
+            planner.took(key, value, result)
     return rounds
 
 

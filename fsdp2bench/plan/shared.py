@@ -6,7 +6,7 @@ FSDP2's first step); here that is paid once for several values. The peaks of val
 others are not those of a fresh run (the allocator's cache holds the earlier values' blocks), so they
 aim the fresh probes (probes.py) and decide nothing. Each value runs two steps, as a fresh probe does,
 so that its second forward runs with the first one's outputs alive, and its allocator limit is below
-the probes' (``search.SHARED_LIMIT``): a line wrong by much ends the series, never a probe beside it.
+the probes' (``search.SHARED_LIMIT``): a line wrong by much ends its ladder, never a probe beside it.
 """
 
 from __future__ import annotations
@@ -61,24 +61,24 @@ class AtValue:
 
 
 @dataclass(kw_only=True)
-class SeriesJob(Job):
+class SharedJob(Job):
     """A ``Job`` whose batches are made here, per value, from ``tokens`` (probes.probe_batches)."""
     question: Question
     ladder: Ladder | None = None
     tokens: torch.Tensor | None = None
 
 
-def point_key(job: SeriesJob, index: int) -> str:
+def point_key(job: SharedJob, index: int) -> str:
     return f"{job.keys.prefix}/point/{index}"
 
 
-def series_process(job: SeriesJob) -> None:
+def run_shared_process(job: SharedJob) -> None:
     """Entry point of the child process (``ps`` shows it as plan-shared)."""
     name_process("plan-shared")
-    run_variant_child(job, measure_series)
+    run_variant_child(job, measure_ladder)
 
 
-def measure_series(job: SeriesJob, tracker: MemoryTracker, meshes: Meshes | None, store: dist.Store) -> dict:
+def measure_ladder(job: SharedJob, tracker: MemoryTracker, meshes: Meshes | None, store: dist.Store) -> dict:
     """Each value of the ladder in turn, until it ends or a value runs out of memory (the error ends the
     process; the values before it are already in the store)."""
     started = time.perf_counter()

@@ -94,6 +94,13 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 MAX_RANKS = 1 << 20
 
 
+def refuse_launcher(what: str) -> None:
+    """A script that starts its own processes is one process: under a launcher's N ranks it would run N times over,
+    into the same files (and torchrun drops the ``--`` that ends speed.py's own options)."""
+    if check_launcher_env()[1] != 1:
+        raise UserError(f"{what}: run it with python3, not a launcher (torchrun, accelerate launch)")
+
+
 def check_launcher_env() -> tuple[int, int]:
     """The launcher's variables, each checked and all checked together, before anything starts: rank
     and world size. Plain ``python`` (no RANK) is one rank (``one_rank_env``); a launcher sets every one."""

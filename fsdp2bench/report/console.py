@@ -76,7 +76,7 @@ def speed_said(summary: dict, entries: list[dict]) -> str:
     peak = (f"{gpu}'s dense bf16 peak, {first['peak_bf16_tflops']:.0f} TFLOP/s (float8 included)"
             if first["peak_bf16_tflops"] else f"no peak FLOP/s known for {gpu}" if gpu else "none on the CPU")
     flops = f"{first['model_flops_per_token'] / 1e9:.3g}"
-    line = (f"tok/s: tokens per second per GPU over the median step after warm-up ({warm}); MFU: {flops} GFLOP of "
+    line = (f"tok/s: tokens per second per rank over the median step after warm-up ({warm}); MFU: {flops} GFLOP of "
             f"model FLOPs per token (docs/levers.md) against {peak}.")
     if any(f["compute_only"] for f in figures):
         line += " *: compute only (a simulated rank: no communication happens)."

@@ -280,7 +280,7 @@ def print_speeds(matrix: dict) -> None:
         resv = "n/a" if r["peak_reserved_mib"] is None else f"{r['peak_reserved_mib']:.0f}"
         print(f"{r['option_set']:24} {r['world_size']:>5} {r['rank'] if r['rank'] is not None else 'max':>4} "
               f"{resv:>9} {throughput.rate_said(r['speed']):>8} {throughput.mfu_said(r['speed']):>6}")
-    print("tok/s: tokens per second per GPU over the median step after warm-up, * compute only (a simulated rank); "
+    print("tok/s: tokens per second per rank over the median step after warm-up, * compute only (a simulated rank); "
           "n/a: the\nlaunch's summary.json says why (speed.not_measured; no MFU on a CPU). docs/levers.md")
 
 

@@ -601,7 +601,8 @@ def checked_launch(args: argparse.Namespace, world_size: int | None) -> Checked:
     # The smallest simulated N holds the most per rank.
     fit_world = simulation.parse_world_sizes(args.simulate_world_size)[0] if args.simulate_world_size else launch_world
     concurrency.check_fits(facts.shapes, fit_world, names, args.init_device, device_type, fsdp_options,
-                           estimate.rank_logits_bytes(args.batch_size, args.block_size, facts.config, fsdp_options))
+                           estimate.rank_logits_bytes(args.batch_size, args.block_size, facts.config, fsdp_options),
+                           estimate.step_bytes(args.batch_size, args.block_size, facts.config, fsdp_options))
     cap = None if args.gpu_memory is None else estimate.gpu_cap(args.gpu_memory, pick_device(args.device).index)
     return Checked(args=args, names=names, fsdp_options=fsdp_options, facts=facts, batches=batches, cap=cap,
                    config=config, links=emulation_links(args))

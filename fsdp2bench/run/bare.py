@@ -82,7 +82,7 @@ def main() -> None:
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"bare loop, {result['variant']} at N = {result['world_size']}: median step "
-          f"{result['speed']['median_step_time_s']} s, {throughput.rate_said(result['speed'])} tokens/s per GPU")
+          f"{result['speed']['median_step_time_s']} s, {throughput.rate_said(result['speed'])} tokens/s per rank")
 
 
 if __name__ == "__main__":

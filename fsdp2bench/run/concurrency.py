@@ -112,20 +112,22 @@ def sweep_room(shapes, sizes: list[int], names: list[str], init_device: str, opt
 
 
 def check_fits(shapes, world_size: int, names: list[str], init_device: str, device_type: str,
-               options: FsdpOptions, logits_bytes: int) -> None:
+               options: FsdpOptions, logits_bytes: int, tokens_bytes: int) -> None:
     """Refuse a run whose state (the memory model at the step peak, no margin) and one step's fp32
     logits (``logits_bytes``, a lower bound of its activations) exceed the device, or whose host
-    processes exceed the host's RAM: it could only run out of memory, or be killed by the host,
-    after minutes of building."""
+    processes exceed the host's RAM (on a CPU run with what a step's tokens hold, ``tokens_bytes``, the
+    planner's rule: tiny at batch 4096 peaked at 6.99 GiB where it says 6.94): it could only run out of
+    memory, or be killed by the host, after minutes of building."""
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     on_gpu = device_state(shapes, world_size, names, options, device_type) + logits_bytes
     host = processes * (host_bytes(shapes, world_size, names, init_device, options, device_type)
-                        + (logits_bytes if device_type == "cpu" else 0))
+                        + (max(logits_bytes, tokens_bytes) if device_type == "cpu" else 0))
     available = host_memory_for_launch()
     if host > available:
         raise UserError(f"--model (with --batch_size and --block_size) needs about {host / GIB:.1f} GiB of host memory "
-                        f"({processes} process(es) at N = {world_size}: the model built on the host, its state and "
-                        f"the runtime); {available / GIB:.1f} GiB are available")
+                        f"({processes} process(es) at N = {world_size}: the model built on the host, its state"
+                        f"{', a step' if device_type == 'cpu' else ''} and the runtime); {available / GIB:.1f} GiB "
+                        "are available")
     total = gpu_memory() if device_type == "cuda" else None
     if total is not None and on_gpu > total:
         raise UserError(f"--model, --batch_size and --block_size at N = {world_size} need at least {on_gpu / GIB:.1f} "

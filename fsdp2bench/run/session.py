@@ -84,7 +84,7 @@ def open_session(facts: ModelFacts, device_choice: str, output_dir: str, summary
     rank, world_size = launcher_env()
     start_child_server(device.type)  # if the entry script has not: its imports overlap the set-up below
     prepare_output_dir(output_dir)
-    run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"  # rank 0's names the launch
+    run_id = new_run_id()  # rank 0's names the launch
     if rank == 0:
         lock_output_dir(output_dir)
         check_replaceable(os.path.join(output_dir, summary_file))
@@ -96,6 +96,11 @@ def open_session(facts: ModelFacts, device_choice: str, output_dir: str, summary
 
 
 EARLIER_RUNS = "earlier_runs"  # where a run moves the files of the runs before it in its directory
+
+
+def new_run_id() -> str:
+    """A launch's name: when and which process started it."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 
 def move_earlier_runs_aside(output_dir: str, run_id: str) -> None:

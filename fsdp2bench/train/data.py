@@ -114,9 +114,11 @@ def builtin_for_steps(tokens: torch.Tensor, block_size: int, sequences: int, fra
     blocks = math.ceil((max_steps or 1) * world_size * sequences / fraction) + 1  # + 1: the fraction's rounding
     need = blocks * block_size
     if need > MAX_BUILTIN_TOKENS:
+        kept = f" (--dataset_fraction {fraction:g} keeps that share of them)" if fraction < 1 else ""
         raise UserError(f"{max_steps or 1} step(s) of {sequences} x {block_size} tokens on {world_size} rank(s) "
-                        f"would repeat the built-in text to {need:,} tokens, more than its {MAX_BUILTIN_TOKENS:,} "
-                        f"(each rank keeps its share as int64): give fewer --max_steps, or a --dataset")
+                        f"would repeat the built-in text to {need:,} tokens{kept}, more than its "
+                        f"{MAX_BUILTIN_TOKENS:,} (each rank keeps its share as int64): give fewer --max_steps"
+                        f"{', a larger --dataset_fraction' if kept else ''}, or a --dataset")
     return repeated(tokens, need)
 
 

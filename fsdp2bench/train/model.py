@@ -259,6 +259,7 @@ def default_model(device_type: str, said: str | None = None) -> str:
         return GPU_DEFAULT_MODEL
     if os.environ.get("RANK", "0") == "0":
         say(said or f"No --model given and no GPU: main.py takes the {CPU_DEFAULT_MODEL} model, a functional run of a "
-            f"few minutes (main.py: 127 s on 2 cores). The real one on the CPU (hours): add --model {GPU_DEFAULT_MODEL}.")
+            f"few minutes on 2 cores (measured and dated: docs/results-overview.md). The real one on the CPU (hours): "
+            f"add --model {GPU_DEFAULT_MODEL}.")
         sys.stdout.flush()
     return CPU_DEFAULT_MODEL

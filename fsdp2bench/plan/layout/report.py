@@ -13,20 +13,20 @@ from fsdp2bench.cli import UserError, say
 from fsdp2bench.files import digest_of, save_summary, write_bytes
 from fsdp2bench.names import seconds_said
 from fsdp2bench.options import accelerate_config
-from fsdp2bench.plan.layout.search import Assessed, Setup, commands, decided, ranked, record, winner_of
+from fsdp2bench.plan.layout.search import Assessed, SearchInputs, commands, decided, ranked, record, winner_of
 from fsdp2bench.plan.layout.timing import RETIMES, clipped
 
 CONFIG_NAME = "accelerate_config.json"
 SHOWN = 15  # ranked rows on the console (plan.json holds every candidate)
 
 
-def table(found: list[Assessed], setup: Setup) -> list[str]:
+def table(rows: list[Assessed], setup: SearchInputs) -> list[str]:
     """The fitting candidates, fastest first by their step, each figure with its mark, the bounds beside it."""
     per = "GPU" if setup.cap else "rank"  # a CPU run has ranks, no GPU
     lines = [f"{'#':>3} {'candidate':58} {'memory GiB':>17} {'compute s':>10} {'comm s':>9} {'step s':>9} "
              f"{'tok/s/' + per:>10} {'no overlap':>10} {'full overlap':>12}",
              f"{'':>3} {'':58} {'':>17} {'':>10} {'':>9} {'':>9} {'by step':>10} {'bound':>10} {'bound':>12}"]
-    for i, f in enumerate(ranked(found)[:SHOWN], 1):
+    for i, f in enumerate(ranked(rows)[:SHOWN], 1):
         p = f.speed
         lines.append(f"{i:>3} {f.candidate.name[:58]:58} {memory_said(f):>17} {p['compute_s']:>9.3f}"
                      f"{compute_mark(p):1} {p['comm_s']:>8.3f}{comm_mark(p):1} {p['step_s']:>8.3f}{step_mark(p):1} "
@@ -35,11 +35,11 @@ def table(found: list[Assessed], setup: Setup) -> list[str]:
     return lines
 
 
-def undecided_said(found: Assessed, setup: Setup) -> str:
+def undecided_said(row: Assessed, setup: SearchInputs) -> str:
     """Why a row cannot be named: its compute timed only beside other runs, or not measured enough."""
-    if decided(found, setup):
+    if decided(row, setup):
         return ""
-    return "  (not clean)" if found.speed["compute_measured"] and not found.speed["compute_clean"] \
+    return "  (not clean)" if row.speed["compute_measured"] and not row.speed["compute_clean"] \
         else "  (estimated)"
 
 
@@ -71,8 +71,8 @@ def step_mark(speed: dict) -> str:
     return "e" if speed["labels"]["step"] == "estimated" else ""
 
 
-def memory_said(found: Assessed) -> str:
-    m = found.memory
+def memory_said(row: Assessed) -> str:
+    m = row.memory
     if "measured_gib" in m:
         return f"{m['measured_gib']:.1f} measured" + ("" if m.get("own_layout") else "+")
     if "calibrated_gib" in m:
@@ -80,9 +80,9 @@ def memory_said(found: Assessed) -> str:
     return f"{m['estimated_gib']:.1f} estimated"
 
 
-def not_fitting(found: list[Assessed]) -> list[str]:
+def not_fitting(rows: list[Assessed]) -> list[str]:
     """How many candidates do not fit, and by how much the closest of each layout misses."""
-    out = [f for f in found if f.fits is False]
+    out = [f for f in rows if f.fits is False]
     if not out:
         return []
     closest: dict = {}
@@ -91,7 +91,7 @@ def not_fitting(found: list[Assessed]) -> list[str]:
         over = f.memory.get("over_gib")
         if over is not None and (key not in closest or over < closest[key].memory["over_gib"]):
             closest[key] = f
-    lines = [f"{len(out)} of {len(found)} candidates do not fit; the closest of each layout, by the estimate over "
+    lines = [f"{len(out)} of {len(rows)} candidates do not fit; the closest of each layout, by the estimate over "
              "the cap (not run; the memory model's, calibrated where a timing of the same levers measured it):"]
     lines += [f"    {f.candidate.name}: {f.memory['over_gib']:.1f} GiB over "
               f"({'calibrated' if 'calibrated_gib' in f.memory else 'estimated'})"
@@ -106,14 +106,14 @@ def not_fitting(found: list[Assessed]) -> list[str]:
     return lines
 
 
-def print_search(found: list[Assessed], setup: Setup, notes: list[str], timings: list[dict],
+def print_search(rows: list[Assessed], setup: SearchInputs, notes: list[str], timings: list[dict],
                  said: dict | None) -> None:
     """The table, the misses, what was left out and the winner's commands (``said``)."""
-    for line in table(found, setup):
+    for line in table(rows, setup):
         print(line, flush=True)
-    say(legend(found, setup, timings))
+    say(legend(rows, setup, timings))
     unclean = unclean_said(timings)
-    for line in not_fitting(found) + not_ranked(found) + ([unclean] if unclean else []) + \
+    for line in not_fitting(rows) + not_ranked(rows) + ([unclean] if unclean else []) + \
             [f"Left out: {note}" for note in notes]:
         say(line)
     if said is None:
@@ -133,9 +133,9 @@ def print_search(found: list[Assessed], setup: Setup, notes: list[str], timings:
         say(CPU_TELLS)
 
 
-def figures_said(found: Assessed, setup: Setup) -> str:
+def figures_said(row: Assessed, setup: SearchInputs) -> str:
     """Each of a row's figures with what it is: measured, emulated, projected or estimated."""
-    p, per = found.speed, "GPU" if setup.cap else "rank"
+    p, per = row.speed, "GPU" if setup.cap else "rank"
     labels = p["labels"]
     hidden = f", {1 - p['exposed_share']:.0%} of it hidden by FSDP2's schedule" if labels["step"] == "emulated" else ""
     return (f"compute {seconds_said(p['compute_s'])} a step {labels['compute']}; communication "
@@ -145,10 +145,10 @@ def figures_said(found: Assessed, setup: Setup) -> str:
             f"{p['full_overlap_tokens_per_s']:,.0f} with full overlap)")
 
 
-def winner_said(found: list[Assessed], setup: Setup) -> dict | None:
+def winner_said(rows: list[Assessed], setup: SearchInputs) -> dict | None:
     """The winner's name, place and command lines, its accelerate config written and read back through accelerate's
     own loader and objects (a layout accelerate refuses gets no config file, and its reason)."""
-    winner, place = winner_of(found, setup)
+    winner, place = winner_of(rows, setup)
     if winner is None:
         return None
     said = {"name": winner.candidate.name, "place": place, "figures": figures_said(winner, setup),
@@ -182,10 +182,10 @@ CPU_TELLS = ("A CPU run checks the search, not the speed: each timing is one sim
              "search would rank them. A real ranking needs a GPU.")
 
 
-def legend(found: list[Assessed], setup: Setup, timings: list[dict]) -> str:
+def legend(rows: list[Assessed], setup: SearchInputs, timings: list[dict]) -> str:
     cap = f"under {setup.cap.gib:g} GiB" if setup.cap else "(a CPU run: no cap, so it cannot tell what fits)"
     per = "GPU" if setup.cap else "rank"
-    rows = ranked(found)
+    rows = ranked(rows)
     measured = sum(f.speed["compute_measured"] for f in rows)
     emulated = sum(f.speed["labels"]["step"] != "estimated" for f in rows)
     overlap = ("each collective FSDP2 issues waited its time on the stream it is issued on, so the step is what "
@@ -207,16 +207,16 @@ def legend(found: list[Assessed], setup: Setup, timings: list[dict]) -> str:
             "estimated is the memory model alone. Rows marked (estimated) are not measured enough to be named.")
 
 
-def not_ranked(found: list[Assessed]) -> list[str]:
-    failed = [f for f in found if f.failed]
+def not_ranked(rows: list[Assessed]) -> list[str]:
+    failed = [f for f in rows if f.failed]
     return [f"{len(failed)} candidates not ranked: {clipped(failed[0].failed, 240)}"] if failed else []
 
 
-def write_search(found: list[Assessed], setup: Setup, notes: list[str], timings: list[dict], meta: dict,
+def write_search(rows: list[Assessed], setup: SearchInputs, notes: list[str], timings: list[dict], meta: dict,
                  said: dict | None) -> str:
     """plan.json: every candidate (estimated, measured, projected, each labelled) and every timing."""
     path = os.path.join(setup.output_dir, "plan.json")
-    save_summary(path, {"meta": {**meta, "find": "layout", "candidates": len(found), "timings": len(timings),
+    save_summary(path, {"meta": {**meta, "find": "layout", "candidates": len(rows), "timings": len(timings),
                                  "unclean_timings": unclean_said(timings),
                                  "links": vars(setup.links), "left_out": notes,
                                  "labels": {"memory.estimated_gib": "estimated (memory model)",
@@ -228,7 +228,7 @@ def write_search(found: list[Assessed], setup: Setup, notes: list[str], timings:
                                                      "exposed_share_from); no_overlap and full_overlap: bounds",
                                             "projected_comm_s": "projected"}},
                         "winner": None if said is None else {"name": said["name"], "commands": said},
-                        "candidates": [record(f, setup.links) for f in found], "timings": timings})
+                        "candidates": [record(f, setup.links) for f in rows], "timings": timings})
     return path
 
 

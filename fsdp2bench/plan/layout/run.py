@@ -11,7 +11,7 @@ from fsdp2bench.cli import UserError, say
 from fsdp2bench.files import is_ours, prepare_output_dir
 from fsdp2bench.plan.checks import CheckedSearch
 from fsdp2bench.plan.layout.report import CONFIG_NAME, print_search, winner_said, write_search
-from fsdp2bench.plan.layout.search import Setup, assess
+from fsdp2bench.plan.layout.search import SearchInputs, assess
 from fsdp2bench.plan.layout.timing import choose_and_time, timing_dir
 from fsdp2bench.processes.starting import interrupts_raise
 from fsdp2bench.run import arguments
@@ -23,25 +23,25 @@ def run_search(search: CheckedSearch, started: float) -> int:
     setup = search.setup
     prepare_output_dir(setup.output_dir)
     clear_earlier_search(setup.output_dir)
-    found = [assess(c, setup) for c in search.candidates]
-    out = sum(f.fits is False for f in found)
-    near = sum(f.fits is None for f in found)
-    say(f"{len(found)} candidates of N = {setup.world_size} at {setup.global_sequences} x {setup.block} tokens a "
+    rows = [assess(c, setup) for c in search.candidates]
+    out = sum(f.fits is False for f in rows)
+    near = sum(f.fits is None for f in rows)
+    say(f"{len(rows)} candidates of N = {setup.world_size} at {setup.global_sequences} x {setup.block} tokens a "
         f"step: {out} over the cap by the memory model's estimate (not run), {near} "
         + ("near it" if setup.cap else "that a CPU run cannot place (no cap)")
-        + f", {len(found) - out - near} well under it; timing the most promising one at a time...")
+        + f", {len(rows) - out - near} well under it; timing the most promising one at a time...")
     timings: list[dict] = []
     try:
-        choose_and_time(found, setup, say, timings)
+        choose_and_time(rows, setup, say, timings)
     except KeyboardInterrupt as exc:
         meta = run_meta(setup, started, interrupted=True)
-        path = write_search(found, setup, search.notes, timings, meta, winner_said(found, setup))
+        path = write_search(rows, setup, search.notes, timings, meta, winner_said(rows, setup))
         print(f"Interrupted ({str(exc) or 'SIGINT'}); the {len(timings)} timing(s) that ended are ranked in {path}",
               file=sys.stderr, flush=True)
         return 130
-    said = winner_said(found, setup)
-    print_search(found, setup, search.notes, timings, said)
-    path = write_search(found, setup, search.notes, timings, run_meta(setup, started, interrupted=False), said)
+    said = winner_said(rows, setup)
+    print_search(rows, setup, search.notes, timings, said)
+    path = write_search(rows, setup, search.notes, timings, run_meta(setup, started, interrupted=False), said)
     print(f"Wrote {path}; draw it with:\n    python3 visualize.py --dir {setup.output_dir}", flush=True)
     return 0
 
@@ -51,8 +51,8 @@ def clear_earlier_search(output_dir: str) -> None:
     anything ran; its layout.png; every marked file of its timings) go before this one writes, so that none is read
     as this one's. A file without the benchmark's mark stays, and the folders that hold one."""
     timings = os.path.dirname(timing_dir(output_dir, 0))
-    found = [os.path.join(root, name) for root, _, names in os.walk(timings) for name in names]
-    ours = [path for path in found + [os.path.join(output_dir, "layout.png")] if is_ours(path)]  # judged, then gone
+    rows = [os.path.join(root, name) for root, _, names in os.walk(timings) for name in names]
+    ours = [path for path in rows + [os.path.join(output_dir, "layout.png")] if is_ours(path)]  # judged, then gone
     config = os.path.join(output_dir, CONFIG_NAME)
     for path in ours + ([config] if os.path.isfile(config) else []):
         try:
@@ -65,7 +65,7 @@ def clear_earlier_search(output_dir: str) -> None:
             os.rmdir(root)
 
 
-def run_meta(setup: Setup, started: float, interrupted: bool) -> dict:
+def run_meta(setup: SearchInputs, started: float, interrupted: bool) -> dict:
     return {"command": " ".join(sys.argv), "model": setup.model, "world_size": setup.world_size,
             "block_size": setup.block, "global_batch": setup.global_sequences, "device": setup.device_type,
             "gpu_name": setup.gpu_name, "gpu_memory": setup.cap.as_dict() if setup.cap else None,

@@ -71,7 +71,7 @@ class Assessed:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Setup:
+class SearchInputs:
     """What one layout search needs beside its candidates."""
     model: str
     world_size: int
@@ -102,39 +102,39 @@ class Setup:
         return model_flops_per_token(self.num_parameters, self.config, self.block)
 
 
-def assess(candidate: Candidate, setup: Setup) -> Assessed:
+def assess(candidate: Candidate, setup: SearchInputs) -> Assessed:
     """The memory model's estimate and the projected communication of one candidate, placed against the cap."""
     estimate = estimated_bytes(candidate, setup.shapes, setup.config, setup.block, setup.base, setup.held)
     chosen = candidate.options(setup.base)
     collectives = step_collectives(setup.shapes, setup.config, candidate.degrees, chosen, candidate.batch,
                                    setup.block, candidate.microbatches)
-    found = Assessed(candidate, estimate, collectives, sum(c.seconds(setup.links) for c in collectives))
-    found.memory = {"estimated_gib": estimate / GIB}
-    judge_by_estimate(found, setup, 1.0, "estimated (memory model)")
-    return found
+    row = Assessed(candidate, estimate, collectives, sum(c.seconds(setup.links) for c in collectives))
+    row.memory = {"estimated_gib": estimate / GIB}
+    judge_by_estimate(row, setup, 1.0, "estimated (memory model)")
+    return row
 
 
-def judge_by_estimate(found: Assessed, setup: Setup, ratio: float, how: str) -> None:
+def judge_by_estimate(row: Assessed, setup: SearchInputs, ratio: float, how: str) -> None:
     """Where an estimate (the memory model's, times ``ratio``) puts a candidate not yet measured: more than
     ``EDGE`` over the cap it does not fit, and by how much is said; more than ``EDGE`` under it fits; between, only
     a run decides."""
     if setup.cap is None:
         return
-    estimate, cap = found.estimated_bytes * ratio, setup.cap.process_bytes
-    found.memory.pop("over_gib", None)
-    found.fits = False if estimate > cap * (1 + EDGE) else True if estimate < cap * (1 - EDGE) else None
-    if found.fits is False:
-        found.memory.update(over_gib=(estimate - cap) / GIB, how=f"{how}, not run")
+    estimate, cap = row.estimated_bytes * ratio, setup.cap.process_bytes
+    row.memory.pop("over_gib", None)
+    row.fits = False if estimate > cap * (1 + EDGE) else True if estimate < cap * (1 - EDGE) else None
+    if row.fits is False:
+        row.memory.update(over_gib=(estimate - cap) / GIB, how=f"{how}, not run")
     else:
-        found.memory["how"] = f"{how}, {'well under' if found.fits else 'near'} the cap"
+        row.memory["how"] = f"{how}, {'well under' if row.fits else 'near'} the cap"
 
 
-def calibrate(found: list[Assessed], setup: Setup, ratios: dict) -> None:
+def calibrate(rows: list[Assessed], setup: SearchInputs, ratios: dict) -> None:
     """Each candidate not yet measured placed again by the memory model's estimate times the ratio a timing of the
     same levers measured (rank 0's peak over the estimate): the model knows no compile, float8 or fused loss, and
     ran high under them (the Llama-3.1-8B and Qwen2.5-7B shapes measured 62-73% of its estimate), which left out
     candidates that fit."""
-    for f in found:
+    for f in rows:
         c = f.candidate
         ratio = ratios.get((c.ac, c.loss, c.compile, c.float8)) or ratios.get((c.ac, c.compile, c.float8))
         if ratio is None or "measured_gib" in f.memory or f.out_of_memory:
@@ -147,17 +147,17 @@ def lever_factor(c: Candidate) -> float:
     return AC_PRIOR[c.ac] * (COMPILE_PRIOR if c.compile else 1) * (FLOAT8_PRIOR if c.float8 else 1)
 
 
-def microbatch_flops(c: Candidate, setup: Setup) -> float:
+def microbatch_flops(c: Candidate, setup: SearchInputs) -> float:
     """A rank's model FLOPs in one microbatch: its data rank's sequences, split over its cp and tp groups."""
     return c.batch * setup.block * setup.flops_per_token / (c.degrees.cp * c.degrees.tp)
 
 
-def prior_speed(found: Assessed, setup: Setup) -> float:
+def prior_speed(row: Assessed, setup: SearchInputs) -> float:
     """Tokens per second per GPU that orders the first timings (a prior: never reported)."""
     flops = peak_flops(setup.gpu_name)
-    rate = (PRIOR_MFU * flops if flops else PRIOR_FLOPS) * lever_factor(found.candidate)
-    compute = found.candidate.microbatches * microbatch_flops(found.candidate, setup) / rate
-    return setup.tokens_per_step_per_gpu / (compute + found.comm_s)
+    rate = (PRIOR_MFU * flops if flops else PRIOR_FLOPS) * lever_factor(row.candidate)
+    compute = row.candidate.microbatches * microbatch_flops(row.candidate, setup) / rate
+    return setup.tokens_per_step_per_gpu / (compute + row.comm_s)
 
 
 def nearness(a: Candidate, b: Candidate) -> tuple:
@@ -175,7 +175,7 @@ def forward_backward_s(timing: dict) -> float:
     return timing["microbatch_s"] - (timing.get("optimizer_s") or 0.0)
 
 
-def estimated_forward_backward(c: Candidate, references: list, setup: Setup) -> tuple[float, dict] | None:
+def estimated_forward_backward(c: Candidate, references: list, setup: SearchInputs) -> tuple[float, dict] | None:
     """An untimed candidate's forward and backward: its FLOPs at the FLOP/s the nearest timing reached, scaled by
     the levers' prior ratio between the two (an estimate, labelled so; the confirm loop times the rows it puts on
     top)."""
@@ -186,46 +186,46 @@ def estimated_forward_backward(c: Candidate, references: list, setup: Setup) -> 
     return microbatch_flops(c, setup) / (achieved * lever_factor(c) / lever_factor(ref)), timing
 
 
-def project(found: Assessed, setup: Setup, references: list) -> None:
+def project(row: Assessed, setup: SearchInputs, references: list) -> None:
     """Its step and tokens per second per GPU: K forwards and backwards and one optimizer step (measured on the
     candidate's shapes, else estimated; the optimizer's time scaled to the candidate's share of the parameters), and
     the communication's exposed share (``step_figures``), with the two bounds beside it."""
-    found.speed = None
-    timing = found.compute
-    if found.failed or found.fits is False or (timing is not None and not timing.get("microbatch_s")):
+    row.speed = None
+    timing = row.compute
+    if row.failed or row.fits is False or (timing is not None and not timing.get("microbatch_s")):
         return
     if timing is None:
-        estimate = estimated_forward_backward(found.candidate, references, setup)
+        estimate = estimated_forward_backward(row.candidate, references, setup)
         if estimate is None:
             return
         forward_backward, timing = estimate
     else:
         forward_backward = forward_backward_s(timing)
-    optimizer = (timing.get("optimizer_s") or 0.0) * local_share(found.candidate) / timing["local_share"]
-    compute = {"compute_s": forward_backward * found.candidate.microbatches + optimizer, "optimizer_s": optimizer,
-               "compute_measured": found.compute is not None, "compute_clean": timing["clean"],
+    optimizer = (timing.get("optimizer_s") or 0.0) * local_share(row.candidate) / timing["local_share"]
+    compute = {"compute_s": forward_backward * row.candidate.microbatches + optimizer, "optimizer_s": optimizer,
+               "compute_measured": row.compute is not None, "compute_clean": timing["clean"],
                "compute_from": timing["candidate"]}
-    figures = step_figures(found, compute["compute_s"], setup, references)
-    figures["labels"] = {"compute": compute_label(compute, found.compute_own), **figures["labels"]}
-    found.speed = {**compute, **figures}
+    figures = step_figures(row, compute["compute_s"], setup, references)
+    figures["labels"] = {"compute": compute_label(compute, row.compute_own), **figures["labels"]}
+    row.speed = {**compute, **figures}
 
 
 OWN = "its own timing"  # where a candidate's exposed share comes from when its layout and shapes ran emulated
 CPU_STEP = "emulated on a CPU: compute + communication priced, no overlap (a CPU measures none)"
 
 
-def step_figures(found: Assessed, compute_s: float, setup: Setup, references: list) -> dict:
+def step_figures(row: Assessed, compute_s: float, setup: SearchInputs, references: list) -> dict:
     """The step: compute + the exposed share of the communication the emulation sees + TP's and CP's (projected,
     whole: the emulation does not see them); beside it no overlap (compute + all of it) and full overlap (the
     larger of the two)."""
-    other = sum(c.seconds(setup.links) for c in found.collectives if not c.emulated)
-    if found.emulated:
-        emulatable, comm_label = scaled_comm_s(found.emulated["emulated"]["per_step"], found.candidate), "emulated"
+    other = sum(c.seconds(setup.links) for c in row.collectives if not c.emulated)
+    if row.emulated:
+        emulatable, comm_label = scaled_comm_s(row.emulated["emulated"]["per_step"], row.candidate), "emulated"
     else:
-        emulatable, comm_label = found.comm_s - other, "projected"
-    share, share_from = exposed_share(found, references)
+        emulatable, comm_label = row.comm_s - other, "projected"
+    share, share_from = exposed_share(row, references)
     step, comm, tokens = compute_s + share * emulatable + other, emulatable + other, setup.tokens_per_step_per_gpu
-    waited = share_from == OWN and found.emulated["emulated"]["waited_on_the_gpu"]
+    waited = share_from == OWN and row.emulated["emulated"]["waited_on_the_gpu"]
     step_label = "estimated" if share_from != OWN else "emulated" if waited else CPU_STEP
     return {"comm_s": comm, "comm_not_emulated_s": other, "exposed_share": share, "exposed_share_from": share_from,
             "step_s": step, "tokens_per_s": tokens / step, "no_overlap_tokens_per_s": tokens / (compute_s + comm),
@@ -258,14 +258,14 @@ def exposure(timing: dict) -> tuple[float, float] | None:
     return max(0.0, exposed), emulated["comm_s"]
 
 
-def exposed_share(found: Assessed, references: list) -> tuple[float, str]:
+def exposed_share(row: Assessed, references: list) -> tuple[float, str]:
     """The share of its communication a step leaves exposed, and whence: its own clean timing; else the timings of
     layouts of its shape (``layout_shape``), else of every layout, their exposed seconds over their emulated ones;
     else none (no overlap)."""
-    own = exposure(found.emulated) if found.emulated else None
+    own = exposure(row.emulated) if row.emulated else None
     if own is not None:
         return (min(1.0, own[0] / own[1]) if own[1] else 0.0), OWN
-    shape = layout_shape(found.candidate.degrees)
+    shape = layout_shape(row.candidate.degrees)
     pools = (([t for c, t in references if layout_shape(c.degrees) == shape], f"the timed {shape} layouts"),
              ([t for _, t in references], "every timed layout"))
     for pool, said in pools:
@@ -284,56 +284,56 @@ def compute_label(compute: dict, own: bool) -> str:
     return "measured" if own else "measured on a like layout"
 
 
-def decided(found: Assessed, setup: Setup) -> bool:
+def decided(row: Assessed, setup: SearchInputs) -> bool:
     """Measured enough to be named: its own layout and shapes timed cleanly with the communication emulated (a
     timing beside other runs has no clean speed and no optimizer time, and decides nothing) and, under a cap, its
     memory measured on its own layout or on a like one with room the memory model's difference cannot eat
     (``MOVED_MARGIN`` under the limit)."""
-    s = found.speed
+    s = row.speed
     if not s or not s["compute_measured"] or not s["compute_clean"] or s["exposed_share_from"] != OWN:
         return False
     if setup.cap is None:
         return True
-    measured = found.memory.get("measured_gib")
-    return found.fits is True and measured is not None and (
-        found.memory.get("own_layout") or measured * GIB <= setup.cap.allocator_bytes * (1 - MOVED_MARGIN))
+    measured = row.memory.get("measured_gib")
+    return row.fits is True and measured is not None and (
+        row.memory.get("own_layout") or measured * GIB <= setup.cap.allocator_bytes * (1 - MOVED_MARGIN))
 
 
-def ranked(found: list[Assessed]) -> list[Assessed]:
+def ranked(rows: list[Assessed]) -> list[Assessed]:
     """Every candidate that fits (or may) with a step, fastest first."""
-    return sorted((f for f in found if f.fits is not False and f.speed),
+    return sorted((f for f in rows if f.fits is not False and f.speed),
                   key=lambda f: (-f.speed["tokens_per_s"], f.comm_s))
 
 
-def winner_of(found: list[Assessed], setup: Setup) -> tuple[Assessed | None, int]:
+def winner_of(rows: list[Assessed], setup: SearchInputs) -> tuple[Assessed | None, int]:
     """The fastest decided candidate and its place in the ranking (rows above it rest on estimates)."""
-    return next(((f, i) for i, f in enumerate(ranked(found), 1) if decided(f, setup)), (None, 0))
+    return next(((f, i) for i, f in enumerate(ranked(rows), 1) if decided(f, setup)), (None, 0))
 
 
-def record(found: Assessed, links: Links) -> dict:
-    c = found.candidate
+def record(row: Assessed, links: Links) -> dict:
+    c = row.candidate
     return {"name": c.name, **c.degrees.as_dict(), "activation_checkpointing": c.ac, "loss": c.loss,
             "compile": c.compile, "float8": c.float8, "batch_size": c.batch, "microbatches": c.microbatches,
-            "sync_each_batch": c.sync_each_batch, "fits": found.fits, "memory": found.memory,
-            "projected_comm_s": found.comm_s,
-            "collectives": [x.as_dict(links) for x in found.collectives] if found.speed else None,
-            "timing": found.compute.get("candidate") if found.compute else None,
-            "emulated_timing": found.emulated.get("candidate") if found.emulated else None, "failed": found.failed,
-            "speed": found.speed}
+            "sync_each_batch": c.sync_each_batch, "fits": row.fits, "memory": row.memory,
+            "projected_comm_s": row.comm_s,
+            "collectives": [x.as_dict(links) for x in row.collectives] if row.speed else None,
+            "timing": row.compute.get("candidate") if row.compute else None,
+            "emulated_timing": row.emulated.get("candidate") if row.emulated else None, "failed": row.failed,
+            "speed": row.speed}
 
 
-def main_flags(candidate: Candidate, setup: Setup) -> list[str]:
+def main_flags(candidate: Candidate, setup: SearchInputs) -> list[str]:
     """main.py's flags that train the candidate (its layout, levers, batch and accumulation)."""
     return ["--model", setup.model, "--variants", TRAINED, "--batch_size", str(candidate.batch), "--block_size",
             str(setup.block), *candidate.options(setup.base).flags()]
 
 
-def emulation_flags(setup: Setup) -> list[str]:
+def emulation_flags(setup: SearchInputs) -> list[str]:
     """main.py's --emulate_communication over the search's own links (bare for the default ones)."""
     return ["--emulate_communication", *([setup.links_given] if setup.links_given else [])]
 
 
-def commands(winner: Candidate, setup: Setup) -> dict:
+def commands(winner: Candidate, setup: SearchInputs) -> dict:
     """The exact command lines that train the winner: torchrun on the real nodes, the same on one GPU (a simulated
     rank, its communication emulated as the search's timings were, to check it first), and the accelerate config
     fields."""
@@ -351,7 +351,7 @@ def commands(winner: Candidate, setup: Setup) -> dict:
             "accelerate_config": accelerate_fields(winner, setup)}
 
 
-def accelerate_fields(winner: Candidate, setup: Setup) -> dict:
+def accelerate_fields(winner: Candidate, setup: SearchInputs) -> dict:
     """The accelerate config that trains the winner under ``accelerate launch`` (main.py's flags beside it: the
     loss, selective checkpointing and the accumulation, which accelerate's config file has no field for; its
     loader refuses a key it does not know)."""

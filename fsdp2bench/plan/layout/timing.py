@@ -27,28 +27,28 @@ from fsdp2bench.files import PROJECT_ROOT, is_ours
 from fsdp2bench.names import GIB, MIB, seconds_said
 from fsdp2bench.options.links import DTENSOR
 from fsdp2bench.plan.layout.candidates import TRAINED, Candidate, estimated_bytes
-from fsdp2bench.plan.layout.search import (TIMING_STEPS, Assessed, Setup, calibrate, decided, emulation_flags,
+from fsdp2bench.plan.layout.search import (TIMING_STEPS, Assessed, SearchInputs, calibrate, decided, emulation_flags,
                                            local_share, main_flags, prior_speed, project, ranked)
 from fsdp2bench.processes.starting import own_launch_env
 
 
-def exact_key(found: Assessed) -> tuple:
+def exact_key(row: Assessed) -> tuple:
     """What one timing measures exactly: a layout and its per-rank shapes."""
-    return found.candidate.degrees, found.key
+    return row.candidate.degrees, row.key
 
 
 RETIMES = 1  # a timing other runs shared (no clean speed, no optimizer time) is taken again this many times
 
 
-def next_to_time(found: list[Assessed], setup: Setup, tried: dict, references: list) -> Assessed | None:
+def next_to_time(rows: list[Assessed], setup: SearchInputs, tried: dict, references: list) -> Assessed | None:
     """The most promising untimed shape by the prior until one timing ran through; then the first row on top that
     is not yet decided (None once ``confirm`` rows are): untimed, or timed only beside other runs (``RETIMES``)."""
     if not references:
         shapes = {key for _, key in tried}
-        pool = [f for f in found if f.fits is not False and not f.failed and f.key not in shapes]
+        pool = [f for f in rows if f.fits is not False and not f.failed and f.key not in shapes]
         return min(pool, key=lambda f: (-prior_speed(f, setup), f.estimated_bytes), default=None)
     confirmed = 0
-    for row in ranked(found):
+    for row in ranked(rows):
         if decided(row, setup):
             confirmed += 1
             if confirmed >= setup.confirm:
@@ -59,7 +59,7 @@ def next_to_time(found: list[Assessed], setup: Setup, tried: dict, references: l
     return None
 
 
-def choose_and_time(found: list[Assessed], setup: Setup, say, timings: list[dict]) -> None:
+def choose_and_time(rows: list[Assessed], setup: SearchInputs, say, timings: list[dict]) -> None:
     """Time candidates one at a time (``next_to_time``) and project every candidate after each timing, each
     timing into ``timings`` as it ends (an interrupt keeps those)."""
     tried: dict = {}  # each exact key timed: how many times
@@ -69,19 +69,19 @@ def choose_and_time(found: list[Assessed], setup: Setup, say, timings: list[dict
         if timings and time.monotonic() - started > setup.time_budget_s:  # the first runs: it names a reference
             say(f"--time_budget_s {setup.time_budget_s:g} s spent: no further timing starts")
             break
-        each = next_to_time(found, setup, tried, references)
+        each = next_to_time(rows, setup, tried, references)
         if each is None:
             break
         tried[exact_key(each)] = tried.get(exact_key(each), 0) + 1
         timing = run_timing(each, setup, len(timings))
         timings.append(timing)
-        take_timing(timing, each, found, setup)
+        take_timing(timing, each, rows, setup)
         if timing["fits"] and timing.get("microbatch_s"):
             references.append((each.candidate, timing))
         if timing["fits"] and timing.get("peak_reserved_mib") is not None:
             learn_ratio(each, ratios)
-            calibrate(found, setup, ratios)
-        for f in found:
+            calibrate(rows, setup, ratios)
+        for f in rows:
             project(f, setup, references)
         say(f"[timing {len(timings)}/{setup.max_timings}] {each.candidate.name}: " + timing_said(timing))
 
@@ -94,7 +94,7 @@ def learn_ratio(timed: Assessed, ratios: dict) -> None:
     ratios.setdefault((c.ac, c.compile, c.float8), ratio)
 
 
-def timing_command(candidate: Candidate, setup: Setup, output_dir: str, emulate: bool = True) -> list[str]:
+def timing_command(candidate: Candidate, setup: SearchInputs, output_dir: str, emulate: bool = True) -> list[str]:
     """main.py for one simulated rank of the candidate's layout, one microbatch a step, alone on the device, its
     communication emulated over the search's links (``emulate``) or not (its compute alone)."""
     one = dataclasses.replace(candidate, microbatches=1, sync_each_batch=False)
@@ -114,19 +114,19 @@ def compute_dir(output_dir: str, index: int) -> str:
     return f"{timing_dir(output_dir, index)}_compute"
 
 
-def run_timing(found: Assessed, setup: Setup, index: int) -> dict:
+def run_timing(row: Assessed, setup: SearchInputs, index: int) -> dict:
     """One timing: the emulated launch (and on a GPU the compute-only one), each summary read back into the figures
     the ranking uses; an out-of-memory error (or any other failure) is kept with its words."""
     directory = timing_dir(setup.output_dir, index)
-    ran = launch(timing_command(found.candidate, setup, directory), directory, setup.world_size)
-    record = {"candidate": found.candidate.name, **{k: ran[k] for k in ("command", "exit_code", "wall_s")},
-              "local_share": local_share(found.candidate)}
+    ran = launch(timing_command(row.candidate, setup, directory), directory, setup.world_size)
+    record = {"candidate": row.candidate.name, **{k: ran[k] for k in ("command", "exit_code", "wall_s")},
+              "local_share": local_share(row.candidate)}
     if "error" in ran:
         return failed(record, ran["error"])
     tally, compute = ran["entry"]["emulated"][0], ran
     if tally["waited_on_the_gpu"]:  # the step waited for its communication: its compute alone is another launch
         alone = compute_dir(setup.output_dir, index)
-        compute = launch(timing_command(found.candidate, setup, alone, emulate=False), alone, setup.world_size)
+        compute = launch(timing_command(row.candidate, setup, alone, emulate=False), alone, setup.world_size)
         record["compute_only"] = {k: compute[k] for k in ("command", "exit_code", "wall_s")}
         if "error" in compute:
             return failed(record, f"its compute-only launch: {compute['error']}")
@@ -197,44 +197,44 @@ def summary_entry(path: str, world_size: int) -> dict | None:
         return None
 
 
-def take_timing(timing: dict, probed: Assessed, everyone: list[Assessed], setup: Setup) -> None:
+def take_timing(timing: dict, probed: Assessed, everyone: list[Assessed], setup: SearchInputs) -> None:
     """A timing to every candidate of the same per-rank shapes: its compute, and its memory moved by what the
     memory model says each holds beside the timed launch (a measurement on a candidate's own layout is kept over
     one on a like layout)."""
     one = dataclasses.replace(probed.candidate, microbatches=1, sync_each_batch=False)
     probed_one = estimated_bytes(one, setup.shapes, setup.config, setup.block, setup.base, setup.held)
-    for found in (f for f in everyone if f.key == probed.key):
-        moved = found.estimated_bytes - probed_one
+    for row in (f for f in everyone if f.key == probed.key):
+        moved = row.estimated_bytes - probed_one
         if timing["fits"] is None:
-            found.failed = f"a timing of its shapes failed: {timing['error']}"
+            row.failed = f"a timing of its shapes failed: {timing['error']}"
         elif timing["fits"] is False:
             if moved >= 0:
-                found.fits, found.out_of_memory = False, True
-                found.memory["how"] = f"out of memory where a like candidate ran: {timing['error']}"
+                row.fits, row.out_of_memory = False, True
+                row.memory["how"] = f"out of memory where a like candidate ran: {timing['error']}"
         else:
-            own = found.candidate.degrees == probed.candidate.degrees
-            take_measured(found, timing, moved, own, setup)
-            if own and (found.emulated is None or timing["clean"] or not found.emulated["clean"]):
-                found.emulated = timing  # its own layout's step, the communication emulated (a clean one kept)
+            own = row.candidate.degrees == probed.candidate.degrees
+            take_measured(row, timing, moved, own, setup)
+            if own and (row.emulated is None or timing["clean"] or not row.emulated["clean"]):
+                row.emulated = timing  # its own layout's step, the communication emulated (a clean one kept)
 
 
-def take_measured(found: Assessed, timing: dict, moved: int, own: bool, setup: Setup) -> None:
+def take_measured(row: Assessed, timing: dict, moved: int, own: bool, setup: SearchInputs) -> None:
     """A timing on the candidate's own layout wins over one on a like layout, for its compute (a rank holding
     more state can run slower than its FLOPs say, its allocator nearer the cap) as for its memory; for its compute,
     a clean timing wins over both (one beside other runs has no clean speed and no optimizer time)."""
-    held = None if found.compute is None else (bool(found.compute.get("clean")), found.compute_own)
+    held = None if row.compute is None else (bool(row.compute.get("clean")), row.compute_own)
     new = (bool(timing["clean"]), own)
     if held is None or new > held or (own and new == held):
-        found.compute, found.compute_own = timing, own
-    if timing["peak_reserved_mib"] is None or (found.memory.get("own_layout") and not own):
+        row.compute, row.compute_own = timing, own
+    if timing["peak_reserved_mib"] is None or (row.memory.get("own_layout") and not own):
         return  # a CPU run has no allocator peaks
     measured = timing["peak_reserved_mib"] * MIB + moved
-    found.memory.pop("over_gib", None)
-    found.memory.update(measured_gib=measured / GIB, moved_gib=moved / GIB, own_layout=own,
+    row.memory.pop("over_gib", None)
+    row.memory.update(measured_gib=measured / GIB, moved_gib=moved / GIB, own_layout=own,
                         how=f"measured on rank 0 ({'its own layout' if own else 'a like candidate'} at one "
                             "microbatch) + the memory model's difference")
     if setup.cap is not None:
-        found.fits = measured <= setup.cap.allocator_bytes
+        row.fits = measured <= setup.cap.allocator_bytes
 
 
 def clipped(text: str, width: int) -> str:
