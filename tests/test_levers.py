@@ -66,9 +66,11 @@ def test_selective_checkpointing_and_compile_train_every_variant_exactly(tmp_pat
     assert torch_nesting == ["fully_shard", "compiled", "checkpointed", "Qwen2DecoderLayer"]
     assert variants["torch_optimizer_after_fsdp"]["graph_breaks"] == [0, 0]
     nesting = variants["accelerate"]["applied"][0]["block_nesting"]
-    assert nesting[0] == "compiled" and nesting[-2:] == ["fully_shard", "Qwen2DecoderLayer"] and "checkpointed" in nesting
+    assert nesting[0] == "compiled" and "checkpointed" in nesting
+    assert nesting[-2:] == ["fully_shard", "Qwen2DecoderLayer"]
     assert min(variants["accelerate"]["graph_breaks"]) >= 1
-    assert "accelerate: " in proc.stdout and "FSDP2's hooks run inside the compiled call" in " ".join(proc.stdout.split())
+    said = " ".join(proc.stdout.split())
+    assert "accelerate: " in said and "FSDP2's hooks run inside the compiled call" in said
 
 
 def test_every_kth_block_and_a_step_beside_another_run(tmp_path):
