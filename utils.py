@@ -243,8 +243,8 @@ def fully_shard_blocks(model: nn.Module, mesh, layer_classes: list[str], options
 
 
 def give_shards_storage(model: nn.Module, device: torch.device) -> None:
-    """A model sharded on the meta device gets storage for its own shards only; its buffers (computed on the CPU
-    when it was built) are copied back, as ``to_empty`` leaves them uninitialised."""
+    """A model on the meta device (sharded or whole) gets storage for its own parameters only; its buffers (computed
+    on the CPU when it was built) are copied back, as ``to_empty`` leaves them uninitialised."""
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     model.to_empty(device=device)
     with torch.no_grad():

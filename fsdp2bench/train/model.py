@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
+import utils
 from fsdp2bench.cli import UserError, from_hub, one_line, quiet_imports, say
 from fsdp2bench.files import expect_path, looks_like_a_path
 from fsdp2bench.options.tuning import Tuning, add_adapters
@@ -173,12 +174,8 @@ def build_for_run(config, init_device: str, device: torch.device, seed: int, thr
 
 def materialize(model: nn.Module, device: torch.device) -> None:
     """Memory for the meta parameters (untouched pages: no RSS until written), buffers kept."""
-    buffers = {name: b.clone() for name, b in model.named_buffers()}
-    model.to_empty(device=device)
+    utils.give_shards_storage(model, device)
     model.tie_weights()  # to_empty gives tied parameters separate storage
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            b.copy_(buffers[name])
 
 
 INIT_CHUNK = 1 << 24  # elements drawn by one task: one generator per chunk keeps the result thread-independent
