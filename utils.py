@@ -231,14 +231,19 @@ def make_optimizer(model: nn.Module, ctx: Context) -> torch.optim.Optimizer:
 
 
 def fully_shard_blocks(model: nn.Module, mesh, layer_classes: list[str], options: FsdpOptions = FsdpOptions(),
-                       device: torch.device | None = None) -> None:
+                       device: torch.device | None = None,
+                       before_each: Callable[[nn.Module], None] | None = None) -> None:
     """``fully_shard`` each transformer block with accelerate's arguments for ``options`` (the block inside its
     checkpoint wrapper, or its compiled module: ``levers.shard_unit``), then the root, which keeps FSDP2's own
-    choice of resharding (as accelerate leaves it)."""
+    choice of resharding (as accelerate leaves it); ``before_each`` is given each unit just before it is sharded."""
     kwargs = dict(mesh=mesh, mp_policy=mixed_precision_policy(options),
                   offload_policy=offload_policy(options, device or torch.device("cpu")))
     for _, unit in levers.blocks(model, layer_classes):
+        if before_each:
+            before_each(unit)
         fully_shard(levers.shard_unit(unit), reshard_after_forward=options.reshard_after_forward, **kwargs)
+    if before_each:
+        before_each(model)
     fully_shard(model, **kwargs)
 
 
@@ -252,22 +257,64 @@ def give_shards_storage(model: nn.Module, device: torch.device) -> None:
             b.copy_(buffers[name])
 
 
+def draw_weight(name: str, tensor: torch.Tensor, std: float, seed: int) -> None:
+    """A base weight as transformers initialises these decoders: ~ N(0, std), norm scales 1, biases 0."""
+    with torch.no_grad():
+        if name.endswith("bias"):
+            tensor.zero_()
+        elif tensor.dim() == 1:
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, std, generator=torch.Generator(tensor.device).manual_seed(seed))
+
+
 def materialize_shards(model: nn.Module, device: torch.device, std: float) -> None:
-    """Storage and random weights for this rank's shards of a model built on meta (``--init_device meta``): the
-    weights ~ N(0, std), norm scales 1, biases 0, each shard drawn on ``device`` from its own generator seeded by
-    the run's seed, the parameter's index and the rank, so that no rank ever holds more than its shards."""
+    """Storage and random weights for this rank's shards of a model built on meta (``--init_device meta``), each
+    shard drawn on ``device`` from its own generator seeded by the run's seed, the parameter's index and the rank,
+    so that no rank ever holds more than its shards."""
     give_shards_storage(model, device)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    with torch.no_grad():
-        for index, (name, param) in enumerate(model.named_parameters()):
-            local = param.to_local() if isinstance(param, DTensor) else param
-            if name.endswith("bias"):
-                local.zero_()
-            elif local.dim() == 1:
-                local.fill_(1.0)
-            else:
-                seed = (torch.initial_seed() * 1_000_003 + index) * 4099 + rank
-                local.normal_(0.0, std, generator=torch.Generator(device).manual_seed(seed))
+    for index, (name, param) in enumerate(model.named_parameters()):
+        local = param.to_local() if isinstance(param, DTensor) else param
+        draw_weight(name, local, std, (torch.initial_seed() * 1_000_003 + index) * 4099 + rank)
+
+
+def unit_by_unit(model: nn.Module, device: torch.device, std: float) -> Callable[[nn.Module], None]:
+    """Under ``--init_device meta`` with adapters, what draws each FSDP2 unit whole just before it is sharded: its
+    base weights (the same on every rank), under QLoRA quantized to 4 bits there (quantizing needs each weight
+    whole, as a loader reading a checkpoint has it), then the adapters as peft initialises them. A rank holds its
+    shards and one unit, never the model."""
+    seed = torch.initial_seed()
+    where = {id(p): (i, n) for i, (n, p) in enumerate(model.named_parameters(remove_duplicate=False))}
+    drawn: dict[int, nn.Parameter] = {}  # a tied parameter is drawn once and put back everywhere it sits
+
+    def draw(param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
+        index, name = where[id(param)]
+        draw_weight(name, tensor, std, seed * 1_000_003 + index)
+        return tensor
+
+    def whole(param: nn.Parameter) -> nn.Parameter:
+        if id(param) not in drawn:
+            drawn[id(param)] = nn.Parameter(draw(param, torch.empty_like(param, device=device)),
+                                            requires_grad=param.requires_grad)
+        return drawn[id(param)]
+
+    def build(unit: nn.Module) -> None:
+        adapters = [(m, where[id(next(iter(m.lora_A.values())).weight)][0]) for m in unit.modules()
+                    if hasattr(m, "reset_lora_parameters") and any(p.is_meta for p in m.lora_A.parameters())]
+        for module in unit.modules():
+            weight = module._parameters.get("weight")
+            tuning.quantize_drawn(module, lambda shape, w=weight: draw(w, torch.empty(shape, dtype=torch.bfloat16,
+                                                                                      device=device)))
+            for key, param in list(module._parameters.items()):
+                if param is not None and param.is_meta:
+                    module._parameters[key] = whole(param)
+        for module, index in adapters:  # peft's own start: A drawn, B zero
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(seed * 1_000_003 + index)
+                module.reset_lora_parameters("default", True)
+
+    return build
 
 
 def compute_in_bf16(model: nn.Module, device: torch.device) -> None:
@@ -357,9 +404,11 @@ def shard(model: nn.Module, ctx: Context) -> None:
         levers.checkpoint_blocks(model, ctx.layer_classes, ctx.options)
     if ctx.options.compile:
         levers.compile_blocks(model, ctx.layer_classes)
-    fully_shard_blocks(model, ctx.meshes.fsdp, ctx.layer_classes, ctx.options, ctx.device)
+    std, meta = getattr(ctx.config, "initializer_range", 0.02), next(model.parameters()).is_meta
+    fully_shard_blocks(model, ctx.meshes.fsdp, ctx.layer_classes, ctx.options, ctx.device,
+                       unit_by_unit(model, ctx.device, std) if meta and ctx.options.tuning.adapters else None)
     if next(model.parameters()).is_meta:  # --init_device meta: only now does this rank's share get memory
-        materialize_shards(model, ctx.device, getattr(ctx.config, "initializer_range", 0.02))
+        materialize_shards(model, ctx.device, std)
     if ctx.options.mixed_precision_policy == AUTOCAST:
         compute_in_bf16(model, ctx.device)
     ctx.mark("sharded")

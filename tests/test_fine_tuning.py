@@ -103,6 +103,28 @@ def test_qlora_trains_every_intended_variant_over_a_sharded_four_bit_base(tmp_pa
 
 
 @needs_peft
+@pytest.mark.parametrize("peft", ["lora", pytest.param("qlora", marks=needs_bitsandbytes)])
+def test_adapters_over_a_base_built_unit_by_unit_on_meta_train_and_hold_their_shards(tmp_path, peft):
+    """--init_device meta: each unit drawn whole as it is sharded (under QLoRA quantized there), never the model:
+    the adapters train, every byte is the rule's, and each rank holds its padded chunk of the base, as when the base
+    is built whole first."""
+    proc = run_script(["main.py", *TINY, "--peft", peft, "--init_device", "meta", "--variants",
+                       "torch_optimizer_after_fsdp", "--quiet", "--output_dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    summary = load(tmp_path / "summary.json")
+    for check in ("intended_variants_trained", "accounting_matches_expected", "frozen_base_sharded"):
+        assert summary["checks"][check]["ok"] is True, (check, summary["checks"][check])
+    base, _ = tiny_lora_parameters(16)
+    embeddings, rest = base[0], base[1:]
+    packed = [((math.prod(s) + 1) // 4, 1) if len(s) == 2 else s for s in rest] if peft == "qlora" else rest
+    held = summary["variants"]["torch_optimizer_after_fsdp"]["frozen_base"]
+    assert [r["frozen_param_bytes"] for r in held] == [padded_chunk_bytes([embeddings] + packed, 2, 2)] * 2
+    built = next(e for e in load(tmp_path / "torch_optimizer_after_fsdp_memory_usage_rank1.json")["events"]
+                 if e["name"] == "model_built")
+    assert built["build_device"] == "meta"
+
+
+@needs_peft
 @needs_bitsandbytes
 def test_qlora_in_uint8_runs_only_when_asked_and_the_checks_catch_accelerates_whole_base(tmp_path):
     """uint8 storage (accelerate#3983), run anyway: on the CPU the torch variant shards it and trains, while
@@ -266,8 +288,7 @@ def test_torchaos_low_bit_states_still_fail_on_bf16_dtensor_parameters(tmp_path)
     pytest.param([*QLORA, "--qlora_storage", "uint8"], "(accelerate#3983); the fix: store them as bf16 "
                                                        "(--qlora_storage bfloat16", marks=needs_bitsandbytes),
     ([*LORA, "--qlora_storage", "bfloat16"], "--qlora_storage needs --peft qlora"),
-    ([*LORA, "--init_device", "meta", "--variants", "torch_optimizer_after_fsdp"],
-     "--peft lora with --init_device meta: peft adds the adapters to a built base"),
+    ([*LORA, "--init_device", "meta"], "--init_device meta: the model exists only as each rank's shards"),
     pytest.param([*QLORA, "--allow_known_failure"], "--allow_known_failure: nothing in this command line is a known "
                                                     "failure", marks=needs_bitsandbytes),
     ([*QLORA, "--qlora_storage", "int4"], "--qlora_storage: invalid choice: 'int4'"),

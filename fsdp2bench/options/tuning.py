@@ -21,7 +21,7 @@ other), and the adapters are bf16. uint8 storage is a known failure under FSDP2 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from fsdp2bench.cli import UserError, quiet_imports
 
@@ -177,15 +177,17 @@ def add_adapters(model: nn.Module, tuning: Tuning, seed: int, device: torch.devi
 
 def four_bit_base(model: nn.Module, storage: torch.dtype, device: torch.device) -> None:
     """Every Linear layer but the head replaced by bitsandbytes' ``Linear4bit`` (NF4, double quantization, bf16
-    compute: the QLoRA recipe) and quantized on ``device``. On the meta device, which cannot quantize, each keeps
-    its Linear with a stand-in weight of the packed shape and storage (what the memory model reads)."""
+    compute: the QLoRA recipe) and quantized on ``device``. On the meta device, which cannot quantize, each weight
+    is an empty ``Params4bit`` of the packed shape and storage (what the memory model reads), quantized later block
+    by block (``quantize_drawn``). The model is marked 4-bit, as a 4-bit ``from_pretrained`` marks it, so that peft
+    wraps these layers in its own 4-bit LoRA layers."""
     from torch import nn
 
     head = model.get_output_embeddings()
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and module is not head:
-            model.set_submodule(name, packed_stand_in(module, storage) if device.type == "meta"
-                                else quantized(module, storage, device))
+            model.set_submodule(name, quantized(module, storage, device))
+    model.is_loaded_in_4bit = True
 
 
 def packed_shape(numel: int, storage: torch.dtype) -> tuple[int, int]:
@@ -193,25 +195,37 @@ def packed_shape(numel: int, storage: torch.dtype) -> tuple[int, int]:
     return (numel + 1) // (2 * storage.itemsize), 1
 
 
-def packed_stand_in(linear: nn.Linear, storage: torch.dtype) -> nn.Linear:
-    import torch
+def four_bit_weight(data: torch.Tensor, storage: torch.dtype, module: nn.Module) -> torch.Tensor:
+    """``data`` as an unquantized 4-bit parameter of ``module``: quantized when it moves to a device."""
+    from bitsandbytes.nn import Params4bit
 
-    linear.weight = torch.nn.Parameter(torch.empty(packed_shape(linear.weight.numel(), storage), dtype=storage,
-                                                   device="meta"), requires_grad=False)
-    return linear
+    return Params4bit(data, requires_grad=False, compress_statistics=True, quant_type="nf4", quant_storage=storage,
+                      module=module)
 
 
 def quantized(linear: nn.Linear, storage: torch.dtype, device: torch.device) -> nn.Module:
     import torch
-    from bitsandbytes.nn import Linear4bit, Params4bit
+    from bitsandbytes.nn import Linear4bit
 
     four_bit = Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
                           compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
                           quant_storage=storage, device="meta")
-    four_bit.weight = Params4bit(linear.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4",
-                                 quant_storage=storage, module=four_bit)
     four_bit.bias = linear.bias
+    if device.type == "meta":
+        packed = torch.empty(packed_shape(linear.weight.numel(), storage), dtype=storage, device="meta")
+        four_bit.weight = four_bit_weight(packed, storage, four_bit)
+        return four_bit
+    four_bit.weight = four_bit_weight(linear.weight.data, storage, four_bit)
     return four_bit.to(device)
+
+
+def quantize_drawn(module: nn.Module, draw: Callable[[tuple[int, int]], torch.Tensor]) -> None:
+    """A 4-bit layer built on meta (``four_bit_base``) quantized from the bf16 weight ``draw`` gives it, on that
+    weight's device; any other module left as it is."""
+    weight = module._parameters.get("weight")  # its own: peft's LoRA layers show their base layer's as theirs
+    if type(weight).__name__ == "Params4bit" and weight.is_meta:
+        drawn = draw((module.out_features, module.in_features))
+        module.weight = four_bit_weight(drawn, weight.dtype, module).to(drawn.device)
 
 
 def check_targets(model: nn.Module, targets: list[str]) -> None:
@@ -261,16 +275,6 @@ def check_known_failure(tuning: Tuning, allowed: bool) -> None:
     if allowed and not known:
         raise UserError("--allow_known_failure: nothing in this command line is a known failure (it runs --peft "
                         f"qlora --qlora_storage {', '.join(KNOWN_FAILURES)})")
-
-
-def check_init_device(tuning: Tuning, init_device: str) -> None:
-    """peft adds the adapters to a built model; a model built empty (meta), whose shards are drawn after sharding
-    as base weights, would get adapters drawn the same way (LoRA's B starts at zero) and, under QLoRA, no 4-bit
-    base to quantize."""
-    if tuning.adapters and init_device == "meta":
-        raise UserError(f"--peft {tuning.peft} with --init_device meta: peft adds the adapters to a built base, and "
-                        "under meta the base exists only as shards drawn after sharding (the adapters would be drawn "
-                        "as base weights, and a 4-bit base never quantized); build it on the cpu or cuda")
 
 
 def check_device(tuning: Tuning, device_type: str) -> None:

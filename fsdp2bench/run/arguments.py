@@ -581,7 +581,6 @@ def checked_launch(args: argparse.Namespace, world_size: int | None) -> Checked:
     if args.init_device == "cuda" and device_type != "cuda":
         raise UserError("--init_device cuda needs a GPU (this run is on the CPU)")
     check_meta_variants(args.init_device, names)
-    tuning.check_init_device(fsdp_options.tuning, args.init_device)
     if args.gpu_memory is not None and device_type != "cuda":
         raise UserError("--gpu_memory needs a GPU (this run is on the CPU)")
     check_output_dir(args.output_dir, "summary.json")

@@ -162,12 +162,12 @@ def build_empty(config) -> nn.Module:
 
 def build_for_run(config, init_device: str, device: torch.device, seed: int, threads: int,
                   weights: SharedWeights | None, tuning: Tuning = Tuning()) -> tuple[nn.Module, str]:
-    """The model as ``--init_device`` asks: on the CPU, on the GPU, or empty on meta ("meta": sharded, then each
-    rank draws its own shards; refused with adapters); with the adapters ``tuning`` asks for, a QLoRA base quantized
-    on ``device``."""
+    """The model as ``--init_device`` asks: on the CPU, on the GPU, or empty on meta (then sharded, and each rank
+    draws its own shards; with adapters each unit drawn whole as it is sharded: ``utils.unit_by_unit``); with the
+    adapters ``tuning`` asks for, a QLoRA base quantized on ``device`` (under meta, unit by unit)."""
     if init_device == "meta":
         torch.manual_seed(seed)
-        return build_empty(config), "own"
+        return add_adapters(build_empty(config), tuning, seed, torch.device("meta")), "own"
     return build_model(config, device if init_device == "cuda" else torch.device("cpu"), seed, threads, weights,
                        tuning, device)
 
