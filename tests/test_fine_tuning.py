@@ -99,7 +99,15 @@ def test_qlora_trains_every_intended_variant_over_a_sharded_four_bit_base(tmp_pa
         assert [r["frozen_param_bytes"] for r in held] == [padded_chunk_bytes(packed + kept, 2, 2)] * 2, name
     for rank in summary["variants"][UNFIXED]["accounting"]:
         assert rank["stale_param_bytes"] == 2 * adapters  # the whole adapters, bf16
-    assert "Trained: QLoRA adapters (rank 16" in " ".join(proc.stdout.split())
+    # Each 4-bit weight's statistics, whole on every rank: a uint8 absmax per 64 weights, the NF4 code (16 fp32), an
+    # fp32 offset, and double quantization's fp32 absmax per 256 of those and its code (256 fp32).
+    absmax = [math.ceil(math.prod(s) / 64) for s in rest if len(s) == 2]
+    statistics = sum(a + 16 * 4 + 4 + 4 * math.ceil(a / 256) + 256 * 4 for a in absmax)
+    for name in VARIANTS:
+        assert summary["variants"][name]["four_bit_statistics_bytes"] == [statistics] * 2, name
+    said = " ".join(proc.stdout.split())
+    assert "Trained: QLoRA adapters (rank 16" in said
+    assert f"bitsandbytes' quantization statistics: {statistics / 1024:.2f} KiB a rank, whole on every rank" in said
 
 
 @needs_peft

@@ -232,7 +232,23 @@ def account(model: nn.Module, optimizer: torch.optim.Optimizer, outputs=None) ->
     }
     state_on_device = device_total  # before the kept outputs are counted: they are not state
     kept = held(v for k, v in (outputs or {}).items() if k != "loss" and torch.is_tensor(v))
-    return {**result, "device_bytes": state_on_device, "kept_output_bytes": kept, **frozen_held(frozen, optimizer)}
+    return {**result, "device_bytes": state_on_device, "kept_output_bytes": kept, **frozen_held(frozen, optimizer),
+            "four_bit_statistics_bytes": sum(t.untyped_storage().nbytes() for t in four_bit_statistics(model))}
+
+
+def four_bit_statistics(model: nn.Module) -> list[torch.Tensor]:
+    """bitsandbytes' statistics of each 4-bit layer (its blocks' absmax, the code, the offset, and the absmax's own
+    absmax and code under double quantization): attributes of the layer, no parameter, so FSDP2 leaves them whole on
+    every rank (not counted among the state)."""
+    found = []
+    for module in model.modules():
+        state = module.__dict__.get("quant_state")
+        if state is None or not hasattr(state, "absmax"):
+            continue
+        nested = getattr(state, "state2", None)
+        found += [t for t in (state.absmax, state.code, state.offset, *((nested.absmax, nested.code) if nested else ()))
+                  if torch.is_tensor(t)]
+    return found
 
 
 def frozen_held(frozen: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict:

@@ -202,7 +202,16 @@ def tuning_sentence(summary: dict) -> str | None:
                                                         for i, r in enumerate(held[:4]))
             + f" of its {size_said(whole)} (FSDP2's padded chunk), and at most "
             f"{size_said(max(r['frozen_grad_bytes'] for r in held))} of gradients and "
-            f"{size_said(max(r['frozen_state_bytes'] for r in held))} of optimizer state.")
+            f"{size_said(max(r['frozen_state_bytes'] for r in held))} of optimizer state."
+            + statistics_said(entry.get("four_bit_statistics_bytes")))
+
+
+def statistics_said(per_rank: list[int] | None) -> str:
+    """bitsandbytes' statistics beside the 4-bit shards: whole on every rank, so they do not shrink with N."""
+    if not per_rank:
+        return ""
+    return (f" Beside it, bitsandbytes' quantization statistics: {size_said(max(per_rank))} a rank, whole on every "
+            "rank (no parameter, so FSDP2 does not shard them).")
 
 
 def graph_break_sentences(variants: dict) -> list[str]:

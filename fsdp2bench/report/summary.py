@@ -184,8 +184,10 @@ def frozen_base(per_rank: list[dict], shapes, world_size: int, ranks: list[int],
              **{k: max(r["accounting"][phase][k] for phase in counted) for k in ("frozen_grad_bytes",
                                                                                  "frozen_state_bytes")}}
             for r in per_rank]
+    statistics = [r["accounting"]["end_of_training"].get("four_bit_statistics_bytes", 0) for r in per_rank]
     return {"frozen_base": held, "expected_frozen_base": expected,
-            "frozen_base_as_expected": all(h == {k: e[k] for k in h} for h, e in zip(held, expected))}
+            "frozen_base_as_expected": all(h == {k: e[k] for k in h} for h, e in zip(held, expected)),
+            **({"four_bit_statistics_bytes": statistics} if any(statistics) else {})}
 
 
 def speed_summary(per_rank: list[dict]) -> dict:
