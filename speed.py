@@ -365,8 +365,10 @@ def add_run_figures(result: dict, runs: dict) -> None:
         result["peak_reserved_mib"][name] = v["peak_reserved_mib"]["max"]
         if v.get("tracker_overhead_ratio") is not None:
             ratios[name] = v["tracker_overhead_ratio"]
-        if v.get("emulated"):  # --emulate_communication: rank 0's communication a step, as the links price it
+        if v.get("emulated"):  # --emulate_communication: rank 0's communication a step, as the links price it, and
+            # its compute-only, emulated and exposed figures, from the launch's own alternating steps
             result.setdefault("emulated_s_per_step", {})[name] = v["emulated"][0]["emulated_s_per_step"]
+            result.setdefault("emulation", {})[name] = v["speed"]["emulation"]
     if ratios:
         result["tracker_overhead_ratio"] = statistics.median(ratios.values())
         result["tracker_overhead_ratio_per_variant"] = ratios

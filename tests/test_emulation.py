@@ -5,6 +5,7 @@ bad input in one line."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 from conftest import load, refusal, run_script
@@ -44,7 +45,7 @@ def test_a_ring_collective_costs_its_share_of_the_whole_plus_a_latency_a_step():
 def emulated_run(tmp_path, *extra: str) -> tuple[dict, str]:
     out = tmp_path / "out"
     proc = run_script(["main.py", "--model", "tiny", "--device", "cpu", "--simulate_world_size", "8", "--max_steps",
-                       "4", "--variants", "torch_optimizer_after_fsdp", "--emulate_communication", "--output_dir",
+                       "5", "--variants", "torch_optimizer_after_fsdp", "--emulate_communication", "--output_dir",
                        str(out), *extra], nproc=None, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return load(out / "summary.json"), " ".join(proc.stdout.split())
@@ -54,7 +55,7 @@ def test_every_collective_of_a_step_is_counted_to_the_byte_the_projection_counts
     """HSDP of 2 replicas x 4 shards at N = 8, the tiny model (bf16 gathers and reductions): per step the root's
     and both blocks' parameters all-gathered over 4 (the blocks twice: resharded after forward), the gradients
     reduce-scattered over 4 and their shards all-reduced over the 2 replicas, byte for byte what the layout search's
-    projection counts (plan/layout/traffic.py) from the parameter shapes."""
+    projection counts (plan/layout/traffic.py) from the parameter shapes, per emulated step (steps 1 and 3 of 5)."""
     from fsdp2bench.plan.layout.traffic import gathered_bytes
     from fsdp2bench.run.session import model_facts
 
@@ -63,6 +64,7 @@ def test_every_collective_of_a_step_is_counted_to_the_byte_the_projection_counts
     emulated, = entry["emulated"]
     blocks, root, elements = gathered_bytes(tuple(model_facts("tiny", 421).shapes), 4, 1, False, 2)
     step = emulated["per_step"]
+    assert emulated["emulated_steps"] == 2
     assert step["all_gather over 4"] == {"calls": 5, "bytes": 2 * blocks + root, "emulated_s": pytest.approx(
         5 * 3e-6 + 3 / 4 * (2 * blocks + root) / 450e9)}
     assert step["reduce_scatter over 4"]["bytes"] == 2 * elements and step["reduce_scatter over 4"]["calls"] == 3
@@ -91,6 +93,79 @@ def test_tensor_parallel_collectives_are_counted_as_dtensor_issues_them(tmp_path
                                          "emulated_s": pytest.approx(calls * (2e-6 + activation / 450e9))}  # 2 steps
     assert {"all_gather over 4", "reduce_scatter over 4"} <= set(step) and emulated["traced_in_compiled_graph"] == []
     assert "all_reduce over 2 (DTensor) 14 calls" in said
+
+
+def test_one_launch_emulates_every_other_step_and_gives_both_figures_labelled(tmp_path):
+    """Seven steps: 1, 3 and 5 emulated, 0, 2, 4 and 6 compute only, as each step's record says. The tally is of the
+    three emulated steps (per step, the 5 all-gathers over 8 of one step); summary.json's speed.emulation holds the
+    compute-only steps' median after warm-up (2, 4, 6) and the emulated steps' (1, 3, 5), each labelled; on a CPU
+    nothing waits, so the run's own figures are its compute-only steps' and the exposure is not measured, said so.
+    Under --tracker_overhead (speed.py's) the polling pauses in pairs of steps, so that neither half is all paused."""
+    summary, said = emulated_run(tmp_path, "--max_steps", "7", "--tracker_overhead")
+    entry = summary["simulated"]["8"]["0"]["torch_optimizer_after_fsdp"]
+    steps = load(tmp_path / "out" / "simulated_N8" / "torch_optimizer_after_fsdp_memory_usage.json")["steps"]
+    assert [s["communication_emulated"] for s in steps] == [False, True, False, True, False, True, False]
+    assert [s["polling"] for s in steps] == [True, True, False, False, True, True, False]
+    emulated, = entry["emulated"]
+    assert emulated["emulated_steps"] == 3 and emulated["per_step"]["all_gather over 8"]["calls"] == 5
+    figures = entry["speed"]["emulation"]
+    assert set(figures) == {"steps", "waited_on_the_gpu", "compute_only", "emulated", "exposed"}
+    for label, picked in (("compute_only", (2, 4, 6)), ("emulated", (1, 3, 5))):
+        half = figures[label]
+        assert half["timed_steps"] == 3 and half["not_measured"] is None
+        assert half["median_step_time_s"] == statistics.median(steps[i]["step_time_s"] for i in picked)
+        assert half["tokens_per_s_per_gpu"] == pytest.approx(256 / half["median_step_time_s"])
+    assert entry["speed"]["median_step_time_s"] == figures["compute_only"]["median_step_time_s"]
+    assert entry["speed"]["compute_only"] and not figures["waited_on_the_gpu"]
+    exposed = figures["exposed"]
+    assert exposed["s"] is None and exposed["share"] is None and "a CPU waits for nothing" in exposed["not_measured"]
+    assert exposed["emulated_s_per_step"] == emulated["emulated_s_per_step"] > 0
+    assert "In one launch, odd steps emulated; even steps, step 0 among them, compute only: compute_only " in said
+    assert "(median of 3); emulated (nothing waited) " in said and "exposed not measured (a CPU waits" in said
+
+
+def test_on_a_gpu_the_exposed_communication_is_the_emulated_steps_median_less_the_compute_only_ones():
+    """The arithmetic of a run whose emulated steps waited on the GPU (no GPU here: the step records as a GPU run
+    writes them): compute-only steps of 0.100-0.104 s, emulated ones of 0.110-0.114 s, 0.05 s of communication a
+    step; step 0 is warm-up. Exposed: 0.010 s, 20% of it; the run's own figures are the emulated steps', marked +."""
+    from fsdp2bench.report.console import one_launch_said
+    from fsdp2bench.train import throughput
+
+    times = [0.5, 0.110, 0.100, 0.112, 0.102, 0.114, 0.104]
+    steps = [{"step": i, "step_time_s": t, "optimizer_s": 0.01, "communication_emulated": i % 2 == 1}
+             for i, t in enumerate(times)]
+    tally = {"waited_on_the_gpu": True, "emulated_s_per_step": 0.05}
+    speed = throughput.speed(steps, 1000.0, 6, "NVIDIA H100 80GB HBM3", False, True, tally)
+    figures = speed["emulation"]
+    assert figures["compute_only"]["median_step_time_s"] == 0.102 and figures["emulated"]["median_step_time_s"] == 0.112
+    assert figures["exposed"]["s"] == pytest.approx(0.010) and figures["exposed"]["share"] == pytest.approx(0.2)
+    assert speed["median_step_time_s"] == 0.112 and speed["emulated"] and not speed["compute_only"]
+    assert throughput.rate_said(speed) == f"{1000 / 0.112:.0f}+"
+    said = one_launch_said(figures)
+    assert "compute_only 9804 tok/s, 0.1020 s a step (median of 3); emulated 8929 tok/s, 0.1120 s" in said
+    assert "exposed +10.00 ms a step, 20% of the 50.00 ms emulated" in said
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max_steps", "4"], "4 step(s) leave 1 compute-only and 2 emulated step(s) after the warm-up (step 0); "
+                           "emulating every other step, each needs 2: --max_steps 5 or more (and the data for them)"),
+    (["--max_steps", "5", "--compile"], "5 step(s) leave 2 compute-only and 1 emulated step(s) after the warm-up "
+                                        "(steps 0 and 1, which compile); emulating every other step, each needs 2: "
+                                        "--max_steps 6 or more (and the data for them)"),
+])
+def test_too_few_steps_to_time_both_halves_are_refused_before_anything_runs(argv, message, tmp_path):
+    """main.py in one line and exit 2, and speed.py with the same line before it starts anything (its bare loop
+    included). plan.py takes no step count: its timings' steps are tests/test_layout_search.py's to check."""
+    import speed
+
+    common = ["--model", "tiny", "--device", "cpu", "--simulate_world_size", "8", "--emulate_communication", *argv]
+    proc = run_script(["main.py", *common, "--output_dir", str(tmp_path / "main")], nproc=None)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: --emulate_communication: {message}", proc.stderr
+    assert not (tmp_path / "main").exists()
+    line = refusal(speed.validate, ["--nproc_per_node", "1", "--bare_loop", "--output_dir", str(tmp_path / "speed"),
+                                    "--", *common])
+    assert line == f"error: --emulate_communication: {message}", line
+    assert not (tmp_path / "speed").exists() and not (tmp_path / "speed_bare").exists()
 
 
 @pytest.mark.parametrize("argv, message", [

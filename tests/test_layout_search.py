@@ -318,10 +318,10 @@ def test_a_timing_never_reads_an_earlier_searchs_summary_as_its_own(tmp_path, mo
     assert timing["fits"] is None and timing["error"] == "error: killed before its summary"
 
 
-def test_a_timing_runs_the_candidates_own_sizes_with_its_communication_emulated_over_the_searchs_links():
+def test_a_timing_runs_the_candidates_own_sizes_with_its_communication_emulated_over_the_searchs_links(tmp_path):
     """HSDP 2 x 2 beside TP 2 at N = 8: main.py gets the candidate's sizes, one microbatch, and
-    --emulate_communication with the links the search was given (bare where it was given none); its compute-only
-    launch is the same command without it."""
+    --emulate_communication with the links the search was given (bare where it was given none), and steps enough for
+    both halves of its one launch, compiled or not (main.py refuses fewer)."""
     candidate = Candidate(Degrees(replicate=2, shard=2, tp=2), "full", "model", False, False, 2, 4, True)
     for given, after in ((None, "--device"), ("300,25", "300,25"), ("/links/a100.json", "/links/a100.json")):
         setup = dataclasses.replace(setup_of(), links_given=given)
@@ -331,52 +331,66 @@ def test_a_timing_runs_the_candidates_own_sizes_with_its_communication_emulated_
             == {"--dp_replicate_size": "2", "--tp_size": "2", "--simulate_world_size": "8", "--batch_size": "2"}
         assert "--gradient_accumulation_steps" not in command  # one microbatch a step
         assert command[command.index("--emulate_communication") + 1] == after
-        alone = layout_timing.timing_command(candidate, setup, "out", emulate=False)
-        assert "--emulate_communication" not in alone and [a for a in command if a not in ("--emulate_communication",
-                                                                                           given)] == alone
         assert arguments.parse_args(command[2:]).emulate_communication == (given or arguments.DEFAULT_LINKS)
+    for compiled in (False, True):
+        command = layout_timing.timing_command(flat(1, compile=compiled), setup_of(), str(tmp_path / "t"))
+        assert command[command.index("--max_steps") + 1] == str(layout_search.TIMING_STEPS)
+        assert refusal(arguments.validate, command[2:]) is None, command
 
 
-def fake_entry(step_s: float, waited: bool, comm_s: float = 0.05) -> dict:
-    """Rank 0's summary entry of a timing's launch: its speed, peaks and (emulated) its tally."""
-    speed = {"median_step_time_s": step_s, "median_optimizer_s": 0.01, "tokens_per_s_per_gpu": 100.0}
+def fake_entry(compute_s: float, emulated_s: float, waited: bool, comm_s: float = 0.05) -> dict:
+    """Rank 0's summary entry of a timing's launch: its speed (its compute-only and its emulated steps' medians),
+    peaks and tally."""
+    halves = {label: {"median_step_time_s": step_s, "median_optimizer_s": 0.01, "tokens_per_s_per_gpu": 100.0,
+                      "not_measured": None}
+              for label, step_s in (("compute_only", compute_s), ("emulated", emulated_s))}
+    speed = {**halves["emulated" if waited else "compute_only"],
+             "emulation": {**halves, "waited_on_the_gpu": waited}}
     tally = {"waited_on_the_gpu": waited, "emulated_s_per_step": comm_s,
              "per_step": {"all_gather over 8": {"calls": 5, "bytes": 1, "emulated_s": comm_s}}}
-    return {"status": "ok", "speed": speed, "training_peak_reserved_mib": {"max": 1024.0},
-            "training_peak_allocated_mib": {"max": 900.0}, "emulated": [tally]}
+    return {"status": "ok", "speed": speed, "median_step_time_s": (compute_s + emulated_s) / 2,
+            "training_peak_reserved_mib": {"max": 1024.0}, "training_peak_allocated_mib": {"max": 900.0},
+            "emulated": [tally]}
 
 
-def test_on_a_gpu_a_timing_is_its_emulated_launch_and_its_compute_alone(tmp_path, monkeypatch):
-    """The emulated launch waited on the GPU (0.13 s a step); its compute alone is a second launch of the same
-    layout without --emulate_communication, into its own folder (0.10 s): the timing's microbatch is the compute,
-    its emulated step the first launch's, 0.03 of its 0.05 s of communication exposed. On a CPU (nothing waited)
-    one launch: the step is the compute + the communication priced."""
+def test_a_timing_is_one_launch_its_compute_the_steps_not_emulated(tmp_path, monkeypatch):
+    """One launch, into timings/t3: on a GPU its emulated steps waited (0.13 s a step) and the steps between are its
+    compute alone (0.10 s): the timing's microbatch is the compute, its emulated step the emulated steps', 0.03 of its
+    0.05 s of communication exposed. On a CPU (nothing waited) the step is the compute + the communication priced."""
     setup = dataclasses.replace(setup_of(), output_dir=str(tmp_path), device_type="cuda")
     launched = []
 
     def fake_launch(command, directory, world_size):
         launched.append((command, directory))
-        emulate = "--emulate_communication" in command
         return {"command": " ".join(command), "exit_code": 0, "wall_s": 1.0,
-                "entry": fake_entry(0.13 if emulate else 0.10, waited=emulate)}
+                "entry": fake_entry(0.10, 0.13, waited=True)}
 
     monkeypatch.setattr(layout_timing, "launch", fake_launch)
     each = layout_search.assess(flat(1), setup)
     timing = layout_timing.run_timing(each, setup, 3)
-    assert [directory for _, directory in launched] == [str(tmp_path / "timings" / "t3"),
-                                                        str(tmp_path / "timings" / "t3_compute")]
-    assert "--emulate_communication" in launched[0][0] and "--emulate_communication" not in launched[1][0]
-    assert timing["microbatch_s"] == 0.10 and timing["emulated"]["step_s"] == 0.13 and timing["clean"]
-    assert "--emulate_communication" not in timing["compute_only"]["command"]
+    assert [directory for _, directory in launched] == [str(tmp_path / "timings" / "t3")]
+    assert "--emulate_communication" in launched[0][0]
+    assert timing["microbatch_s"] == 0.10 and timing["optimizer_s"] == 0.01
+    assert timing["emulated"]["step_s"] == 0.13 and timing["clean"]
     layout_timing.take_timing(timing, each, [each], setup)
     layout_search.project(each, setup, [(each.candidate, timing)])
     assert each.speed["exposed_share"] == pytest.approx(0.6) and each.speed["labels"]["step"] == "emulated"
     assert "0.130 s with its 50 ms of communication emulated" in layout_timing.timing_said(timing)
-    launched.clear()
-    monkeypatch.setattr(layout_timing, "launch", lambda command, directory, world_size: launched.append(command) or {
-        "command": "", "exit_code": 0, "wall_s": 1.0, "entry": fake_entry(0.10, waited=False)})
+    assert layout_timing.timing_said(timing).endswith("(1 s)")
+    monkeypatch.setattr(layout_timing, "launch", lambda command, directory, world_size: {
+        "command": "", "exit_code": 0, "wall_s": 1.0, "entry": fake_entry(0.10, 0.11, waited=False)})
     cpu = layout_timing.run_timing(each, dataclasses.replace(setup, device_type="cpu"), 4)
-    assert len(launched) == 1 and cpu["emulated"]["step_s"] == pytest.approx(0.15) and "compute_only" not in cpu
+    assert cpu["microbatch_s"] == 0.10 and cpu["emulated"]["step_s"] == pytest.approx(0.15)
+
+
+def test_a_timing_whose_compute_only_steps_shared_the_device_decides_nothing():
+    """Another run beside it left fewer than two clean compute-only steps: the timing is not clean, with the reason,
+    its compute the median of every step."""
+    entry = fake_entry(0.10, 0.13, waited=True)
+    entry["speed"]["emulation"]["compute_only"].update(median_step_time_s=None, median_optimizer_s=None,
+                                                       tokens_per_s_per_gpu=None, not_measured="shared")
+    figures = layout_timing.timed_figures(entry)
+    assert not figures["clean"] and figures["unclean"] == "shared" and figures["microbatch_s"] == 0.115
 
 
 def test_a_timing_that_fails_does_not_fail_the_next(tmp_path, monkeypatch):
@@ -493,6 +507,7 @@ def test_a_cpu_search_cannot_tell_what_fits_ranks_every_candidate_and_its_comman
     assert "tok/s/GPU" not in proc.stdout and "tok/s/rank" in proc.stdout and "one GPU first" not in said
     result = load(out / "plan.json")
     assert result["meta"]["timings"] == 2 and all(c["fits"] is None for c in result["candidates"])
+    assert sorted(os.listdir(out / "timings")) == ["t0", "t1"]  # one launch a timing
     check_the_timings_emulate(result, out, str(links))
     ranked = [c for c in result["candidates"] if c["speed"]]
     assert len(ranked) == len(result["candidates"]) == 18  # every candidate ranks, measured or estimated
@@ -522,7 +537,7 @@ def check_the_timings_emulate(result: dict, out, links: str) -> None:
         sizes = re.search(r"R(\d+)xS(\d+)xC(\d+)xT(\d+)", timing["candidate"]).groups()
         flags = {"--dp_replicate_size": sizes[0], "--tp_size": sizes[3]}
         assert all(command[command.index(flag) + 1] == size for flag, size in flags.items() if size != "1"), command
-        assert command[command.index("--simulate_world_size") + 1] == "4" and "compute_only" not in timing
+        assert command[command.index("--simulate_world_size") + 1] == "4"
         meta = load(out / "timings" / f"t{i}" / "summary.json")["meta"]
         assert meta["emulated_links"]["node_size"] == 4 and meta["emulated_links"]["across_gbps"] == 25
 
@@ -589,7 +604,7 @@ def check_the_winners_commands(winner: dict, out, tmp_path) -> None:
 
 
 def test_a_long_block_many_microbatch_candidates_commands_run_as_printed(tmp_path):
-    """B2 x 64 microbatches of 512 tokens at N = 4: the check's six steps are 393,216 tokens, more than one pass of the
+    """B2 x 64 microbatches of 512 tokens at N = 4: the check's ten steps are 655,360 tokens, more than one pass of the
     built-in text (it held five; of the 8B search's winner, B4 x 16 of 8192 tokens, none: 'too few for one step').
     Each command trains every step it names: the check, torchrun's flags and the accelerate config with them."""
     setup = dataclasses.replace(setup_of(), world_size=4, block=512, global_sequences=4 * 2 * 64)
@@ -600,16 +615,16 @@ def test_a_long_block_many_microbatch_candidates_commands_run_as_printed(tmp_pat
     ran = run_script([*check[1:], "--device", "cpu", "--output_dir", str(tmp_path / "check")], nproc=None)
     assert ran.returncode == 0, ran.stderr[-2000:]
     summary = load(tmp_path / "check" / "summary.json")
-    assert summary["meta"]["steps_per_variant"] == layout_search.TIMING_STEPS == 6
+    assert summary["meta"]["steps_per_variant"] == layout_search.TIMING_STEPS == 10
     assert summary["meta"]["per_optimizer_step"]["tokens_per_rank"] == 2 * 64 * 512
     trained = summary["simulated"]["4"]["0"][TRAINED]
-    assert trained["status"] == "ok" and trained["steps"] == 6
+    assert trained["status"] == "ok" and trained["steps"] == 10
     assert summary["checks"]["accounting_matches_expected"]["ok"]
     torchrun = shlex.split(said["torchrun"])
     main_args = torchrun[torchrun.index("main.py") + 1:]
-    assert main_args[-2:] == ["--max_steps", "6"]
+    assert main_args[-2:] == ["--max_steps", "10"]
     real = arguments.validate([*main_args, "--device", "cpu", "--output_dir", str(tmp_path / "real")], 4)
-    assert real.batches.shape == (6, 2 * 64, 512)  # rank 0's: every step of its data rank's share
+    assert real.batches.shape == (10, 2 * 64, 512)  # rank 0's: every step of its data rank's share
     config = tmp_path / "accelerate_config.json"
     assert report.write_unmarked(str(config), said["accelerate_config"]) is None
     assert arguments.validate(["--config_file", str(config), *main_args, "--device", "cpu", "--output_dir",

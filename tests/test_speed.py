@@ -195,17 +195,21 @@ def test_a_baseline_tree_is_launched_by_the_launcher_it_has(kept_at, module, tmp
 
 
 def test_speed_times_a_simulated_rank_with_its_communication_emulated_bare_loop_alike(tmp_path):
-    """--emulate_communication passes through to the timed launch and to the bare loop beside it: both count the
-    same collectives of the same work (on a CPU priced, nothing waits), and speed.json gives each run's emulated
-    seconds a step and the links."""
+    """--emulate_communication passes through to the timed launch and to the bare loop beside it: both emulate the
+    same steps (every other one) and count the same collectives of the same work (on a CPU priced, nothing waits),
+    and speed.json gives each run's emulated seconds a step, its compute-only, emulated and exposed figures, and the
+    links."""
     out = tmp_path / "run"
     proc = run_script(["speed.py", "--nproc_per_node", "1", "--bare_loop", "--output_dir", str(out), "--",
-                       "--model", "tiny", "--device", "cpu", "--max_steps", "4", "--simulate_world_size", "4",
+                       "--model", "tiny", "--device", "cpu", "--max_steps", "5", "--simulate_world_size", "4",
                        "--variants", "torch_optimizer_after_fsdp", "--emulate_communication", "300,25"], nproc=None)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = load(out / "speed.json")
-    emulated, = load(out / "summary.json")["simulated"]["4"]["0"]["torch_optimizer_after_fsdp"]["emulated"]
+    entry = load(out / "summary.json")["simulated"]["4"]["0"]["torch_optimizer_after_fsdp"]
+    emulated, = entry["emulated"]
     name = "N=4 rank 0 torch_optimizer_after_fsdp"
+    assert record["emulation"] == {name: entry["speed"]["emulation"]}
+    assert set(record["emulation"][name]) >= {"compute_only", "emulated", "exposed"}
     assert record["emulated_links"]["within_gbps"] == 300.0 and record["emulated_links"]["across_gbps"] == 25.0
     assert record["emulated_s_per_step"] == {name: emulated["emulated_s_per_step"]}
     assert emulated["emulated_s_per_step"] > 0
@@ -213,6 +217,8 @@ def test_speed_times_a_simulated_rank_with_its_communication_emulated_bare_loop_
     assert bare["per_step"] == emulated["per_step"] and set(bare["per_step"]) == {"all_gather over 4",
                                                                                   "reduce_scatter over 4"}
     assert not bare["waited_on_the_gpu"] and not record["bare_loop"]["speed"]["emulated"]
+    assert bare["emulated_steps"] == emulated["emulated_steps"] == 2  # steps 1 and 3 of 5
+    assert record["bare_loop"]["speed"]["emulation"]["emulated"]["timed_steps"] == 2
 
 
 def test_emulated_communication_without_a_simulated_rank_is_refused_in_one_line(tmp_path):

@@ -27,7 +27,7 @@ from fsdp2bench.plan.layout.candidates import (COMPILE, FLOAT8, LEVER_NAMES, Lev
                                                parse_levers)
 from fsdp2bench.plan.layout.report import CONFIG_NAME, written_config_digest
 from fsdp2bench.plan.layout.search import SearchInputs
-from fsdp2bench.plan.layout.timing import compute_dir, timing_dir
+from fsdp2bench.plan.layout.timing import timing_dir
 from fsdp2bench.plan.probes import BATCH, BLOCK, BLOCK_STEP, LAYOUT, block_step
 from fsdp2bench.processes.isolation import launcher_keeps_to_one_thread
 from fsdp2bench.processes.simulation import check_fake_group_available, parse_world_sizes
@@ -148,8 +148,8 @@ def add_layout_options(p: argparse.ArgumentParser) -> None:
                         "per GPU WITHIN a node of 8 and ACROSS nodes, or a JSON FILE with node_size, within_gbps, "
                         "across_gbps (default: 450,50: NVLink 4, 400 Gb/s RDMA)")
     g.add_argument("--max_timings", type=int, default=12,
-                   help="timings at most, each one simulated rank alone on the device (on a GPU two launches: with "
-                        "the communication emulated, and the compute alone) (default: 12)")
+                   help="timings at most, each one launch of one simulated rank alone on the device (every other "
+                        "step with its communication emulated, the steps between its compute alone) (default: 12)")
     g.add_argument("--confirm", type=int, default=3, metavar="ROWS",
                    help="time the ranked candidates on top until the first ROWS are measured, not estimated "
                         "(default: 3)")
@@ -459,7 +459,7 @@ def check_timing_folders(output_dir: str, max_timings: int) -> None:
     """Where each timing's folder goes: a folder or nothing, with no summary.json but this benchmark's in it (main.py
     would refuse it, and the candidate be reported failing)."""
     folders = [os.path.dirname(timing_dir(output_dir, 0)),
-               *(folder(output_dir, i) for i in range(max_timings) for folder in (timing_dir, compute_dir))]
+               *(timing_dir(output_dir, i) for i in range(max_timings))]
     for folder in folders:
         if os.path.lexists(folder) and (os.path.islink(folder) or not os.path.isdir(folder)):
             what = "a symbolic link" if os.path.islink(folder) else path_kind(folder)

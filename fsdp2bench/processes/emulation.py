@@ -10,6 +10,10 @@ gathers, scatters, all-to-alls and ring sends, the all-reduce of a norm over sha
 backend through ``torch.distributed._functional_collectives`` instead. The time is ``Links.collective_s`` over the
 group's own ranks (options/links.py). On a CPU nothing sleeps: the calls and bytes are counted, the seconds priced.
 
+Every other step is emulated (``emulates``): the compute alone and the step with its communication are timed in one
+process, the same allocator state and the same compiled graphs, which two launches (up to 6% apart on an H100, where
+the exposed communication was about 1% of a step) cannot compare.
+
 Not emulated: a functional collective inside a compiled graph runs from the graph, not through Python; it is counted
 once when the graph is traced and marked ``traced_in_compiled_graph`` (TP or CP with --compile). Real NCCL kernels'
 use of SMs, congestion and stragglers are not modelled.
@@ -64,13 +68,28 @@ FUNCTIONAL: dict[str, tuple[str, bool]] = {
 }
 
 
+def emulates(step: int) -> bool:
+    """Whether ``step`` runs with its communication emulated: the odd ones. Step 0, warm-up in every run (the first
+    allocations, FSDP2's lazy set-up, compiling), then runs without sleeps, and from step 2 on each compute-only
+    step has an emulated one beside it."""
+    return step % 2 == 1
+
+
 @dataclass
 class Tally:
-    """Each kind of collective the rank issued while emulating: calls, whole bytes, emulated seconds."""
+    """Each kind of collective the rank issued in the steps it emulated: calls, whole bytes, emulated seconds."""
     links: Links
     waited: bool  # the time was waited on the GPU; on a CPU it is only priced
     kinds: dict[str, dict] = field(default_factory=dict)
     traced_in_compiled_graph: set[str] = field(default_factory=set)  # counted at tracing only: see the docstring
+    on: bool = False  # the step running is emulated: its collectives wait and are counted (``step_starts``)
+    steps: int = 0  # the steps emulated so far
+
+    def step_starts(self, step: int) -> bool:
+        """Before each step: the switch set for it (``emulates``); whether it is emulated."""
+        self.on = emulates(step)
+        self.steps += self.on
+        return self.on
 
     def add(self, kind: str, group: int, whole: int, seconds: float, tag: str = "") -> None:
         entry = self.kinds.setdefault(f"{kind} over {group}{tag}", {"calls": 0, "bytes": 0, "emulated_s": 0.0})
@@ -78,9 +97,10 @@ class Tally:
         entry["bytes"] += whole
         entry["emulated_s"] += seconds
 
-    def per_step(self, steps: int) -> dict:
-        """The tally over ``steps`` optimizer steps, each figure per step."""
-        return {"links": vars(self.links), "steps": steps, "waited_on_the_gpu": self.waited,
+    def per_step(self) -> dict:
+        """The tally over the steps emulated, each figure per emulated step."""
+        steps = self.steps
+        return {"links": vars(self.links), "emulated_steps": steps, "waited_on_the_gpu": self.waited,
                 "per_step": {kind: {k: v / steps for k, v in entry.items()} for kind, entry in self.kinds.items()},
                 "emulated_s_per_step": sum(e["emulated_s"] for e in self.kinds.values()) / steps,
                 "traced_in_compiled_graph": sorted(self.traced_in_compiled_graph)}
@@ -117,7 +137,10 @@ def functional_ranks(group) -> list[int]:
 
 
 def costed(kind: str, size: int, ranks: list[int], tally: Tally, clock: float | None, tag: str = "") -> None:
-    """Tally one collective (its kind ``tag``ged) and, on a GPU, wait its time on the current stream."""
+    """Tally one collective (its kind ``tag``ged) and, on a GPU, wait its time on the current stream; nothing in a
+    step not emulated (which runs the same wrappers up to here, so that the two halves' host work is alike)."""
+    if not tally.on:
+        return
     seconds = tally.links.collective_s(kind, size, ranks)
     tally.add(kind, len(ranks), size, seconds, tag)
     if clock is not None and seconds > 0:

@@ -82,7 +82,9 @@ def speed_said(summary: dict, entries: list[dict]) -> str:
         line += " *: compute only (a simulated rank: no communication happens)."
     if any(f.get("emulated") for f in figures):
         line += (" +: communication emulated (each collective's time, by the links in summary.json's "
-                 "meta.emulated_links, waited on the GPU stream FSDP2 issues it on; what the compute hides is hidden).")
+                 "meta.emulated_links, waited on the GPU stream FSDP2 issues it on; what the compute hides is hidden), "
+                 "the median of the emulated steps: the odd ones; the even ones, in the same launch, time the compute "
+                 "alone (the line per run gives both).")
     missing = next((f["not_measured"] for f in figures if f["not_measured"]), None)
     if missing:
         line += f" n/a: {missing}."
@@ -279,8 +281,30 @@ def emulated_said(summary: dict) -> list[str]:
         missed = (f" Not emulated: the {', '.join(traced)} inside compiled graphs (they run from the graph, not "
                   "through Python).") if traced else ""
         lines.append(f"Emulated a step, N = {n} rank {rank} {short_name(name)}: {kinds or 'no collective'}; "
-                     f"{emulated['emulated_s_per_step'] * 1e3:.2f} ms of communication in all ({how}).{missed}")
+                     f"{emulated['emulated_s_per_step'] * 1e3:.2f} ms of communication in all ({how}).{missed} "
+                     + one_launch_said((v.get("speed") or {}).get("emulation")))
     return lines
+
+
+def one_launch_said(figures: dict | None) -> str:
+    """Both figures of a launch that emulated every other step, and what the step left exposed, each labelled."""
+    if not figures:
+        return ""
+    priced = "" if figures["waited_on_the_gpu"] else " (nothing waited)"
+    halves = f"compute_only {half_said(figures['compute_only'])}; emulated{priced} {half_said(figures['emulated'])}"
+    exposed = figures["exposed"]
+    said = (f"not measured ({exposed['not_measured']})" if exposed["s"] is None else
+            f"{exposed['s'] * 1e3:+.2f} ms a step" + (f", {exposed['share']:.0%} of the "
+                                                     f"{exposed['emulated_s_per_step'] * 1e3:.2f} ms emulated"
+                                                     if exposed["share"] is not None else ""))
+    return f"In one launch, {figures['steps']}: {halves}; exposed {said}."
+
+
+def half_said(half: dict) -> str:
+    if half["median_step_time_s"] is None:
+        return f"n/a ({half['not_measured']})"
+    return (f"{half['tokens_per_s_per_gpu']:.0f} tok/s, {half['median_step_time_s']:.4f} s a step "
+            f"(median of {half['timed_steps']})")
 
 
 def print_sweep_table(summary: dict) -> None:

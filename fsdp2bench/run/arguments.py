@@ -5,6 +5,7 @@ main.py with the same functions, without importing main.py."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import sys
@@ -20,11 +21,13 @@ from fsdp2bench.options import accelerate_config, levers, fsdp as options, step,
 from fsdp2bench.options.layout import CP_STRATEGIES, Layout
 from fsdp2bench.options.links import Links, check_nodes_fit, parse_links
 from fsdp2bench.processes import simulation
+from fsdp2bench.processes.emulation import emulates
 from fsdp2bench.processes.isolation import launcher_keeps_to_one_thread
 from fsdp2bench.processes.starting import check_launcher_env
 from fsdp2bench.run import concurrency
 from fsdp2bench.run.session import ModelFacts, model_facts
 from fsdp2bench.run.versions import check_releases
+from fsdp2bench.train import throughput
 from fsdp2bench.train.data import builtin_for_steps, load_tokens, rank_batches
 from fsdp2bench.train.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS, default_model, max_positions
 from fsdp2bench.train.runner import FailureSpec
@@ -525,13 +528,36 @@ class Checked:
     links: Links | None  # --emulate_communication
 
 
-def emulation_links(args: argparse.Namespace) -> Links | None:
-    """--emulate_communication's links, for the simulated ranks only: real ranks communicate for real."""
+def emulation_links(args: argparse.Namespace, steps: int, compiled: bool) -> Links | None:
+    """--emulate_communication's links, for the simulated ranks only (real ranks communicate for real), over a run
+    of ``steps`` that times both of its halves."""
     if args.emulate_communication is None:
         return None
     if not args.simulate_world_size:
         raise UserError("--emulate_communication needs --simulate_world_size: real ranks communicate for real")
-    return parse_emulation(args.emulate_communication, simulation.parse_world_sizes(args.simulate_world_size))
+    links = parse_emulation(args.emulate_communication, simulation.parse_world_sizes(args.simulate_world_size))
+    check_alternating_steps(steps, compiled)
+    return links
+
+
+def alternating_halves(steps: int, compiled: bool) -> tuple[int, int]:
+    """(compute-only, emulated) steps after the warm-up of a run of ``steps`` whose communication is emulated every
+    other step (processes/emulation.py)."""
+    after = range(throughput.warmup_steps(compiled), steps)
+    return sum(not emulates(s) for s in after), sum(emulates(s) for s in after)
+
+
+def check_alternating_steps(steps: int, compiled: bool) -> None:
+    """The compute alone and the emulated step are timed in one run, every other step: each half needs a median's
+    steps after the warm-up."""
+    compute, emulated = alternating_halves(steps, compiled)
+    least = throughput.MIN_TIMED_STEPS
+    if min(compute, emulated) < least:
+        needed = next(n for n in itertools.count(steps + 1) if min(alternating_halves(n, compiled)) >= least)
+        warm = "steps 0 and 1, which compile" if compiled else "step 0"
+        raise UserError(f"--emulate_communication: {steps} step(s) leave {compute} compute-only and {emulated} "
+                        f"emulated step(s) after the warm-up ({warm}); emulating every other step, each needs "
+                        f"{least}: --max_steps {needed} or more (and the data for them)")
 
 
 def parse_emulation(given: str, world_sizes: list[int]) -> Links:
@@ -604,7 +630,7 @@ def checked_launch(args: argparse.Namespace, world_size: int | None) -> Checked:
                            estimate.step_bytes(args.batch_size, args.block_size, facts.config, fsdp_options))
     cap = None if args.gpu_memory is None else estimate.gpu_cap(args.gpu_memory, pick_device(args.device).index)
     return Checked(args=args, names=names, fsdp_options=fsdp_options, facts=facts, batches=batches, cap=cap,
-                   config=config, links=emulation_links(args))
+                   config=config, links=emulation_links(args, len(batches), fsdp_options.compile))
 
 
 def check_wrapped_classes(config: accelerate_config.ConfigOptions | None, layer_classes: list[str]) -> None:

@@ -4,7 +4,7 @@ The same model build, variant, wrapping, levers, loss and batches as main.py's f
 simulated N, on a fake process group; at N = 1 without one), trained with no memory tracker, no polling, no
 per-step accounting, no read-back one step late: each step's time between two CUDA events (or the clock on a
 CPU). speed.py runs it beside main.py in one call, so that the suite's own cost per step is measured and stated;
-under ``--emulate_communication`` its collectives are emulated as the suite's are.
+under ``--emulate_communication`` its collectives are emulated as the suite's are, every other step.
 
     python3 -m fsdp2bench.run.bare OUT.json -- <main.py options>
 """
@@ -22,17 +22,19 @@ import torch
 import utils
 from fsdp2bench.cli import pick_device
 from fsdp2bench.processes import simulation
-from fsdp2bench.processes.emulation import emulated
+from fsdp2bench.processes.emulation import Tally, emulated
 from fsdp2bench.run.arguments import build_threads, validate
 from fsdp2bench.train import throughput
 from fsdp2bench.train.model import build_for_run
 from fsdp2bench.train.runner import TrainStep, deterministic, steps_speed
 
 
-def time_steps(step: TrainStep, batches: torch.Tensor, device: torch.device) -> list[float]:
-    """Seconds of each step, from events recorded around it on the device (the clock on a CPU)."""
-    seconds = []
-    for batch in batches:
+def time_steps(step: TrainStep, batches: torch.Tensor, device: torch.device, tally: Tally | None) -> list[dict]:
+    """Each step's seconds, from events recorded around it on the device (the clock on a CPU), and where its
+    communication is emulated every other step (``tally``), whether it was."""
+    records = []
+    for index, batch in enumerate(batches):
+        records.append({} if tally is None else {"communication_emulated": tally.step_starts(index)})
         start = time.perf_counter()
         if device.type == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -40,11 +42,11 @@ def time_steps(step: TrainStep, batches: torch.Tensor, device: torch.device) -> 
             step(batch.to(device, non_blocking=True))
             end.record()
             end.synchronize()
-            seconds.append(begin.elapsed_time(end) / 1000)
+            records[-1]["step_time_s"] = begin.elapsed_time(end) / 1000
         else:
             step(batch)
-            seconds.append(time.perf_counter() - start)
-    return seconds
+            records[-1]["step_time_s"] = time.perf_counter() - start
+    return records
 
 
 def bare_loop(argv: list[str]) -> dict:
@@ -67,13 +69,14 @@ def bare_loop(argv: list[str]) -> dict:
     prep = utils.VARIANTS[name](model, ctx)
     step = TrainStep(prep, options.gradient_accumulation_steps, options.step.keeps_outputs)
     with emulated(checked.links, device) as tally:  # the suite's work: its communication emulated where it is
-        seconds = time_steps(step, checked.batches.pin_memory() if device.type == "cuda" else checked.batches, device)
-    waited = tally is not None and tally.waited
-    speed = steps_speed([{"step_time_s": s} for s in seconds], checked.batches.shape, options, prep.model,
-                        checked.facts.config, device, bool(args.simulate_world_size), waited)
+        records = time_steps(step, checked.batches.pin_memory() if device.type == "cuda" else checked.batches, device,
+                             tally)
+    speed = steps_speed(records, checked.batches.shape, options, prep.model, checked.facts.config, device,
+                        bool(args.simulate_world_size), tally)
+    seconds = [r["step_time_s"] for r in records]
     return {"variant": name, "world_size": world, "step_times_s": seconds, "speed": speed,
             "median_all_steps_s": statistics.median(seconds),
-            "emulated": None if tally is None else tally.per_step(len(seconds))}
+            "emulated": None if tally is None else tally.per_step()}
 
 
 def main() -> None:

@@ -308,13 +308,13 @@ def train_busy(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: d
     with collector_paused(), emulated(links, job.device) as tally:
         for step, batch in enumerate(batches):
             injected_failure(job, step, tracker, prep.model)
-            tracker.polling = not (job.train.tracker_overhead and step % 2)
+            switched = switch_for(step, job, tracker, tally)
             counted = {phase: (lambda phase=phase: accounting.update({phase: held()})) if step == last else None
                        for phase in ("before_zero_grad", MICROBATCH_PHASE)}  # the last step's state, by phase
             readback.queued(step, train_step(batch.to(job.device, non_blocking=True),
                                              before_zero_grad=counted["before_zero_grad"],
                                              between_microbatches=counted[MICROBATCH_PHASE]))
-            tracker.record_step(step)["runs_beside"] = share.others()
+            tracker.record_step(step).update(runs_beside=share.others(), **switched)
             if step > 0:
                 read_back(step - 1)  # the previous step, while the device runs this one
             if step % GC_EVERY_STEPS == GC_EVERY_STEPS - 1:
@@ -328,12 +328,21 @@ def train_busy(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: d
     return {**found, **trained_figures(job, prep.model, tracker, tally)}
 
 
+def switch_for(step: int, job: Job, tracker: MemoryTracker, tally: Tally | None) -> dict:
+    """Before ``step``: whether the tracker polls (--tracker_overhead pauses it every other step, or every other pair of
+    steps where the communication is emulated every other step, so that paused steps fall alike among the compute-only
+    and the emulated ones) and whether its collectives are emulated; what its record says of that."""
+    pairs = 2 if tally is not None else 1
+    tracker.polling = not (job.train.tracker_overhead and (step // pairs) % 2)
+    return {} if tally is None else {"communication_emulated": tally.step_starts(step)}
+
+
 def trained_figures(job: Job, model: torch.nn.Module, tracker: MemoryTracker, tally: Tally | None) -> dict:
     """What a finished variant measured beyond its state: gathered bytes, speed, emulated communication, the
     allocator's figures, and (where recorded) the tensors alive at its peak."""
     found = {"gathered_block_bytes": gathered_block_bytes(model, job.layer_classes),
-             "speed": run_speed(job, model, tracker.steps, emulated=tally is not None and tally.waited),
-             "emulated": None if tally is None else tally.per_step(len(job.batches)),
+             "speed": run_speed(job, model, tracker.steps, tally),
+             "emulated": None if tally is None else tally.per_step(),
              "allocator": tracker.allocator_stats(), "counter_peaks": tracker.counter_peaks(),
              "polled_peaks": tracker.polled_peaks()}
     if records_history(job):  # while the model exists to name the blocks
@@ -343,20 +352,21 @@ def trained_figures(job: Job, model: torch.nn.Module, tracker: MemoryTracker, ta
     return found
 
 
-def run_speed(job: Job, model: torch.nn.Module, steps: list[dict], emulated: bool) -> dict:
+def run_speed(job: Job, model: torch.nn.Module, steps: list[dict], tally: Tally | None) -> dict:
     return steps_speed(steps, job.batches.shape, job.train.options, model, job.config, job.device, job.simulated,
-                       emulated)
+                       tally)
 
 
 def steps_speed(steps: list[dict], batches_shape, options: FsdpOptions, model: torch.nn.Module, config,
-                device: torch.device, simulated: bool, emulated: bool = False) -> dict:
+                device: torch.device, simulated: bool, tally: Tally | None = None) -> dict:
     """Tokens per second per GPU and MFU of a run's clean steps (throughput.py), from its batches'
-    (steps, sequences, block) and its model (main.py's runs and the bare loop alike)."""
+    (steps, sequences, block) and its model (main.py's runs and the bare loop alike); where its communication was
+    emulated (``tally``), of its compute-only and its emulated steps apart."""
     _, sequences, block = batches_shape
     tokens = sequences * block / (options.layout.cp_size * options.layout.tp_size)
     flops = throughput.model_flops_per_token(sum(p.numel() for p in model.parameters()), config, block)
-    return throughput.speed(steps, tokens, flops, gpu_name(device), options.compile, simulated and not emulated,
-                            emulated)
+    return throughput.speed(steps, tokens, flops, gpu_name(device), options.compile, simulated,
+                            None if tally is None else tally.per_step())
 
 
 def gpu_name(device: torch.device) -> str | None:

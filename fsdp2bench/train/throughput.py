@@ -14,7 +14,9 @@
 
 A step during which another run was busy on the same device (``runs_beside``) is not a speed figure: it is left
 out, and where too few steps are left the figures are None with the reason. On a simulated rank (a fake process
-group) no collective moves data: the figures are compute only, and say so.
+group) no collective moves data: the figures are compute only, and say so. Under ``--emulate_communication`` every
+other step of such a rank waits for its communication (processes/emulation.py): the medians of the compute-only and
+of the emulated steps are taken apart, in one process, and their difference is the communication left exposed.
 """
 
 from __future__ import annotations
@@ -54,21 +56,37 @@ def warmup_steps(compiled: bool) -> int:
 
 
 def speed(steps: list[dict], tokens_per_step: float, flops_per_token: int, gpu_name: str | None, compiled: bool,
-          compute_only: bool, emulated: bool = False) -> dict:
+          simulated: bool, tally: dict | None = None) -> dict:
     """One run's speed figures from its step records (``step_time_s``, ``runs_beside``): compute only on a
-    simulated rank, or with its communication emulated (processes/emulation.py)."""
-    warm = warmup_steps(compiled)
-    timed = [s for s in steps[warm:] if s.get("step_time_s") is not None]
+    simulated rank. With its communication emulated every other step (``tally``, processes/emulation.py), the
+    compute-only and the emulated steps apart, with the exposed communication (``emulation_figures``); the run's own
+    figures are then its emulated steps' where they waited on the GPU, else its compute-only steps'."""
+    warm, peak = warmup_steps(compiled), peak_flops(gpu_name)
+    waited = bool(tally and tally["waited_on_the_gpu"])
+    emulation = None if tally is None else emulation_figures(steps[warm:], len(steps), warm, tally, tokens_per_step,
+                                                             flops_per_token, peak)
+    own = median_figures(steps[warm:], len(steps), warm, tokens_per_step, flops_per_token, peak) if tally is None \
+        else emulation["emulated" if waited else "compute_only"]
+    figures = {"tokens_per_step_per_gpu": tokens_per_step, "model_flops_per_token": flops_per_token,
+               "warmup_steps": warm, "compute_only": simulated and not waited, "emulated": waited,
+               "peak_bf16_tflops": None if peak is None else peak / 1e12, **own, "compile_s": None}
+    if compiled and figures["median_step_time_s"] is not None:  # the warm-up steps exist: clean steps came after
+        figures["compile_s"] = max(0.0, sum(s["step_time_s"] or 0 for s in steps[:warm])
+                                   - warm * figures["median_step_time_s"])
+    return figures if emulation is None else {**figures, "emulation": emulation}
+
+
+def median_figures(steps: list[dict], all_steps: int, warm: int, tokens_per_step: float, flops_per_token: int,
+                   peak: float | None) -> dict:
+    """The median over ``steps`` (of a run of ``all_steps``, ``warm`` of them warm-up) that no other run shared the
+    device with: step and optimizer time, tokens per second per GPU, MFU; None with the reason where too few."""
+    timed = [s for s in steps if s.get("step_time_s") is not None]
     clean_steps = [s for s in timed if not s.get("runs_beside")]
     clean = [s["step_time_s"] for s in clean_steps]
-    peak = peak_flops(gpu_name)
-    figures = {"tokens_per_step_per_gpu": tokens_per_step, "model_flops_per_token": flops_per_token,
-               "warmup_steps": warm, "timed_steps": len(clean), "shared_steps": len(timed) - len(clean),
-               "compute_only": compute_only, "emulated": emulated, "peak_bf16_tflops": None if peak is None else peak / 1e12,
-               "median_step_time_s": None, "median_optimizer_s": None, "tokens_per_s_per_gpu": None, "mfu": None,
-               "compile_s": None, "not_measured": None}
+    figures = {"timed_steps": len(clean), "shared_steps": len(timed) - len(clean), "median_step_time_s": None,
+               "median_optimizer_s": None, "tokens_per_s_per_gpu": None, "mfu": None, "not_measured": None}
     if len(clean) < MIN_TIMED_STEPS:
-        figures["not_measured"] = unmeasured_reason(len(steps), warm, len(timed) - len(clean))
+        figures["not_measured"] = unmeasured_reason(all_steps, warm, len(timed) - len(clean))
         return figures
     median = statistics.median(clean)
     rate = tokens_per_step / median
@@ -76,9 +94,32 @@ def speed(steps: list[dict], tokens_per_step: float, flops_per_token: int, gpu_n
     figures.update(median_step_time_s=median, tokens_per_s_per_gpu=rate,
                    median_optimizer_s=statistics.median(optimizer) if optimizer else None,
                    mfu=None if peak is None else rate * flops_per_token / peak)
-    if compiled:  # the warm-up steps exist: clean steps came after them
-        figures["compile_s"] = max(0.0, sum(s["step_time_s"] or 0 for s in steps[:warm]) - warm * median)
     return figures
+
+
+EMULATED_STEPS = "odd steps emulated; even steps, step 0 among them, compute only"
+NOTHING_WAITED = ("a CPU waits for nothing: the communication is only priced, never overlapped, so none is measured "
+                  "exposed")
+
+
+def emulation_figures(after: list[dict], all_steps: int, warm: int, tally: dict, tokens_per_step: float,
+                      flops_per_token: int, peak: float | None) -> dict:
+    """One launch, both figures: the median of its compute-only steps (``compute_only``) and of its emulated steps
+    (``emulated``) after warm-up, and what of the emulated communication the step left ``exposed`` (their
+    difference, and its share of the emulated seconds a step) where the emulated steps waited on the GPU."""
+    halves = {label: median_figures([s for s in after if s.get("communication_emulated") == on], all_steps, warm,
+                                    tokens_per_step, flops_per_token, peak)
+              for label, on in (("compute_only", False), ("emulated", True))}
+    communication = tally["emulated_s_per_step"]
+    compute, emulated = halves["compute_only"]["median_step_time_s"], halves["emulated"]["median_step_time_s"]
+    exposed = {"s": None, "share": None, "emulated_s_per_step": communication, "not_measured": None}
+    if not tally["waited_on_the_gpu"]:
+        exposed["not_measured"] = NOTHING_WAITED
+    elif compute is None or emulated is None:
+        exposed["not_measured"] = halves["compute_only"]["not_measured"] or halves["emulated"]["not_measured"]
+    else:
+        exposed.update(s=emulated - compute, share=(emulated - compute) / communication if communication else None)
+    return {"steps": EMULATED_STEPS, "waited_on_the_gpu": tally["waited_on_the_gpu"], **halves, "exposed": exposed}
 
 
 def unmeasured_reason(steps: int, warm: int, shared: int) -> str:

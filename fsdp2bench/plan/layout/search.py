@@ -4,17 +4,18 @@ which of them trains fastest, by a step whose communication is emulated on FSDP2
 Every candidate (``candidates.py``) is first held against the memory model: those it puts well over the cap are
 left out with how far over, before anything runs. Timings (``timing.py``: one simulated rank of a candidate's own
 layout alone on the device, a few steps of one microbatch, each collective FSDP2 issues waiting its time on the
-stream it is issued on: ``--emulate_communication``) measure its step with the communication FSDP2 leaves exposed,
-its compute alone, and rank 0's peak. The compute serves every candidate of the same per-rank shapes (tp and cp
-sizes, local batch, levers), their memory the measured peak moved by what the memory model says they hold more or
-less; every other candidate's compute is estimated from the nearest timing's FLOP/s. A candidate's step is its
-compute plus the share of its communication left exposed: its own timing's share where its layout and shapes ran,
-else the share the timed layouts of its shape (which axes are split) left exposed, else that of every timed layout
-(*estimated*). Its communication is what the emulation counted where its layout ran, else the projection over the
-link table (``traffic.py``); TP's and CP's collectives are not emulated and add whole. Beside it, two bounds: compute
-plus all the communication (no overlap) and the larger of the two (full overlap). On a CPU nothing waits: the
-emulated step is compute plus the communication priced, no overlap, and said so. Candidates rank by the step; the
-rows on top are timed until the first few are measured. Every figure is labelled where it is written.
+stream it is issued on: ``--emulate_communication``, every other step) measure, in one launch, its step with the
+communication FSDP2 leaves exposed, its compute alone (the steps between), and rank 0's peak. The compute serves
+every candidate of the same per-rank shapes (tp and cp sizes, local batch, levers), their memory the measured peak
+moved by what the memory model says they hold more or less; every other candidate's compute is estimated from the
+nearest timing's FLOP/s. A candidate's step is its compute plus the share of its communication left exposed: its own
+timing's share where its layout and shapes ran, else the share the timed layouts of its shape (which axes are split)
+left exposed, else that of every timed layout (*estimated*). Its communication is what the emulation counted where
+its layout ran, else the projection over the link table (``traffic.py``); TP's and CP's collectives are not emulated
+and add whole. Beside it, two bounds: compute plus all the communication (no overlap) and the larger of the two (full
+overlap). On a CPU nothing waits: the emulated step is compute plus the communication priced, no overlap, and said
+so. Candidates rank by the step; the rows on top are timed until the first few are measured. Every figure is
+labelled where it is written.
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ if TYPE_CHECKING:  # the types alone: the search runs in the planner's process, 
     from fsdp2bench.memory.estimate import GpuCap
     from fsdp2bench.options.fsdp import FsdpOptions
 
-TIMING_STEPS = 6  # warm-up (two under compile) and at least four clean steps after it, for a steady median
+# A timing emulates every other step and times the steps between as its compute alone: after the warm-up (steps 0
+# and 1 under compile) ten steps leave four of each (2, 4, 6, 8 compute only; 3, 5, 7, 9 emulated), for a steady
+# median of each half.
+TIMING_STEPS = 10
 EDGE = 0.2  # an estimate this far over the cap is left out; within it of the cap a candidate is probed
 MOVED_MARGIN = 0.1  # a like candidate's measured peak, moved, this far under the limit needs no timing of its own
 # For estimates only (the order of the first timings, and the ratio between a timed candidate's levers and an
