@@ -267,7 +267,8 @@ def test_torchaos_low_bit_states_still_fail_on_bf16_dtensor_parameters(tmp_path)
     assert "aten.view" in said["torchao_bf16"] or "view" in said["torchao_bf16"], said
 
 
-@pytest.mark.parametrize("argv, said", [
+# What main.py and plan.py both refuse, with the same line (tuning.py's checks).
+BAD_TUNING = [
     ([*LORA, "--lora_rank", "0"], "--lora_rank must be in [1, 65536], got 0"),
     ([*LORA, "--lora_rank", "-4"], "--lora_rank must be in [1, 65536], got -4"),
     ([*LORA, "--lora_rank", str(10**12)], "--lora_rank must be in [1, 65536]"),
@@ -284,18 +285,23 @@ def test_torchaos_low_bit_states_still_fail_on_bf16_dtensor_parameters(tmp_path)
     pytest.param([*QLORA, "--optimizer", "adamw8bit"], "--optimizer adamw8bit with --peft qlora: torchao 0.18's "
                  "quantized optimizer states implement no aten.view(dtype)", marks=needs_bitsandbytes),
     (["--peft", "dora"], "--peft: invalid choice: 'dora'"),
-    ([*LORA, "--simulate_world_size", "2", "--tp_size", "2"], "--peft lora with --tp_size 2"),
     pytest.param([*QLORA, "--qlora_storage", "uint8"],
                  "--qlora_storage uint8: 4-bit weights stored as uint8 are no floating tensor that FSDP2 can shard",
                  marks=needs_bitsandbytes),
     pytest.param([*QLORA, "--qlora_storage", "uint8"], "(accelerate#3983); the fix: store them as bf16 "
                                                        "(--qlora_storage bfloat16", marks=needs_bitsandbytes),
     ([*LORA, "--qlora_storage", "bfloat16"], "--qlora_storage needs --peft qlora"),
-    ([*LORA, "--init_device", "meta", "--variants", "torch_optimizer_after_fsdp"],
-     "--peft lora with --init_device meta: peft adds the adapters to a built base"),
     pytest.param([*QLORA, "--allow_known_failure"], "--allow_known_failure: nothing in this command line is a known "
                                                     "failure", marks=needs_bitsandbytes),
     ([*QLORA, "--qlora_storage", "int4"], "--qlora_storage: invalid choice: 'int4'"),
+]
+
+
+@pytest.mark.parametrize("argv, said", [
+    *BAD_TUNING,
+    ([*LORA, "--simulate_world_size", "2", "--tp_size", "2"], "--peft lora with --tp_size 2"),
+    ([*LORA, "--init_device", "meta", "--variants", "torch_optimizer_after_fsdp"],
+     "--peft lora with --init_device meta: peft adds the adapters to a built base"),
 ])
 @needs_peft
 def test_a_bad_fine_tuning_option_is_refused_in_one_line(tmp_path, argv, said):
@@ -428,24 +434,10 @@ def test_the_layout_search_claims_the_state_main_py_measures_to_the_byte_and_its
 
 @pytest.mark.parametrize("find", [[], ["--find", "layout", "--global_batch", "2"]], ids=["batch", "layout"])
 @pytest.mark.parametrize("argv, said", [
-    ([*LORA, "--lora_rank", "0"], "--lora_rank must be in [1, 65536], got 0"),
-    ([*LORA, "--lora_rank", "-4"], "--lora_rank must be in [1, 65536], got -4"),
-    ([*LORA, "--lora_rank", str(10**12)], "--lora_rank must be in [1, 65536]"),
-    ([*LORA, "--lora_rank", "nan"], "--lora_rank: invalid int value: 'nan'"),
-    ([*LORA, "--lora_alpha", "nan"], "--lora_alpha must be in"),
-    ([*LORA, "--lora_dropout", "1"], "--lora_dropout must be in [0, 0.99]"),
-    pytest.param([*LORA, "--lora_targets", "q_proj,qkv_proj"], "--lora_targets q_proj,qkv_proj: qkv_proj matches no "
-                 "Linear layer", marks=needs_peft),
-    (["--lora_rank", "8"], "--lora_rank needs --peft lora"),
-    (["--optimizer", "bnb_adamw8bit"], "--optimizer bnb_adamw8bit: bitsandbytes' AdamW8bit keeps its state in plain"),
-    pytest.param([*QLORA, "--optimizer", "adamw8bit"], "--optimizer adamw8bit with --peft qlora: torchao 0.18's "
-                 "quantized optimizer states implement no aten.view(dtype)", marks=[needs_peft, needs_bitsandbytes]),
-    pytest.param([*QLORA, "--qlora_storage", "uint8"], "--qlora_storage uint8: 4-bit weights stored as uint8 are no "
-                 "floating tensor that FSDP2 can shard", marks=[needs_peft, needs_bitsandbytes]),
-    pytest.param([*LORA, "--allow_known_failure"], "--allow_known_failure: nothing in this command line is a known "
-                 "failure", marks=needs_peft),
-    ([*LORA, "--init_device", "meta"], "--init_device: invalid choice: 'meta'"),
+    *BAD_TUNING,
+    ([*LORA, "--init_device", "meta"], "--init_device: invalid choice: 'meta'"),  # probes build a base, never meta
 ])
+@needs_peft
 def test_the_planner_refuses_a_bad_fine_tuning_option_as_main_py_does_in_one_line(tmp_path, find, argv, said):
     line = refusal(plan.validate, [*PLAN[1:], *find, *argv, "--output_dir", str(tmp_path / "out")])
     assert line is not None and said in line, line

@@ -858,7 +858,8 @@ def test_a_long_sequences_search_steps_down_from_a_far_failure_instead_of_walkin
 
 # Every option of plan.py, by the modes that read it: the rest of each mode's options are refused (checks.UNREAD).
 READ_BY_ALL = {"model", "world_size", "gpu_memory", "find", "block_size", "init_device", "device", "output_dir",
-               "loop"}
+               "loop", "peft", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "qlora_storage",
+               "allow_known_failure", "optimizer"}
 READ_BY_PROBES = {"sets", "variants", "upper_bound", "inject_oom_above", "loss", "activation_checkpointing",
                   "ac_every", "compile", "float8", "config_file", "emulate_communication"}
 READ = {"batch_size": READ_BY_ALL | READ_BY_PROBES, "block_size": READ_BY_ALL | READ_BY_PROBES | {"batch_size"},

@@ -223,6 +223,8 @@ def write_search(rows: list[Assessed], setup: SearchInputs, notes: list[str], ti
                                  "unclean_timings": unclean_said(timings),
                                  "links": vars(setup.links), "left_out": notes,
                                  "labels": {"memory.estimated_gib": "estimated (memory model)",
+                                            "memory.state_bytes": "exact (memory model: rank 0's parameters, "
+                                                                  "gradients and optimizer state after its step)",
                                             "memory.measured_gib": "measured (+ the memory model's difference)",
                                             "speed": "each figure's own in speed.labels: compute measured or "
                                                      "estimated (compute_clean false: measured beside other runs, "
