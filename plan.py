@@ -24,12 +24,14 @@ if __name__ == "__main__":  # ahead of the imports below: the fork server's over
     start_before_imports(sys.argv[1:])
 
 import argparse
+import dataclasses
 import shlex
 import time
 
 from fsdp2bench.cli import exit_with, say
 from fsdp2bench.files import save_summary
 from fsdp2bench.memory import estimate
+from fsdp2bench.memory.accounting import trainable_parameters
 from fsdp2bench.names import MIB
 from fsdp2bench.options import accelerate_config, fsdp
 from fsdp2bench.options.links import Links
@@ -177,8 +179,9 @@ def plan_meta(checked: Checked, session, started: float) -> dict:
             "model": args.model, "num_parameters": session.num_parameters, "device": session.device.type,
             "versions": arguments.versions(), "find": args.find, "sets": checked.sets, "world_sizes": checked.sizes,
             "variants": checked.variants, "block_sizes": checked.blocks, "batch_size": args.batch_size,
-            "loop": args.loop, "loss": args.loss,
-            "upper_bound": checked.upper, "probe_steps": PROBE_STEPS, "init_device": args.init_device,
+            "loop": args.loop, "loss": args.loss, "tuning": dataclasses.asdict(checked.base.tuning),
+            "trainable_parameters": trainable_parameters(session.shapes), "upper_bound": checked.upper,
+            "probe_steps": PROBE_STEPS, "init_device": args.init_device,
             "gpu_memory": checked.cap.as_dict() if checked.cap else None, "skipped": checked.skipped,
             "emulated_links": vars(checked.links) if checked.links else None,
             "option_sets": {name: fsdp.OPTION_SETS[name].changed() for name in checked.sets},

@@ -46,20 +46,26 @@ def test_each_docs_page_starts_with_the_question_it_answers():
 
 
 # The pages whose commands a newcomer copies: the README and the page that holds its figures.
-COMMAND_PAGES = [ROOT / "README.md", ROOT / "docs" / "results-overview.md"]
+COMMAND_PAGES = [ROOT / "README.md", ROOT / "docs" / "results-overview.md", ROOT / "docs" / "plan.md",
+                 ROOT / "docs" / "fine-tuning.md"]
 SCRIPT = re.compile(r"\w+\.py")
 LAUNCHERS = ("python3", "python", "torchrun", "accelerate")
 
 
 def code_of(page: Path) -> list[str]:
-    """Every command a page shows: the lines of its indented and fenced code blocks, and each inline code span
-    that starts with a launcher or with a script and its options (`plan.py --find layout ...`)."""
+    """Every command a page shows: the lines of its indented and fenced code blocks (a line ended by a backslash
+    joined to the next, a shell comment left out), and each inline code span that starts with a launcher or with a
+    script and its options (`plan.py --find layout ...`)."""
     found, prose, fenced = [], [], False
     for line in page.read_text().splitlines():
         if line.lstrip().startswith("```"):
             fenced = not fenced
         elif fenced or line.startswith("    "):
-            found.append(line)
+            code = re.sub(r"\s#.*", "", line).rstrip()
+            if found and found[-1].endswith("\\"):
+                found[-1] = found[-1][:-1] + " " + code.strip()
+            else:
+                found.append(code)
         else:
             prose.append(line)
     for span in re.findall(r"`([^`]+)`", "\n".join(prose)):  # a span may run over a line break
@@ -88,14 +94,18 @@ def readme_command_lines() -> list[tuple[str, list[str]]]:
 def test_code_spans_and_fenced_blocks_are_read_as_commands(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("Run `python3 plan.py\n--world_size 8` or `plan.py --find layout`, not `matrix.py`.\n\n"
-                    "```\ntorchrun --nproc_per_node 2 main.py --max_steps 3\n```\n\n    python3 visualize.py --dir out\n")
+                    "```\ntorchrun --nproc_per_node 2 main.py --max_steps 3\n```\n\n"
+                    "    python3 visualize.py --dir out\n\n"
+                    "    python3 plan.py --peft lora \\\n        --world_size 2  # N\n")
     assert sorted(command_lines(page)) == [("main.py", ["--max_steps", "3"]), ("plan.py", ["--find", "layout"]),
+                                           ("plan.py", ["--peft", "lora", "--world_size", "2"]),
                                            ("plan.py", ["--world_size", "8"]), ("visualize.py", ["--dir", "out"])]
 
 
 def test_every_command_line_of_the_readme_is_one_its_script_takes():
-    """Each option and value as its script's parser reads it (matrix.py's others as main.py's), on the README and on
-    the page of its figures; among them the Trainer's loop and liger's loss, which a newcomer looks for."""
+    """Each option and value as its script's parser reads it (matrix.py's others as main.py's), on the README, on
+    the page of its figures and on the planner's and fine-tuning's pages; among them the Trainer's loop and liger's
+    loss, which a newcomer looks for."""
     import loading
     import matrix
     import plan

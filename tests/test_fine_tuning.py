@@ -1,18 +1,24 @@
 """Fine-tuning under FSDP2 (fsdp2bench/options/tuning.py, docs/fine-tuning.md): LoRA adapters over a frozen bf16 base
 in all four variants (the intended ones train, the stale one does not, every byte counted, the base sharded 1/N with
-no gradient and no optimizer state); the refusals of what cannot run, in one line, before anything is written."""
+no gradient and no optimizer state); the refusals of what cannot run, in one line, before anything is written; the
+planner (plan.py) probing and searching with the same options, its estimate of a rank's state main.py's to the byte."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import re
+import shlex
 
 import pytest
 
 from conftest import TINY, VARIANTS, load, refusal, run_script
+import plan
 from fsdp2bench.cli import UserError
 from fsdp2bench.options import tuning
 from fsdp2bench.options.levers import cpp_compiler
+from fsdp2bench.plan.layout import search as layout_search
+from fsdp2bench.plan.layout.candidates import TRAINED
 from fsdp2bench.run import arguments
 from fsdp2bench.train.model import PRESETS
 
@@ -28,9 +34,9 @@ needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None o
                                    reason="torchao or a C++ compiler is missing")
 
 
-def tiny_lora_parameters(rank: int) -> tuple[list[tuple[int, ...]], int]:
-    """The tiny preset's frozen base (the shape of every parameter) and its adapters' parameter count at ``rank``,
-    from the preset's sizes: every projection of both blocks adapted, A (rank x in) and B (out x rank)."""
+def tiny_lora_shapes(rank: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The tiny preset's frozen base and its adapters at ``rank`` (the shape of every parameter), from the preset's
+    sizes: every projection of both blocks adapted, A (rank x in) and B (out x rank)."""
     p = PRESETS["tiny"]
     h, i, layers, head = p["hidden_size"], p["intermediate_size"], p["num_hidden_layers"], h_dim(p)
     kv = p["num_key_value_heads"] * head
@@ -38,8 +44,22 @@ def tiny_lora_parameters(rank: int) -> tuple[list[tuple[int, ...]], int]:
                    (h, i, False)]  # (out, in, bias): q, k, v, o, gate, up, down; Qwen2's q, k, v have biases
     block = [shape for out, inp, bias in projections for shape in [(out, inp)] + ([(out,)] if bias else [])]
     base = [(p["vocab_size"], h)] + layers * (block + [(h,), (h,)]) + [(h,)]  # embeddings (tied head), norms
-    adapters = layers * sum(rank * (inp + out) for out, inp, _ in projections)
+    adapters = layers * [shape for out, inp, _ in projections for shape in ((rank, inp), (out, rank))]
     return base, adapters
+
+
+def tiny_lora_parameters(rank: int) -> tuple[list[tuple[int, ...]], int]:
+    """The tiny preset's frozen base (the shape of every parameter) and its adapters' parameter count at ``rank``."""
+    base, adapters = tiny_lora_shapes(rank)
+    return base, sum(math.prod(shape) for shape in adapters)
+
+
+def tiny_packed_base() -> list[tuple[int, ...]]:
+    """The tiny preset's QLoRA base: every projection packed (two 4-bit codes a byte, (numel + 1) // 4 rows of one
+    bf16), the embeddings (the tied head) and the norms and biases kept."""
+    base, _ = tiny_lora_shapes(16)
+    embeddings, rest = base[0], base[1:]
+    return [((math.prod(s) + 1) // 4, 1) for s in rest if len(s) == 2] + [embeddings] + [s for s in rest if len(s) == 1]
 
 
 def h_dim(preset: dict) -> int:
@@ -90,13 +110,10 @@ def test_qlora_trains_every_intended_variant_over_a_sharded_four_bit_base(tmp_pa
     for check in ("intended_variants_trained", "unfixed_did_not_train", "intended_losses_match",
                   "accounting_matches_expected", "frozen_base_sharded"):
         assert summary["checks"][check]["ok"] is True, (check, summary["checks"][check])
-    base, adapters = tiny_lora_parameters(16)
-    embeddings, rest = base[0], base[1:]
-    packed = [((math.prod(s) + 1) // 4, 1) for s in rest if len(s) == 2]
-    kept = [embeddings] + [s for s in rest if len(s) == 1]
+    _, adapters = tiny_lora_parameters(16)
     for name in VARIANTS:
         held = summary["variants"][name]["frozen_base"]
-        assert [r["frozen_param_bytes"] for r in held] == [padded_chunk_bytes(packed + kept, 2, 2)] * 2, name
+        assert [r["frozen_param_bytes"] for r in held] == [padded_chunk_bytes(tiny_packed_base(), 2, 2)] * 2, name
     for rank in summary["variants"][UNFIXED]["accounting"]:
         assert rank["stale_param_bytes"] == 2 * adapters  # the whole adapters, bf16
     # Each 4-bit weight's statistics, whole on every rank: a uint8 absmax per 64 weights, the NF4 code (16 fp32), an
@@ -152,18 +169,26 @@ def test_qlora_in_uint8_runs_only_when_asked_and_the_checks_catch_accelerates_wh
 
 
 @needs_bitsandbytes
-def test_qlora_where_bitsandbytes_cannot_quantize_on_the_cpu_is_refused(monkeypatch):
-    """Releases before bitsandbytes 0.46 had CUDA kernels alone: asked, not assumed."""
+def test_qlora_where_bitsandbytes_cannot_quantize_on_the_cpu_is_refused(monkeypatch, tmp_path):
+    """Releases before bitsandbytes 0.46 had CUDA kernels alone: asked, not assumed; by main.py and by both of the
+    planner's modes, in one line, before anything is written."""
     import bitsandbytes.functional
 
     def no_kernel(*args, **kwargs):
         raise NotImplementedError("no CPU backend")
 
     monkeypatch.setattr(bitsandbytes.functional, "quantize_4bit", no_kernel)
-    with pytest.raises(UserError, match=r"--peft qlora on the CPU: bitsandbytes .* cannot quantize there "
-                                        r"\(NotImplementedError: no CPU backend\); run it on a GPU"):
+    said = ("--peft qlora on the CPU: bitsandbytes .* cannot quantize there \\(NotImplementedError: no CPU backend\\); "
+            "run it on a GPU")
+    with pytest.raises(UserError, match=said):
         tuning.check_device(tuning.Tuning(peft="qlora"), "cpu")
     tuning.check_device(tuning.Tuning(peft="qlora"), "cuda")  # a GPU's kernels are its CUDA build's
+    out = tmp_path / "out"
+    for validate, argv in ((arguments.validate, ["--model", "tiny", "--device", "cpu"]), (plan.validate, PLAN[1:]),
+                           (plan.validate, SEARCH[1:])):
+        line = refusal(validate, [*argv, *QLORA, "--output_dir", str(out)])
+        assert re.search(said, line or ""), line
+    assert not out.exists()
 
 
 # The optimizer state of every rank at LoRA rank 256 on the tiny model at N = 2, by the rule torchao keeps (a local
@@ -272,7 +297,8 @@ def test_torchaos_low_bit_states_still_fail_on_bf16_dtensor_parameters(tmp_path)
     assert "aten.view" in said["torchao_bf16"] or "view" in said["torchao_bf16"], said
 
 
-@pytest.mark.parametrize("argv, said", [
+# What main.py and plan.py both refuse, with the same line (tuning.py's checks).
+BAD_TUNING = [
     ([*LORA, "--lora_rank", "0"], "--lora_rank must be in [1, 65536], got 0"),
     ([*LORA, "--lora_rank", "-4"], "--lora_rank must be in [1, 65536], got -4"),
     ([*LORA, "--lora_rank", str(10**12)], "--lora_rank must be in [1, 65536]"),
@@ -289,17 +315,22 @@ def test_torchaos_low_bit_states_still_fail_on_bf16_dtensor_parameters(tmp_path)
     pytest.param([*QLORA, "--optimizer", "adamw8bit"], "--optimizer adamw8bit with --peft qlora: torchao 0.18's "
                  "quantized optimizer states implement no aten.view(dtype)", marks=needs_bitsandbytes),
     (["--peft", "dora"], "--peft: invalid choice: 'dora'"),
-    ([*LORA, "--simulate_world_size", "2", "--tp_size", "2"], "--peft lora with --tp_size 2"),
     pytest.param([*QLORA, "--qlora_storage", "uint8"],
                  "--qlora_storage uint8: 4-bit weights stored as uint8 are no floating tensor that FSDP2 can shard",
                  marks=needs_bitsandbytes),
     pytest.param([*QLORA, "--qlora_storage", "uint8"], "(accelerate#3983); the fix: store them as bf16 "
                                                        "(--qlora_storage bfloat16", marks=needs_bitsandbytes),
     ([*LORA, "--qlora_storage", "bfloat16"], "--qlora_storage needs --peft qlora"),
-    ([*LORA, "--init_device", "meta"], "--init_device meta: the model exists only as each rank's shards"),
     pytest.param([*QLORA, "--allow_known_failure"], "--allow_known_failure: nothing in this command line is a known "
                                                     "failure", marks=needs_bitsandbytes),
     ([*QLORA, "--qlora_storage", "int4"], "--qlora_storage: invalid choice: 'int4'"),
+]
+
+
+@pytest.mark.parametrize("argv, said", [
+    *BAD_TUNING,
+    ([*LORA, "--simulate_world_size", "2", "--tp_size", "2"], "--peft lora with --tp_size 2"),
+    ([*LORA, "--init_device", "meta"], "--init_device meta: the model exists only as each rank's shards"),
 ])
 @needs_peft
 def test_a_bad_fine_tuning_option_is_refused_in_one_line(tmp_path, argv, said):
@@ -307,11 +338,12 @@ def test_a_bad_fine_tuning_option_is_refused_in_one_line(tmp_path, argv, said):
     assert line is not None and said in line, line
 
 
-# main.py launched with the named packages made unimportable first, as if they were not installed.
+# A script (the argument after the names) launched with the named packages made unimportable first, as if they were
+# not installed.
 WITHOUT = ("import runpy, sys\n"
            "for name in sys.argv[1].split(','): sys.modules[name] = None\n"
-           "sys.argv = ['main.py', *sys.argv[2:]]\n"
-           "runpy.run_path('main.py', run_name='__main__')")
+           "sys.argv = sys.argv[2:]\n"
+           "runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 @pytest.mark.parametrize("blocked, argv, said", [
@@ -328,7 +360,130 @@ WITHOUT = ("import runpy, sys\n"
 ])
 def test_a_launch_refused_says_one_line_and_writes_nothing(tmp_path, blocked, argv, said):
     out = tmp_path / "out"
-    proc = run_script(["-c", WITHOUT, blocked, *TINY, *argv, "--output_dir", str(out)], nproc=None)
+    proc = run_script(["-c", WITHOUT, blocked, "main.py", *TINY, *argv, "--output_dir", str(out)], nproc=None)
+    assert proc.returncode == 2 and not out.exists(), proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(said), lines
+
+
+# --------------------------------------------------------------------------- the planner (plan.py)
+
+PLAN = ["plan.py", "--device", "cpu", "--world_size", "2"]
+SEARCH = [*PLAN, "--find", "layout", "--block_size", "64", "--global_batch", "2", "--levers", "none,model"]
+
+
+@needs_peft
+def test_the_batch_planner_probes_lora_each_probe_holding_the_adapters_and_its_chunk_of_a_frozen_base(tmp_path):
+    """plan.py --peft lora --lora_rank 8: every probe (the shared process and the fresh ones) trains the adapters
+    over the frozen bf16 base; each fresh probe that fit held, on its rank 0 of 2, its padded half of the base and
+    no gradient or state of it, and the gradients of the fp32 adapters alone; a set LoRA is not measured under (TP)
+    is skipped with the reason."""
+    out = tmp_path / "plan"
+    proc = run_script([*PLAN, "--sets", "default,tp2", "--variants", "torch_optimizer_after_fsdp", "--inject_oom_above",
+                       "3", *LORA, "--lora_rank", "8", "--output_dir", str(out)], nproc=None, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Skipped: tp2: not planned (--peft lora with --tp_size 2" in proc.stdout
+    result = load(out / "plan.json")
+    base, adapters = tiny_lora_shapes(8)
+    assert result["meta"]["tuning"] == {**tuning.TUNING_DEFAULTS, "peft": "lora", "lora_rank": 8}
+    assert result["meta"]["trainable_parameters"] == sum(math.prod(s) for s in adapters) == 18_400
+    answer, = result["answers"]
+    assert answer["largest"] == 3 and [o["fits"] for o in answer["outcomes"]] == [True, False]
+    fit = answer["outcomes"][0]
+    assert fit["accounting_matches_expected"] and fit["frozen_base_as_expected"]
+    assert fit["frozen_base"] == {"frozen_param_bytes": padded_chunk_bytes(base, 2, 2), "frozen_grad_bytes": 0,
+                                  "frozen_state_bytes": 0}
+    assert fit["state_bytes"]["grad_bytes"] == padded_chunk_bytes(adapters, 2, 4)  # the adapters', fp32
+    traces = list((out / "probes").glob("*/*memory_usage.json"))
+    assert len(traces) == 3  # the shared process and two fresh probes, each with the run's fine-tuning
+    for trace in map(load, traces):
+        question = trace["meta"].get("probe") or trace["meta"]["shared"]
+        assert question["base"]["tuning"] == result["meta"]["tuning"]
+
+
+def searched_state(out, result: dict) -> list[tuple[dict, dict]]:
+    """(the memory model's claim, main.py's measurement) of rank 0's state after its last step, for each candidate
+    a timing ran (one simulated rank of its layout)."""
+    rows = {c["name"]: c for c in result["candidates"]}
+    pairs = []
+    for i, timing in enumerate(result["timings"]):
+        entry = load(out / "timings" / f"t{i}" / "summary.json")["simulated"]["2"]["0"][TRAINED]
+        assert entry["status"] == "ok" and entry["accounting_matches_expected"], timing
+        pairs.append((rows[timing["candidate"]]["memory"]["state_bytes"], entry["accounting"][0]["before_zero_grad"]))
+    return pairs
+
+
+@needs_peft
+@pytest.mark.parametrize("argv, rank, itemsize", [([*LORA, "--lora_rank", "8"], 8, 4),  # fp32 adapters, bf16 ones
+                                                  pytest.param(QLORA, 16, 2, marks=needs_bitsandbytes)],
+                         ids=["lora", "qlora"])
+def test_the_layout_search_claims_the_state_main_py_measures_to_the_byte_and_its_commands_carry_the_tuning(
+        tmp_path, argv, rank, itemsize):
+    """plan.py --find layout with adapters at N = 2 (TP left out, said): the memory model's claim of rank 0's state
+    (the part of each candidate's estimate that is exact) is what main.py counts, to the byte, on the simulated rank
+    of each timing and on rank 0 of the sharded candidate's torchrun line run on 2 gloo ranks: the gradients the
+    adapters' alone, the frozen base sharded with none. The winner's printed check carries the fine-tuning and runs
+    as printed (where timings shared this host with other runs no winner is named, and said why: then the sharded
+    candidate's check, as the search would print it)."""
+    out = tmp_path / "search"
+    proc = run_script([*SEARCH, "--max_timings", "2", *argv, "--output_dir", str(out)], nproc=None, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = " ".join(proc.stdout.split())
+    assert f"Left out: tp 2: --peft {argv[1]} with --tp_size 2" in said
+    result = load(out / "plan.json")
+    assert result["meta"]["tuning"]["peft"] == argv[1] and result["meta"]["timings"] == 2
+    assert {c["name"].split()[0] for c in result["candidates"]} == {"R1xS2xC1xT1", "R2xS1xC1xT1"}
+    for claim, measured in searched_state(out, result):
+        assert claim == measured
+    _, adapters = tiny_lora_shapes(rank)
+    assert result["meta"]["trainable_parameters"] == sum(math.prod(s) for s in adapters)
+    search = plan.validate([*SEARCH[1:], *argv, "--output_dir", str(tmp_path / "again")])
+    sharded = next(c for c in search.candidates if c.degrees.shard == 2)
+    claim = next(c for c in result["candidates"] if c["name"] == sharded.name)["memory"]["state_bytes"]
+    assert claim["grad_bytes"] == padded_chunk_bytes(adapters, 2, itemsize)  # the adapters' alone
+    commands = layout_search.commands(sharded, search.setup)
+    torchrun = shlex.split(commands["torchrun"])
+    real = run_script([*torchrun[torchrun.index("main.py"):], "--device", "cpu", "--quiet", "--output_dir",
+                       str(tmp_path / "real")], timeout=600)
+    assert real.returncode == 0, real.stderr[-2000:]
+    summary = load(tmp_path / "real" / "summary.json")
+    assert summary["variants"][TRAINED]["accounting"][0]["before_zero_grad"] == claim
+    assert summary["checks"]["frozen_base_sharded"]["ok"] and summary["meta"]["fsdp_options"]["tuning"]["peft"] == \
+        argv[1]
+    if result["winner"] is None:
+        assert " ".join(result["meta"]["unclean_timings"].split()) in said
+    else:
+        commands = result["winner"]["commands"]
+        assert commands["one_gpu_check"] in proc.stdout
+    check = shlex.split(commands["one_gpu_check"])
+    assert " ".join(argv) in commands["one_gpu_check"] and " ".join(argv) in commands["torchrun"]
+    ran = run_script([*check[1:], "--device", "cpu", "--output_dir", str(tmp_path / "check")], nproc=None)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+
+
+@pytest.mark.parametrize("find", [[], ["--find", "layout", "--global_batch", "2"]], ids=["batch", "layout"])
+@pytest.mark.parametrize("argv, said", [
+    *BAD_TUNING,
+    ([*LORA, "--init_device", "meta"], "--init_device: invalid choice: 'meta'"),  # probes build a base, never meta
+])
+@needs_peft
+def test_the_planner_refuses_a_bad_fine_tuning_option_as_main_py_does_in_one_line(tmp_path, find, argv, said):
+    line = refusal(plan.validate, [*PLAN[1:], *find, *argv, "--output_dir", str(tmp_path / "out")])
+    assert line is not None and said in line, line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("blocked, argv, said", [
+    ("peft", LORA, "error: --peft lora: peft cannot be imported (import of peft halted; None in sys.modules); "
+                   "install it with pip install -r requirements-peft.txt"),
+    ("bitsandbytes", QLORA, "error: --peft qlora: bitsandbytes cannot be imported"),
+    ("torchao.optim", ["--optimizer", "adamw4bit"], "error: --optimizer adamw4bit: torchao cannot be imported"),
+    pytest.param("none", [*LORA, "--lora_targets", "wq"], "error: --lora_targets wq: wq matches no Linear layer",
+                 marks=needs_peft),
+])
+def test_a_plan_refused_for_its_fine_tuning_says_one_line_and_writes_nothing(tmp_path, blocked, argv, said):
+    out = tmp_path / "out"
+    proc = run_script(["-c", WITHOUT, blocked, *SEARCH, *argv, "--output_dir", str(out)], nproc=None)
     assert proc.returncode == 2 and not out.exists(), proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(said), lines

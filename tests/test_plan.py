@@ -3,6 +3,7 @@ plan of the tiny model whose probes run out of memory above a chosen batch."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -857,7 +858,8 @@ def test_a_long_sequences_search_steps_down_from_a_far_failure_instead_of_walkin
 
 # Every option of plan.py, by the modes that read it: the rest of each mode's options are refused (checks.UNREAD).
 READ_BY_ALL = {"model", "world_size", "gpu_memory", "find", "block_size", "init_device", "device", "output_dir",
-               "loop"}
+               "loop", "peft", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "qlora_storage",
+               "allow_known_failure", "optimizer"}
 READ_BY_PROBES = {"sets", "variants", "upper_bound", "inject_oom_above", "loss", "activation_checkpointing",
                   "ac_every", "compile", "float8", "config_file", "emulate_communication"}
 READ = {"batch_size": READ_BY_ALL | READ_BY_PROBES, "block_size": READ_BY_ALL | READ_BY_PROBES | {"batch_size"},
@@ -918,15 +920,26 @@ def test_a_config_whose_layout_divides_n_but_does_not_fill_it_is_told_why(tmp_pa
     assert "N = 8: --dp_replicate_size 2 x --dp_shard_size 2 is not the world size 8" in said, said
 
 
-def test_probes_build_on_the_gpu_where_the_whole_model_fits_under_the_cap():
+def missing(*packages: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(any(importlib.util.find_spec(p) is None for p in packages), reason="not installed")
+
+
+@pytest.mark.parametrize("peft", ["none", pytest.param("lora", marks=missing("peft")),
+                                  pytest.param("qlora", marks=missing("peft", "bitsandbytes"))])
+def test_probes_build_on_the_gpu_where_the_whole_model_fits_under_the_cap(peft):
     """--init_device auto: the GPU where 1.2 x the fp32 model fits the allocator a probe runs in, else the CPU, and
-    the CPU where there is no cap (a CPU run); a device asked for is kept."""
-    from fsdp2bench.memory.accounting import model_bytes
+    the CPU where there is no cap (a CPU run); a device asked for is kept. A LoRA or QLoRA model is built in fp32
+    before its base is cast or packed: its fp32 bytes decide, every weight counted (a 4-bit one is not its packed
+    items), not the bytes it holds once built."""
+    from fsdp2bench.memory.accounting import built_bytes, model_bytes
+    from fsdp2bench.options.tuning import Tuning
     from fsdp2bench.run.session import model_facts
 
-    shapes = model_facts("tiny", 421).shapes
-    fits = estimate.GpuCap(1.21 * model_bytes(shapes) / (1 << 30), 80 << 30, 0)
-    short = estimate.GpuCap(1.19 * model_bytes(shapes) / (1 << 30), 80 << 30, 0)
+    shapes = model_facts("tiny", 421, tuning=Tuning(peft=peft)).shapes
+    fits = estimate.GpuCap(1.21 * built_bytes(shapes) / (1 << 30), 80 << 30, 0)
+    short = estimate.GpuCap(1.19 * built_bytes(shapes) / (1 << 30), 80 << 30, 0)
     assert checks.build_device("auto", shapes, fits) == "cuda" and checks.build_device("auto", shapes, short) == "cpu"
     assert checks.build_device("auto", shapes, None) == "cpu"
     assert checks.build_device("cpu", shapes, fits) == "cpu" and checks.build_device("cuda", shapes, short) == "cuda"
+    held = {"none": 492_032, "lora": 393_216, "qlora": 184_832}  # fp32 as built, a bf16 base, a base packed in 4 bits
+    assert model_bytes(shapes) == held[peft] and built_bytes(shapes) == 492_032 + (4 * 36_800 if peft != "none" else 0)

@@ -302,7 +302,9 @@ class ParamShape(NamedTuple):
     """One unique parameter of the unsharded model: its shape, bytes per element, the dim the model's
     tensor-parallel plan splits (None: kept whole on every tp rank), the transformer block that holds it (None:
     outside the blocks), whether it is a Linear layer's weight (what float8 converts), whether it trains (a LoRA
-    base does not) and whether its dtype is a floating one (a QLoRA base packed in uint8 is not: no policy casts it)."""
+    base does not), whether its dtype is a floating one (a QLoRA base packed in uint8 is not: no policy casts it)
+    and, for a QLoRA base's 4-bit weight, its elements before packing (the model is built with them, and computes
+    with them)."""
     shape: tuple[int, ...]
     itemsize: int
     tp_dim: int | None = None
@@ -310,6 +312,7 @@ class ParamShape(NamedTuple):
     linear_weight: bool = False
     trainable: bool = True
     floating: bool = True
+    packed_from: int | None = None  # None: nothing packed, its shape's elements
 
 
 def trainable(shapes) -> list:
@@ -323,11 +326,18 @@ def param_shapes(model: nn.Module, config=None, layer_classes: list[str] = ()) -
     plan = tensor_parallel_plan(config) if config is not None else {}
     prefix = getattr(model, "base_model_prefix", "")
     blocks = [f"{name}." for name, _ in levers.blocks(model, list(layer_classes))]
-    linear = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    linear = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     return [ParamShape(tuple(p.shape), p.element_size(), tensor_parallel_dim(name, plan, prefix),
                        next((i for i, block in enumerate(blocks) if name.startswith(block)), None), name in linear,
-                       p.requires_grad, p.is_floating_point())
+                       p.requires_grad, p.is_floating_point(), elements_before_packing(linear.get(name), p))
             for name, p in model.named_parameters()]
+
+
+def elements_before_packing(linear: nn.Linear | None, weight: torch.Tensor) -> int | None:
+    """A Linear layer's elements where its weight holds fewer (bitsandbytes' 4-bit codes, packed several an item),
+    else None."""
+    elements = linear.in_features * linear.out_features if linear is not None else weight.numel()
+    return elements if elements != weight.numel() else None
 
 
 def expected_gathered_block_bytes(shapes, world_size: int, rank: int, options: FsdpOptions) -> int:
@@ -352,13 +362,20 @@ def model_bytes(shapes) -> int:
 
 
 def built_bytes(shapes) -> int:
-    """The bytes of the model as it is built, every parameter fp32, before a LoRA base is cast to bf16."""
+    """The bytes of the model as it is built, every parameter fp32, before a LoRA base is cast to bf16 or a QLoRA
+    base packed into 4 bits."""
     return 4 * parameter_count(shapes)
 
 
 def parameter_count(shapes) -> int:
-    """The unsharded model's parameters, from ``param_shapes``."""
-    return sum(math.prod(p[0]) for p in shapes)
+    """The unsharded model's parameters, from ``param_shapes`` (a QLoRA base's 4-bit weights by their elements, not
+    by the packed items that hold them)."""
+    return sum(getattr(p, "packed_from", None) or math.prod(p[0]) for p in shapes)
+
+
+def trainable_parameters(shapes) -> int:
+    """The parameters that train: the whole model's, or the adapters' alone over a frozen base."""
+    return parameter_count(trainable(shapes))
 
 
 def shard_rows(d0: int, world_size: int, rank: int) -> tuple[int, int]:

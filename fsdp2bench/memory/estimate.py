@@ -12,15 +12,18 @@ import sys
 from dataclasses import dataclass
 
 from fsdp2bench.cli import UserError
-from fsdp2bench.memory.accounting import built_bytes, expected_device_bytes, expected_state, output_itemsize
+from fsdp2bench.memory.accounting import (built_bytes, expected_device_bytes, expected_state, model_bytes,
+                                         output_itemsize)
 from fsdp2bench.names import GIB, MIB, PEAK_PHASES, UNFIXED, phases
 from fsdp2bench.options.fsdp import AUTOCAST, SELECTIVE_AC, FsdpOptions
 from fsdp2bench.options.step import logits_copies, logits_tokens
 
 FIXED_MARGIN = 1 * GIB  # the CUDA context and cuBLAS workspaces
 # What a step holds on the GPU beyond its state and its tokens' activations and logits (``step_bytes``), as a
-# fraction of the model's fp32 bytes P (a LoRA base's too, though it is held in bf16: not calibrated on LoRA runs):
-# gathered units and their gradients, the allocator's cached blocks. On
+# fraction of the model's bytes P as it holds them (fp32 for full fine-tuning; a LoRA base's bf16 and a QLoRA base's
+# packed 4 bits: with their fp32 bytes the estimate was 1.5 to 2.3 times the reserved peaks of the five LoRA and two
+# QLoRA runs of results/h100/fine_tuning, with these 1.3 to 1.4 times, still above each): gathered units and their
+# gradients, the allocator's cached blocks. On
 # one H200 (results/h200/matrix_1.5b, matrix_7b and parallel_7b: 259 rows, every option set, N = 1 to 128)
 # that came to at most 0.46 P for the 1.5B shape, 0.43 P for the 7B one and 0.58 P under its TP sets (tp2_cp2 at
 # N = 128), beside about 0.5 P more with blocks kept gathered after forward, 0.2 P more with fp32 gradient
@@ -65,7 +68,7 @@ def variant_need(shapes, world_size: int, name: str, options: FsdpOptions, token
     fraction = BEYOND_STATE + (0 if options.reshard_after_forward else NO_RESHARD) + \
         (FP32_REDUCE if options.mixed_precision_policy != AUTOCAST else 0) + (OFFLOADED if options.cpu_offload else 0) + \
         (TENSOR_PARALLEL if options.layout.tensor_parallel else 0)
-    return state + temporaries + int(built_bytes(shapes) * fraction) + token_bytes + FIXED_MARGIN
+    return state + temporaries + int(model_bytes(shapes) * fraction) + token_bytes + FIXED_MARGIN
 
 
 def microbatch_logits_bytes(batch_size: int, block_size: int, config) -> int:

@@ -72,13 +72,14 @@ class FsdpOptions:
         return out
 
     def flags(self) -> list[str]:
-        """main.py's command-line flags that select these options."""
+        """main.py's command-line flags that select these options (a name keeps its case: --lora_targets names
+        the model's modules)."""
         out = []
         for name, value in self.changed().items():
             if isinstance(value, bool) and name not in VALUED_BOOLS:
                 out.append(f"--{name}")
             else:
-                out += [f"--{name}", str(value).lower()]
+                out += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
         return out
 
     def over(self, changes: dict) -> "FsdpOptions":

@@ -16,13 +16,14 @@ from fsdp2bench.cli import (OneLineParser, UserError, check_ranges, given_option
                             pick_device, say)
 from fsdp2bench.files import check_output_dir, digest_of, is_ours, path_kind, refuse_foreign
 from fsdp2bench.memory import estimate
-from fsdp2bench.memory.accounting import model_bytes
+from fsdp2bench.memory.accounting import built_bytes
 from fsdp2bench.memory.estimate import host_bytes
 from fsdp2bench.names import GIB, VARIANTS
-from fsdp2bench.options import accelerate_config, levers as lever_checks, fsdp as options
+from fsdp2bench.options import accelerate_config, levers as lever_checks, fsdp as options, tuning
 from fsdp2bench.options.layout import Layout
 from fsdp2bench.options.links import Links, check_nodes_fit, parse_links
 from fsdp2bench.options.step import LIGER, Step, check_liger
+from fsdp2bench.options.tuning import Tuning
 from fsdp2bench.plan.layout.candidates import (COMPILE, FLOAT8, LEVER_NAMES, Levers, candidates_of, layouts_of,
                                                parse_levers)
 from fsdp2bench.plan.layout.report import CONFIG_NAME, written_config_digest
@@ -49,7 +50,9 @@ CPU_UPPER = {BATCH: 8, BLOCK: 1024}
 NUMBER_RANGES = {"global_batch": (1, 1 << 24), "global_batch_tokens": (1, 1 << 40), "max_timings": (1, 1000),
                  "confirm": (1, 1000), "time_budget_s": (0, 1 << 20),
                  "batch_size": (1, 1 << 16), "upper_bound": (1, 1 << 20),
-                 "inject_oom_above": (0, 1 << 20), "ac_every": arguments.NUMBER_RANGES["ac_every"]}
+                 "inject_oom_above": (0, 1 << 20),
+                 **{name: arguments.NUMBER_RANGES[name] for name in ("ac_every", "lora_rank", "lora_alpha",
+                                                                     "lora_dropout")}}
 
 LAYOUT_ONLY = ("global_batch", "global_batch_tokens", "levers", "links", "max_timings", "confirm", "time_budget_s")
 SEARCHED_LEVERS = "the layout search tries the levers itself: name them in --levers"
@@ -124,6 +127,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[s
     arguments.add_checkpointing_options(arguments.add_lever_options(
         p, "Levers under every set (docs/levers.md): over the config's options; a set's own options win"))
     arguments.add_config_option(p, "the options each set is put over (a set's own options win)")
+    arguments.add_tuning_options(p)
     arguments.add_emulation_option(p, f"with --find {BATCH} or {BLOCK}: each collective a fresh probe (one simulated "
                                       "rank) issues")
     add_layout_options(p)
@@ -164,6 +168,7 @@ class Common:
     blocks: list[int]
     device: torch.device
     model: str
+    tuning: Tuning  # what every probe or timing trains, and with which optimizer
 
 
 @dataclass(kw_only=True)
@@ -223,10 +228,22 @@ def checked_common(args: argparse.Namespace, given: set[str]) -> Common:
         raise UserError("--gpu_memory needs a GPU (this run is on the CPU, where a probe has no cap)")
     if args.init_device == "cuda" and device.type != "cuda":
         raise UserError("--init_device cuda needs a GPU (this run is on the CPU)")
+    chosen = checked_tuning(args, device.type)
     check_output_dir(args.output_dir, "plan.json")
     refuse_foreign([plan_path(args)], "--output_dir")
     model = args.model or (GPU_DEFAULT_MODEL if device.type == "cuda" else CPU_DEFAULT_MODEL)
-    return Common(sizes=sizes, blocks=blocks, device=device, model=model)
+    return Common(sizes=sizes, blocks=blocks, device=device, model=model, tuning=chosen)
+
+
+def checked_tuning(args: argparse.Namespace, device_type: str) -> Tuning:
+    """The fine-tuning every probe and timing trains, refused where main.py refuses it, by its checks: a knob
+    without adapters, a missing package, an optimizer that cannot run, a known failure not asked for, what the
+    device cannot do. The targets are checked against the model as it is built (``model_facts``)."""
+    chosen = options.tuning_of(args)
+    options.check_tuning(options.FsdpOptions(tuning=chosen))
+    tuning.check_known_failure(chosen, args.allow_known_failure)
+    tuning.check_device(chosen, device_type)
+    return chosen
 
 
 def build_device(asked: str, shapes, cap: estimate.GpuCap | None) -> str:
@@ -236,7 +253,7 @@ def build_device(asked: str, shapes, cap: estimate.GpuCap | None) -> str:
     112 s built on the GPU (0.9 s), the same edges within a probe's spread."""
     if asked != "auto":
         return asked
-    return "cuda" if cap is not None and 1.2 * model_bytes(shapes) <= cap.allocator_bytes else "cpu"
+    return "cuda" if cap is not None and 1.2 * built_bytes(shapes) <= cap.allocator_bytes else "cpu"
 
 
 def refuse_unread(given: set[str], mode: str) -> None:
@@ -277,10 +294,10 @@ def checked_plan(args: argparse.Namespace, common: Common) -> Checked:
             f"needs a GPU: python3 plan.py --world_size 8,64 --gpu_memory 24")
     args.model = common.model
     config = accelerate_config.read(args.config_file)
-    base = base_options(args, config)
+    base = base_options(args, config, common.tuning)
     options.check(base)
     arguments.check_context_parallel_device(base.layout.cp_size, device.type)  # the config's CP, before the sets
-    facts = model_facts(args.model, SEED, lambda model: check_blocks(blocks, model))
+    facts = model_facts(args.model, SEED, lambda model: check_blocks(blocks, model), common.tuning)
     arguments.check_wrapped_classes(config, facts.layer_classes)
     arguments.check_step(base, facts.config, device.type)
     upper = search_upper(args, facts.config, blocks, device.type)
@@ -294,14 +311,15 @@ def checked_plan(args: argparse.Namespace, common: Common) -> Checked:
                    facts=facts, cap=cap, skipped=skipped, base=base, config=config, links=links)
 
 
-def base_options(args: argparse.Namespace, config: accelerate_config.ConfigOptions | None) -> options.FsdpOptions:
-    """The options every set is put over: the loop and loss, the user's config, then the levers given as flags
-    (``args.config_fields`` names, for a refusal, the config field that set an option)."""
+def base_options(args: argparse.Namespace, config: accelerate_config.ConfigOptions | None,
+                 chosen: Tuning) -> options.FsdpOptions:
+    """The options every set is put over: the loop, the loss and the fine-tuning, the user's config, then the levers
+    given as flags (``args.config_fields`` names, for a refusal, the config field that set an option)."""
     levers_given = {name: getattr(args, name) for name in ("activation_checkpointing", *options.LEVER_OPTIONS)
                     if getattr(args, name) is not None}
     sources = {**(dict.fromkeys(config.values, "config") if config else {}), **dict.fromkeys(levers_given, "flag")}
     args.config_fields = accelerate_config.fields_said(config, sources)
-    return options.FsdpOptions(step=Step(loop=args.loop, loss=args.loss)).over(
+    return options.FsdpOptions(step=Step(loop=args.loop, loss=args.loss), tuning=chosen).over(
         config.values if config else {}).over(levers_given)
 
 
@@ -415,12 +433,12 @@ def checked_search(args: argparse.Namespace, common: Common) -> CheckedSearch:
     world_size, block, device = common.sizes[0], common.blocks[0], common.device
     check_config_path(args.output_dir)
     check_timing_folders(args.output_dir, args.max_timings)
-    facts = model_facts(common.model, SEED, lambda config: arguments.check_positions(block, config))
+    facts = model_facts(common.model, SEED, lambda config: arguments.check_positions(block, config), common.tuning)
     sequences = global_sequences(args, block)
-    chosen, notes = available_levers(args.levers, device.type, facts.config)
+    chosen, notes = available_levers(args.levers, device.type, facts.config, common.tuning)
     links = parse_links(args.links)
     check_nodes_fit(links, world_size, "--links")
-    layouts, refused = layouts_of(world_size, facts.config, block, device.type)
+    layouts, refused = layouts_of(world_size, facts.config, block, device.type, common.tuning)
     splits = sorted({d.data_ranks for d in layouts}, reverse=True)
     if not any(sequences % ranks == 0 for ranks in splits):
         raise UserError(f"--global_batch {sequences} sequences: no layout of N = {world_size} splits it evenly "
@@ -428,7 +446,9 @@ def checked_search(args: argparse.Namespace, common: Common) -> CheckedSearch:
     cap = estimate.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
     args.init_device = build_device(args.init_device, facts.shapes, cap)
     setup = SearchInputs(model=common.model, world_size=world_size, block=block, global_sequences=sequences,
-                  shapes=facts.shapes, config=facts.config, base=options.FsdpOptions(step=Step(loop=args.loop)),
+                  shapes=facts.shapes, config=facts.config,
+                  base=options.FsdpOptions(step=Step(loop=args.loop), tuning=common.tuning),
+                  allow_known_failure=args.allow_known_failure,
                   cap=cap, links=links, device_type=device.type, gpu_name=gpu_name() if device.type == "cuda" else None,
                   output_dir=args.output_dir, max_timings=args.max_timings, init_device=args.init_device,
                   num_parameters=facts.num_parameters, confirm=args.confirm, time_budget_s=args.time_budget_s,
@@ -484,12 +504,13 @@ def global_sequences(args: argparse.Namespace, block: int) -> int:
     return args.global_batch_tokens // block
 
 
-def available_levers(text: str | None, device_type: str, config) -> tuple[Levers, list[str]]:
-    """The levers searched: those named (each must run here, else one line says why), or every one that runs
-    here, the others left out with the reason."""
+def available_levers(text: str | None, device_type: str, config, chosen: Tuning) -> tuple[Levers, list[str]]:
+    """The levers searched: those named (each must run here and with the fine-tuning asked for, else one line says
+    why), or every one that runs here, the others left out with the reason."""
     named = parse_levers(text or ",".join(LEVER_NAMES))
     checks = {COMPILE: lambda: lever_checks.check(options.FsdpOptions(compile=True), device_type, 1),
-              FLOAT8: lambda: lever_checks.check_float8(device_type),
+              FLOAT8: lambda: (lever_checks.check_float8(device_type),
+                               options.check_tuning(options.FsdpOptions(float8=True, tuning=chosen))),
               LIGER: lambda: check_liger(config, device_type)}
     notes, drop = [], set()
     for lever, check in checks.items():

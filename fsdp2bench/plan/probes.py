@@ -497,6 +497,9 @@ def probe_outcome(probe: Probe, job: Job, failure: str | None, session: Session,
             "speed": summary["speed"],  # a probe beside another on the GPU has none: speed.not_measured says so
             "emulated": (summary.get("emulated") or [None])[0],  # --emulate_communication: each kind's calls, bytes, s
             "accounting_matches_expected": summary["accounting_matches_expected"],
+            "state_bytes": summary["accounting"][0]["before_zero_grad"],  # the last step's, rank q.rank's
+            **({"frozen_base": summary["frozen_base"][0],  # a LoRA base: its chunk, and no gradient or state
+                "frozen_base_as_expected": summary["frozen_base_as_expected"]} if "frozen_base" in summary else {}),
             "kept_output_bytes": summary["kept_output_bytes"][0]["before_zero_grad"],
             "train_wall_s": record["wall_s"], "build_s": _event(record, "model_built").get("build_s")})
     if "out of memory" not in failure:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from fsdp2bench.run.concurrency import host_memory_for_launch
 
-from fsdp2bench.memory.accounting import expected_device_bytes, model_bytes
+from fsdp2bench.memory.accounting import built_bytes, expected_device_bytes
 from fsdp2bench.memory.estimate import GpuCap, host_bytes, step_bytes, variant_need
 from fsdp2bench.names import MIB
 from fsdp2bench.plan.search import SHARED_LIMIT, SHARED_MOST_MIB, Ladder, Outcome, Search
@@ -122,7 +122,7 @@ class GpuRoom:
             return 0
         q, shapes = self.questions[key], self.session.shapes
         state = expected_device_bytes(shapes, q.world_size, q.rank, q.variant, "end_of_setup", q.options, "cuda")
-        built = int(model_bytes(shapes) * 1.2) if self.train.init_device == "cuda" else 0
+        built = int(built_bytes(shapes) * 1.2) if self.train.init_device == "cuda" else 0
         return max(built, int(state * SETUP_MARGIN)) + SETUP_SLACK_MIB * MIB + self.cap.context
 
     @staticmethod

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 from fsdp2bench.cli import UserError
 from fsdp2bench.memory.estimate import step_bytes, variant_need
-from fsdp2bench.options.fsdp import AC_MODES, FULL_AC, NO_AC, SELECTIVE_AC, FsdpOptions
+from fsdp2bench.options.fsdp import AC_MODES, FULL_AC, NO_AC, SELECTIVE_AC, FsdpOptions, check_tuning
 from fsdp2bench.options.layout import Degrees, Layout, check_context_parallel, check_tensor_parallel
 from fsdp2bench.options.step import CHUNKED, LIGER, LOSSES, MODEL
+from fsdp2bench.options.tuning import Tuning
 
 TRAINED = "torch_optimizer_after_fsdp"  # the variant a layout search plans and its commands train
 COMPILE, FLOAT8 = "compile", "float8"
@@ -86,12 +87,13 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts_of(world_size: int, config, block: int, device_type: str) -> tuple[list[Degrees], list[str]]:
-    """Every R x S x C x T = N the model admits at this sequence length on this device, and why each tp or cp
-    size it does not admit is left out."""
+def layouts_of(world_size: int, config, block: int, device_type: str,
+               tuning: Tuning = Tuning()) -> tuple[list[Degrees], list[str]]:
+    """Every R x S x C x T = N the model admits at this sequence length on this device with this fine-tuning, and
+    why each tp or cp size it does not admit is left out."""
     admitted, notes = [], []
     for tp in divisors(world_size):
-        if (why := size_refusal(lambda: check_tensor_parallel(config, tp) if tp > 1 else None)) is not None:
+        if (why := size_refusal(lambda: tp_check(config, tp, tuning))) is not None:
             notes.append(f"tp {tp}: {why}")
             continue
         for cp in divisors(world_size // tp):
@@ -101,6 +103,13 @@ def layouts_of(world_size: int, config, block: int, device_type: str) -> tuple[l
             data = world_size // (tp * cp)
             admitted += [Degrees(replicate=r, shard=data // r, cp=cp, tp=tp) for r in divisors(data)]
     return admitted, notes
+
+
+def tp_check(config, tp: int, tuning: Tuning) -> None:
+    """TP of ``tp`` ranks: the model's heads must split, and adapters are not measured under TP (fsdp.check_tuning)."""
+    if tp > 1:
+        check_tensor_parallel(config, tp)
+        check_tuning(FsdpOptions(layout=Layout(tp_size=tp), tuning=tuning))
 
 
 def size_refusal(check) -> str | None:

@@ -13,6 +13,7 @@ from fsdp2bench.cli import UserError, say
 from fsdp2bench.files import digest_of, save_summary, write_bytes
 from fsdp2bench.names import seconds_said
 from fsdp2bench.options import accelerate_config
+from fsdp2bench.options.tuning import Tuning
 from fsdp2bench.plan.layout.search import Assessed, SearchInputs, commands, decided, ranked, record, winner_of
 from fsdp2bench.plan.layout.timing import RETIMES, clipped
 
@@ -123,8 +124,10 @@ def print_search(rows: list[Assessed], setup: SearchInputs, notes: list[str], ti
     place = said["place"]
     above = f" (row {place}: the {place - 1} above it rest on estimates or on timings that are not clean)" \
         if place > 1 else ""
-    config = (f"accelerate config fields ({CONFIG_NAME}; the loss, selective checkpointing and the accumulation stay "
-              f"main.py flags):\n    {json.dumps(said['accelerate_config'])}" if not said["accelerate_refuses"] else
+    tuned = ", the fine-tuning (--peft, --optimizer)" if setup.base.tuning != Tuning() else ""
+    config = (f"accelerate config fields ({CONFIG_NAME}; the loss, selective checkpointing{tuned} and the "
+              f"accumulation stay main.py flags):\n    {json.dumps(said['accelerate_config'])}"
+              if not said["accelerate_refuses"] else
               f"accelerate refuses this layout ({said['accelerate_refuses']}): train it with torchrun")
     check = "Check it on one GPU first" if setup.cap else "Check it here first (a CPU run: one process plays rank 0)"
     print(f"\nThe fastest by its step, its own layout timed{above}: {said['name']}\n    {said['figures']}"
@@ -221,6 +224,8 @@ def write_search(rows: list[Assessed], setup: SearchInputs, notes: list[str], ti
                                  "unclean_timings": unclean_said(timings),
                                  "links": vars(setup.links), "left_out": notes,
                                  "labels": {"memory.estimated_gib": "estimated (memory model)",
+                                            "memory.state_bytes": "exact (memory model: rank 0's parameters, "
+                                                                  "gradients and optimizer state after its step)",
                                             "memory.measured_gib": "measured (+ the memory model's difference)",
                                             "speed": "each figure's own in speed.labels: compute measured or "
                                                      "estimated (compute_clean false: measured beside other runs, "

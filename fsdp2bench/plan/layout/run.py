@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
 
 from fsdp2bench.cli import UserError, say
 from fsdp2bench.files import is_ours, prepare_output_dir
+from fsdp2bench.memory.accounting import trainable_parameters
 from fsdp2bench.plan.checks import CheckedSearch
 from fsdp2bench.plan.layout.report import CONFIG_NAME, print_search, winner_said, write_search
 from fsdp2bench.plan.layout.search import SearchInputs, assess
@@ -68,5 +70,7 @@ def clear_earlier_search(output_dir: str) -> None:
 def run_meta(setup: SearchInputs, started: float, interrupted: bool) -> dict:
     return {"command": " ".join(sys.argv), "model": setup.model, "world_size": setup.world_size,
             "block_size": setup.block, "global_batch": setup.global_sequences, "device": setup.device_type,
+            "tuning": dataclasses.asdict(setup.base.tuning), "num_parameters": setup.num_parameters,
+            "trainable_parameters": trainable_parameters(setup.shapes),
             "gpu_name": setup.gpu_name, "gpu_memory": setup.cap.as_dict() if setup.cap else None,
             "versions": arguments.versions(), "wall_s": time.time() - started, "interrupted": interrupted}

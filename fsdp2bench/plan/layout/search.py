@@ -25,6 +25,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from fsdp2bench.memory.accounting import expected_state
 from fsdp2bench.names import GIB
 from fsdp2bench.options.layout import Degrees
 from fsdp2bench.options.links import ALL_GATHER, DTENSOR, Links
@@ -83,7 +84,7 @@ class SearchInputs:
     global_sequences: int
     shapes: list[ParamShape]
     config: PretrainedConfig
-    base: FsdpOptions  # the loop every candidate trains with; the levers are each candidate's own
+    base: FsdpOptions  # the loop and the fine-tuning every candidate trains with; the levers are each candidate's own
     cap: GpuCap | None
     links: Links
     device_type: str
@@ -95,6 +96,7 @@ class SearchInputs:
     links_given: str | None = None  # --links as main.py's --emulate_communication takes it (a file's absolute path)
     confirm: int = 3  # the ranked rows on top that the timings measure before the search ends
     time_budget_s: float = 420.0  # no timing starts after this long
+    allow_known_failure: bool = False  # main.py's --allow_known_failure: a QLoRA storage known to fail, measured
     held: dict = field(default_factory=dict, compare=False)  # estimated_bytes's, per layout and levers
 
     @property
@@ -113,9 +115,20 @@ def assess(candidate: Candidate, setup: SearchInputs) -> Assessed:
     collectives = step_collectives(setup.shapes, setup.config, candidate.degrees, chosen, candidate.batch,
                                    setup.block, candidate.microbatches)
     row = Assessed(candidate, estimate, collectives, sum(c.seconds(setup.links) for c in collectives))
-    row.memory = {"estimated_gib": estimate / GIB}
+    row.memory = {"estimated_gib": estimate / GIB, "state_bytes": held_state(candidate, setup)}
     judge_by_estimate(row, setup, 1.0, "estimated (memory model)")
     return row
+
+
+def held_state(candidate: Candidate, setup: SearchInputs) -> dict:
+    """What the memory model says rank 0 holds once its optimizer has stepped, to the byte (the part of the
+    estimate it claims exactly): its chunks of the parameters (a LoRA base frozen in bf16, a QLoRA base packed), and
+    the gradients and optimizer state of those that train (the adapters alone under LoRA; low-bit where asked)."""
+    key = ("state", candidate.degrees)
+    if key not in setup.held:
+        setup.held[key] = expected_state(setup.shapes, setup.world_size, 0, TRAINED, "before_zero_grad",
+                                         candidate.options(setup.base))
+    return setup.held[key]
 
 
 def judge_by_estimate(row: Assessed, setup: SearchInputs, ratio: float, how: str) -> None:
@@ -327,9 +340,11 @@ def record(row: Assessed, links: Links) -> dict:
 
 
 def main_flags(candidate: Candidate, setup: SearchInputs) -> list[str]:
-    """main.py's flags that train the candidate (its layout, levers, batch and accumulation)."""
+    """main.py's flags that train the candidate (its layout, levers, batch and accumulation, and the search's
+    fine-tuning)."""
     return ["--model", setup.model, "--variants", TRAINED, "--batch_size", str(candidate.batch), "--block_size",
-            str(setup.block), *candidate.options(setup.base).flags()]
+            str(setup.block), *candidate.options(setup.base).flags(),
+            *(["--allow_known_failure"] if setup.allow_known_failure else [])]
 
 
 def emulation_flags(setup: SearchInputs) -> list[str]:
