@@ -401,6 +401,39 @@ def test_the_batch_planner_probes_lora_each_probe_holding_the_adapters_and_its_c
         assert question["base"]["tuning"] == result["meta"]["tuning"]
 
 
+@needs_peft
+@needs_bitsandbytes
+def test_the_planner_builds_a_base_the_host_cannot_hold_on_meta_and_its_probes_draw_it_unit_by_unit(tmp_path,
+                                                                                                   monkeypatch):
+    """A base larger than the card and the host (Llama-3.1-70B: 282 GB in fp32) is planned from its shards: auto
+    picks meta where the fp32 build fits neither and only the variant built from shards is planned (the four
+    variants keep the host's refusal); each probe then builds on meta, each block quantized as it is sharded, and
+    its accounting and frozen base are the rule's."""
+    from fsdp2bench.memory import estimate
+    from fsdp2bench.plan import checks
+
+    argv = [*PLAN[1:], "--model", "tiny", "--sets", "default", *QLORA, "--output_dir", str(tmp_path / "x")]
+    for module in (checks, estimate):  # the tiny model, as if its fp32 build were 70B's
+        monkeypatch.setattr(module, "built_bytes", lambda shapes: 282 << 30)
+    line = refusal(plan.validate, argv)
+    assert line is not None and "GiB of host memory for one probe" in line, line
+    checked = plan.validate([*argv, "--variants", TRAINED])
+    assert checked.args.init_device == "meta"
+    monkeypatch.undo()
+    out = tmp_path / "plan"
+    proc = run_script([*PLAN, "--model", "tiny", "--sets", "default", "--variants", TRAINED, "--inject_oom_above", "3",
+                       *QLORA, "--init_device", "meta", "--output_dir", str(out)], nproc=None, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = load(out / "plan.json")
+    assert result["meta"]["init_device"] == "meta"
+    answer, = result["answers"]
+    fit = answer["outcomes"][0]
+    assert answer["largest"] == 3 and fit["accounting_matches_expected"] and fit["frozen_base_as_expected"]
+    for trace in map(load, (out / "probes").glob("*/*memory_usage.json")):
+        built = next(e for e in trace["events"] if e["name"] == "model_built")
+        assert built["build_device"] == "meta"
+
+
 def searched_state(out, result: dict) -> list[tuple[dict, dict]]:
     """(the memory model's claim, main.py's measurement) of rank 0's state after its last step, for each candidate
     a timing ran (one simulated rank of its layout)."""

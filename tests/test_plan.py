@@ -18,7 +18,7 @@ from conftest import child_running, load, refusal, run_script, start_script
 import plan
 from fsdp2bench.cli import OneLineParser, UserError, gpu_memory_gib
 from fsdp2bench.memory import estimate
-from fsdp2bench.names import MIB
+from fsdp2bench.names import MIB, VARIANTS
 from fsdp2bench.plan import checks, report as plan_report, search as plan_search
 from fsdp2bench.plan.probes import BLOCKS_FREE, ProbeRunner, Question
 from fsdp2bench.plan.room import ROOM_MARGIN
@@ -926,11 +926,12 @@ def missing(*packages: str) -> pytest.MarkDecorator:
 
 @pytest.mark.parametrize("peft", ["none", pytest.param("lora", marks=missing("peft")),
                                   pytest.param("qlora", marks=missing("peft", "bitsandbytes"))])
-def test_probes_build_on_the_gpu_where_the_whole_model_fits_under_the_cap(peft):
+def test_probes_build_on_the_gpu_where_the_whole_model_fits_under_the_cap(peft, monkeypatch):
     """--init_device auto: the GPU where 1.2 x the fp32 model fits the allocator a probe runs in, else the CPU, and
-    the CPU where there is no cap (a CPU run); a device asked for is kept. A LoRA or QLoRA model is built in fp32
-    before its base is cast or packed: its fp32 bytes decide, every weight counted (a 4-bit one is not its packed
-    items), not the bytes it holds once built."""
+    the CPU where there is no cap (a CPU run); where the host cannot hold it either, meta if only the variant built
+    from its shards is planned; a device asked for is kept. A LoRA or QLoRA model is built in fp32 before its base
+    is cast or packed: its fp32 bytes decide, every weight counted (a 4-bit one is not its packed items), not the
+    bytes it holds once built."""
     from fsdp2bench.memory.accounting import built_bytes, model_bytes
     from fsdp2bench.options.tuning import Tuning
     from fsdp2bench.run.session import model_facts
@@ -938,8 +939,15 @@ def test_probes_build_on_the_gpu_where_the_whole_model_fits_under_the_cap(peft):
     shapes = model_facts("tiny", 421, tuning=Tuning(peft=peft)).shapes
     fits = estimate.GpuCap(1.21 * built_bytes(shapes) / (1 << 30), 80 << 30, 0)
     short = estimate.GpuCap(1.19 * built_bytes(shapes) / (1 << 30), 80 << 30, 0)
-    assert checks.build_device("auto", shapes, fits) == "cuda" and checks.build_device("auto", shapes, short) == "cpu"
-    assert checks.build_device("auto", shapes, None) == "cpu"
-    assert checks.build_device("cpu", shapes, fits) == "cpu" and checks.build_device("cuda", shapes, short) == "cuda"
+    both, one = list(VARIANTS[:2]), [VARIANTS[0]]
+    assert checks.build_device("auto", shapes, fits, both) == "cuda"
+    assert checks.build_device("auto", shapes, short, both) == "cpu" == checks.build_device("auto", shapes, None, one)
+    assert checks.build_device("cpu", shapes, fits, both) == "cpu"
+    assert checks.build_device("cuda", shapes, short, both) == "cuda"
+    monkeypatch.setattr(checks, "host_memory_for_launch", lambda: estimate.HOST_RUNTIME + built_bytes(shapes) - 1)
+    assert checks.build_device("auto", shapes, short, one) == "meta" == checks.build_device("auto", shapes, None, one)
+    assert checks.build_device("auto", shapes, short, both) == "cpu"  # the host check then says the figure
+    with pytest.raises(UserError, match="--init_device meta: the model exists only as each rank's shards"):
+        checks.build_device("meta", shapes, None, both)
     held = {"none": 492_032, "lora": 393_216, "qlora": 184_832}  # fp32 as built, a bf16 base, a base packed in 4 bits
     assert model_bytes(shapes) == held[peft] and built_bytes(shapes) == 492_032 + (4 * 36_800 if peft != "none" else 0)

@@ -114,10 +114,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[s
     p.add_argument("--upper_bound", type=int, default=None,
                    help=f"the largest value tried (default: {DEFAULT_UPPER[BATCH]} for a batch, the model's "
                         f"positions for a block)")
-    p.add_argument("--init_device", choices=["auto", "cpu", "cuda"], default="auto",
+    p.add_argument("--init_device", choices=["auto", "cpu", "cuda", "meta"], default="auto",
                    help="where each probe builds its model, as main.py's option; auto: on the GPU where 1.2 x the "
                         "model's fp32 bytes fit under the cap (a probe's set-up then takes about a second, not "
-                        "seven), else on the CPU (default: auto)")
+                        "seven), else on the CPU where they fit the host, else (only --variants "
+                        "torch_optimizer_after_fsdp) empty on meta, each rank drawing its own shards (default: auto)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto: CUDA when a GPU is present; on a CPU run probes have no cap and run one at a "
                         "time (default: auto)")
@@ -246,14 +247,21 @@ def checked_tuning(args: argparse.Namespace, device_type: str) -> Tuning:
     return chosen
 
 
-def build_device(asked: str, shapes, cap: estimate.GpuCap | None) -> str:
+def build_device(asked: str, shapes, cap: estimate.GpuCap | None, variants: list[str]) -> str:
     """Where the probes build their model: as asked, or (auto) on the GPU where the whole fp32 model, with the
-    margin the GPU's room gives a build (plan/room.py), fits under the cap each probe runs in. On one H100 the
-    README's 24 GiB plan of the 1.5B shape took 218 s with its probes built on the CPU (7.3 s a probe's set-up),
-    112 s built on the GPU (0.9 s), the same edges within a probe's spread."""
+    margin the GPU's room gives a build (plan/room.py), fits under the cap each probe runs in, else on the host
+    where it fits there, else on meta where only the variant that can be built from its shards is planned (a
+    model larger than the card and the host: Llama-3.1-70B is 282 GB in fp32). On one H100 the README's 24 GiB
+    plan of the 1.5B shape took 218 s with its probes built on the CPU (7.3 s a probe's set-up), 112 s built on
+    the GPU (0.9 s), the same edges within a probe's spread."""
+    if asked == "meta":
+        arguments.check_meta_variants(asked, variants)
     if asked != "auto":
         return asked
-    return "cuda" if cap is not None and 1.2 * built_bytes(shapes) <= cap.allocator_bytes else "cpu"
+    if cap is not None and 1.2 * built_bytes(shapes) <= cap.allocator_bytes:
+        return "cuda"
+    on_host = built_bytes(shapes) + estimate.HOST_RUNTIME <= host_memory_for_launch()
+    return "cpu" if on_host or variants != [arguments.INIT_AFTER_SHARDING] else "meta"
 
 
 def refuse_unread(given: set[str], mode: str) -> None:
@@ -303,7 +311,7 @@ def checked_plan(args: argparse.Namespace, common: Common) -> Checked:
     upper = search_upper(args, facts.config, blocks, device.type)
     check_block_steps(args, base, sets, blocks, upper)
     cap = estimate.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
-    args.init_device = build_device(args.init_device, facts.shapes, cap)
+    args.init_device = build_device(args.init_device, facts.shapes, cap, variants)
     sets, skipped = plannable_sets(args, base, sets, common, config, facts.config)
     check_host_fits(args, [(name, n, set_options(base, name)) for name in sets for n in common.sizes
                            if set_options(base, name).layout.fits(n)], variants, facts, device.type)
@@ -444,7 +452,7 @@ def checked_search(args: argparse.Namespace, common: Common) -> CheckedSearch:
         raise UserError(f"--global_batch {sequences} sequences: no layout of N = {world_size} splits it evenly "
                         f"(their data-parallel ranks, {', '.join(map(str, splits))}, each leave a remainder)")
     cap = estimate.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
-    args.init_device = build_device(args.init_device, facts.shapes, cap)
+    args.init_device = build_device(args.init_device, facts.shapes, cap, [VARIANTS[0]])
     setup = SearchInputs(model=common.model, world_size=world_size, block=block, global_sequences=sequences,
                   shapes=facts.shapes, config=facts.config,
                   base=options.FsdpOptions(step=Step(loop=args.loop), tuning=common.tuning),

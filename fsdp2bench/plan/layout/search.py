@@ -341,10 +341,11 @@ def record(row: Assessed, links: Links) -> dict:
 
 def main_flags(candidate: Candidate, setup: SearchInputs) -> list[str]:
     """main.py's flags that train the candidate (its layout, levers, batch and accumulation, and the search's
-    fine-tuning)."""
+    fine-tuning), built on meta where the search's model is (too large to build whole anywhere)."""
     return ["--model", setup.model, "--variants", TRAINED, "--batch_size", str(candidate.batch), "--block_size",
             str(setup.block), *candidate.options(setup.base).flags(),
-            *(["--allow_known_failure"] if setup.allow_known_failure else [])]
+            *(["--allow_known_failure"] if setup.allow_known_failure else []),
+            *(["--init_device", "meta"] if setup.init_device == "meta" else [])]
 
 
 def emulation_flags(setup: SearchInputs) -> list[str]:

@@ -103,7 +103,8 @@ def timing_command(candidate: Candidate, setup: SearchInputs, output_dir: str) -
     return [sys.executable, "main.py", *main_flags(one, setup), "--simulate_world_size", str(setup.world_size),
             "--max_steps", str(TIMING_STEPS), "--concurrent_variants", "1", "--quiet", "--output_dir", output_dir,
             *emulation_flags(setup), *(setup.cap.flags() if setup.cap else []),
-            *(["--init_device", setup.init_device] if setup.device_type == "cuda" else ["--device", "cpu"])]
+            *(["--device", "cpu"] if setup.device_type != "cuda" else
+              ["--init_device", setup.init_device] if setup.init_device != "meta" else [])]
 
 
 def timing_dir(output_dir: str, index: int) -> str:
