@@ -146,6 +146,33 @@ def test_on_a_gpu_the_exposed_communication_is_the_emulated_steps_median_less_th
     assert "exposed +10.00 ms a step, 20% of the 50.00 ms emulated" in said
 
 
+@pytest.mark.parametrize("emulated", [False, True])
+@pytest.mark.parametrize("steps", [5, 6, 9, 12])
+def test_a_figure_not_measured_for_shared_steps_counts_the_steps_its_median_was_to_be_taken_of(steps, emulated):
+    """Every step after warm-up shared with another run but one: no median, and the reason counts the steps of the
+    half it was to be taken of (compute-only, emulated) or of the run, never more clean steps than a median needs."""
+    from fsdp2bench.train import throughput
+
+    shared = set(range(1, steps - 1))  # all but the last step after warm-up
+    records = [{"step": i, "step_time_s": 0.1, "optimizer_s": 0.01, "communication_emulated": emulated and i % 2 == 1,
+                "runs_beside": int(i in shared)} for i in range(steps)]
+    tally = {"waited_on_the_gpu": False, "emulated_s_per_step": 0.05} if emulated else None
+    speed = throughput.speed(records, 1000.0, 6, None, False, True, tally)
+    halves = {"": records[1:]} if not emulated else {
+        kind: [r for r in records[1:] if r["communication_emulated"] == on]
+        for kind, on in (("compute-only ", False), ("emulated ", True))}
+    figures = [speed] if not emulated else [speed["emulation"]["compute_only"], speed["emulation"]["emulated"]]
+    for (kind, half), figure in zip(halves.items(), figures):
+        beside = sum(r["runs_beside"] for r in half)
+        clean = len(half) - beside
+        if clean >= throughput.MIN_TIMED_STEPS:
+            assert figure["not_measured"] is None, (kind, figure)
+            continue
+        assert figure["not_measured"].startswith(f"{beside} of the {len(half)} {kind}steps after warm-up ran while "
+                                                 f"another run was busy on the same device, leaving {clean} clean, "
+                                                 f"fewer than the 2 a median needs"), figure["not_measured"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--max_steps", "4"], "4 step(s) leave 1 compute-only and 2 emulated step(s) after the warm-up (step 0); "
                            "emulating every other step, each needs 2: --max_steps 5 or more (and the data for them)"),

@@ -65,7 +65,7 @@ def speed(steps: list[dict], tokens_per_step: float, flops_per_token: int, gpu_n
     waited = bool(tally and tally["waited_on_the_gpu"])
     emulation = None if tally is None else emulation_figures(steps[warm:], len(steps), warm, tally, tokens_per_step,
                                                              flops_per_token, peak)
-    own = median_figures(steps[warm:], len(steps), warm, tokens_per_step, flops_per_token, peak) if tally is None \
+    own = median_figures(steps[warm:], len(steps), warm, tokens_per_step, flops_per_token, peak, "") if tally is None \
         else emulation["emulated" if waited else "compute_only"]
     figures = {"tokens_per_step_per_gpu": tokens_per_step, "model_flops_per_token": flops_per_token,
                "warmup_steps": warm, "compute_only": simulated and not waited, "emulated": waited,
@@ -77,16 +77,17 @@ def speed(steps: list[dict], tokens_per_step: float, flops_per_token: int, gpu_n
 
 
 def median_figures(steps: list[dict], all_steps: int, warm: int, tokens_per_step: float, flops_per_token: int,
-                   peak: float | None) -> dict:
-    """The median over ``steps`` (of a run of ``all_steps``, ``warm`` of them warm-up) that no other run shared the
-    device with: step and optimizer time, tokens per second per GPU, MFU; None with the reason where too few."""
+                   peak: float | None, kind: str) -> dict:
+    """The median over ``steps`` (the ``kind`` steps after warm-up of a run of ``all_steps``, ``warm`` of them
+    warm-up) that no other run shared the device with: step and optimizer time, tokens per second per GPU, MFU;
+    None with the reason where too few."""
     timed = [s for s in steps if s.get("step_time_s") is not None]
     clean_steps = [s for s in timed if not s.get("runs_beside")]
     clean = [s["step_time_s"] for s in clean_steps]
     figures = {"timed_steps": len(clean), "shared_steps": len(timed) - len(clean), "median_step_time_s": None,
                "median_optimizer_s": None, "tokens_per_s_per_gpu": None, "mfu": None, "not_measured": None}
     if len(clean) < MIN_TIMED_STEPS:
-        figures["not_measured"] = unmeasured_reason(all_steps, warm, len(timed) - len(clean))
+        figures["not_measured"] = unmeasured_reason(all_steps, warm, len(timed) - len(clean), len(timed), kind)
         return figures
     median = statistics.median(clean)
     rate = tokens_per_step / median
@@ -108,8 +109,8 @@ def emulation_figures(after: list[dict], all_steps: int, warm: int, tally: dict,
     (``emulated``) after warm-up, and what of the emulated communication the step left ``exposed`` (their
     difference, and its share of the emulated seconds a step) where the emulated steps waited on the GPU."""
     halves = {label: median_figures([s for s in after if s.get("communication_emulated") == on], all_steps, warm,
-                                    tokens_per_step, flops_per_token, peak)
-              for label, on in (("compute_only", False), ("emulated", True))}
+                                    tokens_per_step, flops_per_token, peak, kind)
+              for label, on, kind in (("compute_only", False, "compute-only "), ("emulated", True, "emulated "))}
     communication = tally["emulated_s_per_step"]
     compute, emulated = halves["compute_only"]["median_step_time_s"], halves["emulated"]["median_step_time_s"]
     exposed = {"s": None, "share": None, "emulated_s_per_step": communication, "not_measured": None}
@@ -122,11 +123,13 @@ def emulation_figures(after: list[dict], all_steps: int, warm: int, tally: dict,
     return {"steps": EMULATED_STEPS, "waited_on_the_gpu": tally["waited_on_the_gpu"], **halves, "exposed": exposed}
 
 
-def unmeasured_reason(steps: int, warm: int, shared: int) -> str:
+def unmeasured_reason(steps: int, warm: int, shared: int, timed: int, kind: str) -> str:
+    """Why no median: steps shared with another run (counted among the ``timed`` ``kind`` steps the median was to
+    be taken of, not the whole run's), or too few steps."""
     if shared:
-        return (f"{shared} of the {max(0, steps - warm)} steps after warm-up ran while another run was busy on the "
-                f"same device, leaving fewer than {MIN_TIMED_STEPS} clean ones; --concurrent_variants 1 runs one at "
-                "a time")
+        return (f"{shared} of the {timed} {kind}steps after warm-up ran while another run was busy on the same "
+                f"device, leaving {timed - shared} clean, fewer than the {MIN_TIMED_STEPS} a median needs; "
+                "--concurrent_variants 1 runs one at a time")
     return f"{steps} step(s): a speed needs {warm} of warm-up and {MIN_TIMED_STEPS} more (--max_steps)"
 
 
