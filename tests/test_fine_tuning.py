@@ -150,6 +150,28 @@ def test_adapters_over_a_base_built_unit_by_unit_on_meta_train_and_hold_their_sh
 
 
 @needs_peft
+@pytest.mark.parametrize("peft", ["lora", pytest.param("qlora", marks=needs_bitsandbytes)])
+def test_a_simulated_sweep_says_what_it_trained_and_the_statistics_every_rank_holds(tmp_path, peft):
+    """A sweep of simulated ranks (the way a base larger than the card is measured) says, as a real run does, what
+    was trained over which base, and under QLoRA bitsandbytes' statistics beside the shards, the same at every N."""
+    proc = run_script(["main.py", "--model", "tiny", "--peft", peft, "--init_device", "meta", "--variants",
+                       "torch_optimizer_after_fsdp", "--simulate_world_size", "1,2", "--max_steps", "2",
+                       "--output_dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    said = " ".join(proc.stdout.split())
+    base = "4-bit NF4 base packed in bfloat16" if peft == "qlora" else "bf16 base"
+    assert f"Trained: {'QLoRA' if peft == 'qlora' else 'LoRA'} adapters (rank 16, alpha 32, dropout 0, over " in said
+    assert f"on a frozen {base}, optimizer adamw." in said
+    statistics = {e["four_bit_statistics_bytes"][0] for n in (1, 2)
+                  for e in load(tmp_path / "summary.json")["simulated"][str(n)]["0"].values()
+                  if "four_bit_statistics_bytes" in e}
+    assert len(statistics) == (1 if peft == "qlora" else 0)
+    assert ("bitsandbytes' quantization statistics" in said) == (peft == "qlora")
+    if statistics:
+        assert f"quantization statistics: {statistics.pop() / 1024:.2f} KiB a rank, whole on every rank" in said
+
+
+@needs_peft
 @needs_bitsandbytes
 def test_qlora_in_uint8_runs_only_when_asked_and_the_checks_catch_accelerates_whole_base(tmp_path):
     """uint8 storage (accelerate#3983), run anyway: on the CPU the torch variant shards it and trains, while

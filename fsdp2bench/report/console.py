@@ -188,16 +188,9 @@ ADAPTER_NAMES = {LORA: "LoRA", QLORA: "QLoRA"}
 def tuning_sentence(summary: dict) -> str | None:
     """What was trained and with which optimizer, where it is not the whole model with AdamW, and what the frozen
     base held on each rank (its chunk of the whole, and no gradient or optimizer state)."""
-    tuned = tuned_options(summary)
-    if not tuned or tuned == TUNING_DEFAULTS:
-        return None
-    base = f"4-bit NF4 base packed in {tuned['qlora_storage']}" if tuned["peft"] == QLORA else "bf16 base"
-    trained = (f"{ADAPTER_NAMES[tuned['peft']]} adapters (rank {tuned['lora_rank']}, alpha {tuned['lora_alpha']:g}, "
-               f"dropout {tuned['lora_dropout']:g}, over {tuned['lora_targets']}) on a frozen {base}"
-               if tuned["peft"] != NO_PEFT else "the whole model")
-    said = f"Trained: {trained}, optimizer {tuned['optimizer']}."
+    said = trained_said(summary)
     entry = next((e for _, e in run_entries(summary) if e.get("status") == "ok" and e.get("frozen_base")), None)
-    if entry is None:
+    if said is None or entry is None:
         return said
     held, whole = entry["frozen_base"], entry["expected_frozen_base"][0]["frozen_full_bytes"]
     return (said + " The frozen base held " + ", ".join(f"{size_said(r['frozen_param_bytes'])} on rank {i}"
@@ -206,6 +199,26 @@ def tuning_sentence(summary: dict) -> str | None:
             f"{size_said(max(r['frozen_grad_bytes'] for r in held))} of gradients and "
             f"{size_said(max(r['frozen_state_bytes'] for r in held))} of optimizer state."
             + statistics_said(entry.get("four_bit_statistics_bytes")))
+
+
+def trained_said(summary: dict) -> str | None:
+    """What was trained and with which optimizer, where it is not the whole model with AdamW."""
+    tuned = tuned_options(summary)
+    if not tuned or tuned == TUNING_DEFAULTS:
+        return None
+    base = f"4-bit NF4 base packed in {tuned['qlora_storage']}" if tuned["peft"] == QLORA else "bf16 base"
+    trained = (f"{ADAPTER_NAMES[tuned['peft']]} adapters (rank {tuned['lora_rank']}, alpha {tuned['lora_alpha']:g}, "
+               f"dropout {tuned['lora_dropout']:g}, over {tuned['lora_targets']}) on a frozen {base}"
+               if tuned["peft"] != NO_PEFT else "the whole model")
+    return f"Trained: {trained}, optimizer {tuned['optimizer']}."
+
+
+def sweep_tuning_sentence(summary: dict) -> str | None:
+    """A sweep's fine-tuning: what was trained, and bitsandbytes' statistics a simulated rank held beside its 4-bit
+    shards (the same at every N: they are not sharded); what the base held per N is in the table's params."""
+    said = trained_said(summary)
+    entry = next((v for *_, v in simulated_entries(summary["simulated"]) if v["status"] == "ok"), {})
+    return None if said is None else said + statistics_said(entry.get("four_bit_statistics_bytes"))
 
 
 def statistics_said(per_rank: list[int] | None) -> str:
@@ -337,6 +350,9 @@ def print_sweep_table(summary: dict) -> None:
         indent="     ")
     for line in emulated_said(summary):
         say(line, indent="     ")
+    tuning = sweep_tuning_sentence(summary)
+    if tuning:
+        say(tuning)
     crossover = summary["simulation_findings"]["unfixed_exceeds_intended_from_world_size"]
     exact = (summary.get("projection") or {}).get("unfixed_costs_more_from_world_size")
     rule = f"; by the sharding rule from N = {exact} on" if exact else ""
