@@ -225,8 +225,8 @@ def statistics_said(per_rank: list[int] | None) -> str:
     """bitsandbytes' statistics beside the 4-bit shards: whole on every rank, so they do not shrink with N."""
     if not per_rank:
         return ""
-    return (f" Beside it, bitsandbytes' quantization statistics: {size_said(max(per_rank))} a rank, whole on every "
-            "rank (no parameter, so FSDP2 does not shard them).")
+    return (f" Beside the base's shards, bitsandbytes' quantization statistics: {size_said(max(per_rank))} a rank, "
+            "whole on every rank (no parameter, so FSDP2 does not shard them).")
 
 
 def graph_break_sentences(variants: dict) -> list[str]:
