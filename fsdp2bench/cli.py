@@ -71,12 +71,16 @@ class OneLineParser(argparse.ArgumentParser):
         return parsed, extras
 
     def refuse_blank_values(self, parsed: argparse.Namespace) -> None:
-        """A text value left empty (``--model ''``) would read as not given, its default taken in silence: refused,
-        as every other value an option cannot take is (a number, a choice: argparse's own line)."""
+        """A text value left empty (``--model ''``) would read as not given, its default taken in silence, and an
+        empty item of a list (``--lora_targets q_proj,,v_proj``) as not there: refused, as every other value an
+        option cannot take is (a number, a choice: argparse's own line)."""
         for action in self._actions:
             value = getattr(parsed, action.dest, None)
             if action.option_strings and isinstance(value, str) and not value.strip() and value != action.default:
                 self.error(f"{action.option_strings[0]}: an empty value (leave the option out for its default)")
+            if action.option_strings and isinstance(value, str) and "," in value and value != action.default and \
+                    not all(part.strip() for part in value.split(",")):  # a list's empty item, dropped, would hide a typo
+                self.error(f"{action.option_strings[0]} {value}: an empty item between commas")
 
     def dash_values_joined(self, argv: list[str]) -> list[str]:
         """An option's value that starts with a dash (``--links -1,50``) is its value, not a missing one: joined

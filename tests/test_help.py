@@ -128,6 +128,19 @@ def test_every_option_refuses_an_empty_value_rather_than_reading_it_as_not_given
             assert line is not None and action.option_strings[0] in line, (action.option_strings, value, line)
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_option_refuses_an_empty_item_of_a_list(script, monkeypatch):
+    """``--lora_targets q_proj,,v_proj`` trained q and v and said nothing of the name between the commas: a value
+    with an empty item between, before or after its commas is refused in one line naming the option (a text option
+    by the parser's own check, a number by its type)."""
+    takes_a_value = [a for a in options_of(parser_of(SCRIPTS[script], monkeypatch)) if a.option_strings and a.nargs is None]
+    monkeypatch.undo()
+    for action in takes_a_value:
+        for value in ("a,,b", ",a", "a,", " , "):
+            line = refusal(SCRIPTS[script].parse_args, [action.option_strings[0], value])
+            assert line is not None and action.option_strings[0] in line, (action.option_strings, value, line)
+
+
 def test_an_empty_model_is_refused_by_a_launch():
     proc = run_script(["main.py", "--device", "cpu", "--model", ""], nproc=None)
     assert proc.returncode == 2 and proc.stderr.strip() == \

@@ -589,8 +589,8 @@ def check_meta_variants(init_device: str, names: list[str]) -> None:
     others = [n for n in names if n != INIT_AFTER_SHARDING]
     if init_device == "meta" and others:
         raise UserError(f"--init_device meta: the model exists only as each rank's shards, so {', '.join(others)} "
-                        "(which take the whole model before sharding) cannot run; add --variants "
-                        f"{INIT_AFTER_SHARDING}")
+                        f"cannot run ({'each takes' if len(others) > 1 else 'it takes'} the whole model before "
+                        f"sharding); add --variants {INIT_AFTER_SHARDING}")
 
 
 def checked_launch(args: argparse.Namespace, world_size: int | None) -> Checked:
