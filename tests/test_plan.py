@@ -301,8 +301,11 @@ def test_a_cpu_plan_says_first_that_it_has_no_cap_and_stops_soon(tmp_path):
     proc = run_script(["plan.py", "--device", "cpu", "--world_size", "2", "--sets", "default", "--variants",
                        "torch_optimizer_after_fsdp", "--output_dir", str(tmp_path / "out")], nproc=None, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.startswith("A CPU plan has no memory cap") and "plan.py --world_size 8,64 --gpu_memory 24" in \
-        proc.stdout.split("\n\n")[0].replace("\n", " ")
+    said = " ".join(proc.stdout.split())
+    assert said.startswith("A CPU plan has no memory cap") and "A real answer needs a GPU: the same command there" in said
+    refused = run_script(["plan.py", "--device", "cpu", "--world_size", "2", "--peft", "lora", "--lora_targets", "foo",
+                          "--output_dir", str(tmp_path / "refused")], nproc=None)
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout  # the refusal is the one line
     answer, = load(tmp_path / "out" / "plan.json")["answers"]
     upper = load(tmp_path / "out" / "plan.json")["meta"]["upper_bound"]
     assert answer["largest"] == checks.CPU_UPPER["batch_size"] == upper

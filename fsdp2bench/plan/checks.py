@@ -295,11 +295,11 @@ def checked_plan(args: argparse.Namespace, common: Common) -> Checked:
     links = None if args.emulate_communication is None else \
         arguments.parse_emulation(args.emulate_communication, common.sizes)
     blocks, device = common.blocks, common.device
-    if device.type != "cuda":
-        say(f"A CPU plan has no memory cap: nothing runs out of memory there unless --inject_oom_above says so, so it "
-            f"finds no edge (each answer is its upper bound, {CPU_UPPER[args.find]} unless --upper_bound says) and "
-            f"only checks the search{'' if args.model else f', on the {CPU_DEFAULT_MODEL} model'}. A real answer "
-            f"needs a GPU: python3 plan.py --world_size 8,64 --gpu_memory 24")
+    cpu_said = device.type != "cuda" and (
+        f"A CPU plan has no memory cap: nothing runs out of memory there unless --inject_oom_above says so, so it "
+        f"finds no edge (each answer is its upper bound, {CPU_UPPER[args.find]} unless --upper_bound says) and only "
+        f"checks the search{'' if args.model else f', on the {CPU_DEFAULT_MODEL} model'}. A real answer needs a GPU: "
+        "the same command there, --gpu_memory the card you plan for.")
     args.model = common.model
     config = accelerate_config.read(args.config_file)
     base = base_options(args, config, common.tuning)
@@ -315,6 +315,8 @@ def checked_plan(args: argparse.Namespace, common: Common) -> Checked:
     sets, skipped = plannable_sets(args, base, sets, common, config, facts.config)
     check_host_fits(args, [(name, n, set_options(base, name)) for name in sets for n in common.sizes
                            if set_options(base, name).layout.fits(n)], variants, facts, device.type)
+    if cpu_said:  # after every check, so that a refusal is the launch's one line
+        say(cpu_said)
     return Checked(args=args, sets=sets, sizes=common.sizes, variants=variants, blocks=blocks, upper=upper,
                    facts=facts, cap=cap, skipped=skipped, base=base, config=config, links=links)
 
