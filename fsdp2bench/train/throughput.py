@@ -129,7 +129,8 @@ def unmeasured_reason(steps: int, warm: int, shared: int, timed: int, kind: str)
     if shared:
         return (f"{shared} of the {timed} {kind}steps after warm-up ran while another run was busy on the same "
                 f"device, leaving {timed - shared} clean, fewer than the {MIN_TIMED_STEPS} a median needs; "
-                "--concurrent_variants 1 runs one at a time")
+                "--concurrent_variants 1 runs this launch's variants one at a time, and a launch alone on the device "
+                "shares it with none")
     return f"{steps} step(s): a speed needs {warm} of warm-up and {MIN_TIMED_STEPS} more (--max_steps)"
 
 
