@@ -66,6 +66,16 @@ def test_the_bar_follows_the_spread_of_the_batches_not_a_constant():
     assert drop_threshold([[6.0 - 0.1 * i for i in range(12)]])["threshold"] < 1e-9
 
 
+def test_a_rise_within_the_spread_is_said_as_a_rise():
+    """A loss that rose, but less than the bar, once read "the loss fell -0.25%"."""
+    flat = noisy(12, 6.0, 0.0, 0.05, 3)
+    rising = [x + 0.001 * i for i, x in enumerate(flat)]
+    trained = run_checks(entries(rising, flat), "cpu")["intended_variants_trained"]
+    assert trained["ok"] is None and min(trained["loss_drop"].values()) < 0, trained
+    assert trained["skipped"].startswith("the loss rose ") and "steps would show whether it falls" in \
+        trained["skipped"], trained["skipped"]
+
+
 def test_a_fall_within_the_spread_is_skipped_with_the_steps_it_would_need():
     flat = noisy(12, 6.0, 0.0, 0.05, 3)
     slow = [x - 0.002 * i for i, x in enumerate(flat)]

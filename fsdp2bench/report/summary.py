@@ -326,9 +326,11 @@ def _trained_check(drops: dict, bar: dict | None, steps: int, diverged: bool) ->
     if any(d < -bar["threshold"] for d in drops.values()):
         return {"ok": False, **found, "reason": "the loss rose beyond the spread of its batches"}
     slowest = min(drops.values())
-    return {"ok": None, **found, "skipped": f"the loss fell {slowest:.2%}, within the spread of its batches "
+    moved, shown = (f"fell {slowest:.2%}", "would show it") if slowest >= 0 else \
+        (f"rose {-slowest:.2%}", "would show whether it falls")
+    return {"ok": None, **found, "skipped": f"the loss {moved}, within the spread of its batches "
                                             f"(the bar is {bar['threshold']:.2%}); about {steps_to_show(slowest, bar)} "
-                                            "steps would show it"}
+                                            f"steps {shown}"}
 
 
 def _not_trained_check(drop: float, bar: dict | None, steps: int, diverged: bool, trained: dict | None) -> dict:
