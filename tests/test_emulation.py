@@ -92,7 +92,7 @@ def test_tensor_parallel_collectives_are_counted_as_dtensor_issues_them(tmp_path
     assert step["all_reduce over 2 (DTensor)"] == {"calls": calls, "bytes": calls * activation,
                                          "emulated_s": pytest.approx(calls * (2e-6 + activation / 450e9))}  # 2 steps
     assert {"all_gather over 4", "reduce_scatter over 4"} <= set(step) and emulated["traced_in_compiled_graph"] == []
-    assert "all_reduce over 2 (DTensor) 14 calls" in said
+    assert "all_reduce over 2 (DTensor): 14 calls" in said
 
 
 def test_one_launch_emulates_every_other_step_and_gives_both_figures_labelled(tmp_path):

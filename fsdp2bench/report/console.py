@@ -287,7 +287,7 @@ def emulated_said(summary: dict) -> list[str]:
         emulated = (v.get("emulated") or [None])[0]
         if v["status"] != "ok" or not emulated:
             continue
-        kinds = "; ".join(f"{kind} {e['calls']:g} calls, {size_said(e['bytes'])}, {e['emulated_s'] * 1e3:.2f} ms"
+        kinds = "; ".join(f"{kind}: {e['calls']:g} calls, {size_said(e['bytes'])}, {e['emulated_s'] * 1e3:.2f} ms"
                           for kind, e in emulated["per_step"].items())
         how = "waited on the GPU" if emulated["waited_on_the_gpu"] else "priced only: on a CPU nothing waits"
         traced = emulated.get("traced_in_compiled_graph")
