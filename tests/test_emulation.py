@@ -73,7 +73,7 @@ def test_every_collective_of_a_step_is_counted_to_the_byte_the_projection_counts
     # Labelled: the speed on a CPU stays compute only (nothing waits there), the emulation says it only priced.
     assert entry["speed"]["compute_only"] and not entry["speed"]["emulated"] and not emulated["waited_on_the_gpu"]
     assert summary["meta"]["emulated_links"] == json.loads(json.dumps(vars(Links())))
-    assert "Emulated a step, N = 8 rank 0 after: all_gather over 4 5 calls" in said and "priced only" in said
+    assert "Emulated a step, N = 8 rank 0 after: all_gather over 4: 5 calls" in said and "priced only" in said
 
 
 def test_tensor_parallel_collectives_are_counted_as_dtensor_issues_them(tmp_path):
