@@ -343,7 +343,7 @@ def print_sweep_table(summary: dict) -> None:
     say("MiB: train = the allocator's peak over the optimizer steps (summary.json has the whole run's, building the "
         "model included); resv = reserved by the caching allocator, the set-up's cache given back before the "
         "first step. Then the state held at the step peak (after the last optimizer step): params, grads, optim "
-        "(AdamW state), stale (the optimizer's old full parameters); beyond = train minus that state (activations, "
+        "(the optimizer's state), stale (the old unsharded parameters the optimizer holds); beyond = train minus that state (activations, "
         "gathered parameters, buffers, the outputs the loop keeps). The check accounting_matches_expected compares "
         "every byte of the state, at every moment, with the FSDP2 sharding rule.", indent="     ")
     say(speed_said(summary, [v for *_, v in simulated_entries(summary["simulated"]) if v["status"] == "ok"]),
