@@ -84,9 +84,8 @@ def run(argv: list[str] | None = None) -> int:
     cores = arguments.build_threads()
     train = TrainConfig(seed=SEED, learning_rate=3e-5, log_interval=0.01, save_memory_snapshot=False,
                         tracker_overhead=False, inject_failure=None,
-                        init_device=args.init_device if session.device.type == "cuda" or args.init_device == "meta" else "cpu",
-                        build_threads=cores,
-                        compute_threads=max(1, cores // 4),
+                        init_device=args.init_device if session.device.type == "cuda" or args.init_device == "meta"
+                        else "cpu", build_threads=cores, compute_threads=max(1, cores // 4),
                         weights=weights.create() if args.init_device == "cpu" else None, quiet=True,
                         allocator_limit=checked.cap.allocator_bytes if checked.cap else None, links=checked.links)
     tokens = load_tokens(None, None, session.config.vocab_size)

@@ -76,10 +76,11 @@ class OneLineParser(argparse.ArgumentParser):
         option cannot take is (a number, a choice: argparse's own line)."""
         for action in self._actions:
             value = getattr(parsed, action.dest, None)
-            if action.option_strings and isinstance(value, str) and not value.strip() and value != action.default:
+            if not action.option_strings or not isinstance(value, str) or value == action.default:
+                continue
+            if not value.strip():
                 self.error(f"{action.option_strings[0]}: an empty value (leave the option out for its default)")
-            if action.option_strings and isinstance(value, str) and "," in value and value != action.default and \
-                    not all(part.strip() for part in value.split(",")):  # a list's empty item, dropped, would hide a typo
+            if not all(part.strip() for part in value.split(",")):  # a list's empty item, dropped, would hide a typo
                 self.error(f"{action.option_strings[0]} {value}: an empty item between commas")
 
     def dash_values_joined(self, argv: list[str]) -> list[str]:

@@ -133,7 +133,8 @@ def test_every_option_refuses_an_empty_item_of_a_list(script, monkeypatch):
     """``--lora_targets q_proj,,v_proj`` trained q and v and said nothing of the name between the commas: a value
     with an empty item between, before or after its commas is refused in one line naming the option (a text option
     by the parser's own check, a number by its type)."""
-    takes_a_value = [a for a in options_of(parser_of(SCRIPTS[script], monkeypatch)) if a.option_strings and a.nargs is None]
+    takes_a_value = [a for a in options_of(parser_of(SCRIPTS[script], monkeypatch))
+                     if a.option_strings and a.nargs is None]
     monkeypatch.undo()
     for action in takes_a_value:
         for value in ("a,,b", ",a", "a,", " , "):

@@ -302,7 +302,8 @@ def test_a_cpu_plan_says_first_that_it_has_no_cap_and_stops_soon(tmp_path):
                        "torch_optimizer_after_fsdp", "--output_dir", str(tmp_path / "out")], nproc=None, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     said = " ".join(proc.stdout.split())
-    assert said.startswith("A CPU plan has no memory cap") and "A real answer needs a GPU: the same command there" in said
+    assert said.startswith("A CPU plan has no memory cap")
+    assert "A real answer needs a GPU: the same command there" in said
     refused = run_script(["plan.py", "--device", "cpu", "--world_size", "2", "--peft", "lora", "--lora_targets", "foo",
                           "--output_dir", str(tmp_path / "refused")], nproc=None)
     assert refused.returncode == 2 and refused.stdout == "", refused.stdout  # the refusal is the one line

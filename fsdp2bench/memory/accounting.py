@@ -21,7 +21,8 @@ the unfixed variant's stale parameters and the unreduced gradients below are the
 for P there), while the parameters are the shards of the bf16 base and of the fp32 adapters, each padded in its own
 dtype; the frozen base holds its chunk and nothing else (``expected_frozen_bytes``). A QLoRA base's 4-bit weights are
 parameters of their packed shape (n elements: (n + 1) // 4 bf16 items), sharded like the others; bitsandbytes'
-quantization statistics beside them are no parameters and are not counted. torchao's low-bit optimizers
+quantization statistics beside them are no parameters: whole on every rank, measured apart from the state
+(``four_bit_statistics``). torchao's low-bit optimizers
 keep a moment of a local chunk in 1 byte an element (8-bit, fp8) or half a byte (4-bit), plus a fp32 scale a block
 and a lookup table, where the chunk is large enough (``tuning.moment_bytes``), and the plain moment elsewhere.
 

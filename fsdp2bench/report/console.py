@@ -55,8 +55,9 @@ def print_table(summary: dict) -> None:
         print(f"{name:{NAME_WIDTH}} " + " ".join(f"{cell(v):>{width}}" for _, width, cell, _ in columns))
     print(("MiB. alloc: the CUDA allocator's own peak; resv: its peak reserved; " if gpu else "MiB. ") +
           "RSS: the process's host memory (polled).\n"
-          "     Held by one rank after the last step: params (local shards), grads, optim (the optimizer's state), stale\n"
-          "     (tensors the optimizer holds that the model no longer uses). drop: fall of the loss from the first to the\n"
+          "     Held by one rank after the last step: params (local shards), grads, optim (the optimizer's state), "
+          "stale\n     (tensors the optimizer holds that the model no longer uses). drop: fall of the loss from the "
+          "first to the\n"
           "     last quarter of steps. summary.json has every figure per rank, the polled peaks and the phases.")
     say(speed_said(summary, [v for v in summary["variants"].values() if v["status"] == "ok"]), indent="     ")
     say(step_said(summary))
@@ -343,9 +344,10 @@ def print_sweep_table(summary: dict) -> None:
     say("MiB: train = the allocator's peak over the optimizer steps (summary.json has the whole run's, building the "
         "model included); resv = reserved by the caching allocator, the set-up's cache given back before the "
         "first step. Then the state held at the step peak (after the last optimizer step): params, grads, optim "
-        "(the optimizer's state), stale (the old unsharded parameters the optimizer holds); beyond = train minus that state (activations, "
-        "gathered parameters, buffers, the outputs the loop keeps). The check accounting_matches_expected compares "
-        "every byte of the state, at every moment, with the FSDP2 sharding rule.", indent="     ")
+        "(the optimizer's state), stale (the old unsharded parameters the optimizer holds); beyond = train minus "
+        "that state (activations, gathered parameters, buffers, the outputs the loop keeps). The check "
+        "accounting_matches_expected compares every byte of the state, at every moment, with the FSDP2 sharding "
+        "rule.", indent="     ")
     say(speed_said(summary, [v for *_, v in simulated_entries(summary["simulated"]) if v["status"] == "ok"]),
         indent="     ")
     for line in emulated_said(summary):

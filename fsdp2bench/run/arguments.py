@@ -101,10 +101,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the whole GPU)")
     p.add_argument("--init_device", choices=["cpu", "cuda", "meta"], default="cpu",
                    help="where the model is built: cpu (the upstream's path: fully_shard moves each rank's shard "
-                        "to the GPU; the weights are drawn once per rank on its share of the host's cores), cuda (built "
-                        "on the GPU, faster, but the GPU holds the whole model for a moment) or meta (no memory until "
-                        "sharded, then each rank draws only its shards: models larger than a GPU or the host, with "
-                        f"--variants {INIT_AFTER_SHARDING}) (default: cpu)")
+                        "to the GPU; the weights are drawn once per rank on its share of the host's cores), cuda "
+                        "(built on the GPU, faster, but the GPU holds the whole model for a moment) or meta (no memory "
+                        "until sharded, then each rank draws only its shards: models larger than a GPU or the host, "
+                        f"with --variants {INIT_AFTER_SHARDING}; with --peft each block drawn whole as it is sharded) "
+                        "(default: cpu)")
     add_simulation_options(p)
     add_fsdp_options(p)
     add_step_options(p)
