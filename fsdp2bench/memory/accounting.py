@@ -61,7 +61,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, UNFIXED
 from fsdp2bench.options import levers
-from fsdp2bench.options.fsdp import AUTOCAST, FP32, FULL_AC, NO_AC, SELECTIVE_AC, FsdpOptions
+from fsdp2bench.options.fsdp import AUTOCAST, FP32, FULL_AC, NO_AC, POLICY, SELECTIVE_AC, FsdpOptions
 from fsdp2bench.options.layout import Degrees, tensor_parallel_dim, tensor_parallel_plan
 from fsdp2bench.options.tuning import STEP_BYTES, state_bytes
 
@@ -442,6 +442,13 @@ def output_itemsize(options: FsdpOptions) -> int:
     then casts the root's outputs to its ``output_dtype``, bf16; under the policy the head computes in the
     bf16 parameter dtype; under LoRA the base, its head among it, is bf16 whatever the policy."""
     return 4 if options.mixed_precision_policy == FP32 and not options.tuning.adapters else 2
+
+
+def residual_itemsize(options: FsdpOptions) -> int:
+    """Bytes per element of the hidden states passed from block to block: the dtype of the embeddings' output, fp32
+    where the parameters are (autocast computes the matmuls in bf16, but their outputs are added to the fp32
+    stream), bf16 under the bf16-parameter policy and over a bf16 or 4-bit base."""
+    return 2 if options.mixed_precision_policy == POLICY or options.tuning.adapters else 4
 
 
 def reduce_dtype_bytes(options: FsdpOptions) -> int:

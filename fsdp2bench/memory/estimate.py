@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from fsdp2bench.cli import UserError
 from fsdp2bench.memory.accounting import (built_bytes, expected_device_bytes, expected_state, model_bytes,
-                                         output_itemsize)
+                                         output_itemsize, residual_itemsize)
 from fsdp2bench.names import GIB, MIB, PEAK_PHASES, UNFIXED, phases
 from fsdp2bench.options.fsdp import AUTOCAST, SELECTIVE_AC, FsdpOptions
 from fsdp2bench.options.step import logits_copies, logits_tokens
@@ -22,20 +22,28 @@ FIXED_MARGIN = 1 * GIB  # the CUDA context and cuBLAS workspaces
 # What a step holds on the GPU beyond its state and its tokens' activations and logits (``step_bytes``), as a
 # fraction of the model's bytes P as it holds them (fp32 for full fine-tuning; a LoRA base's bf16 and a QLoRA base's
 # packed 4 bits: with their fp32 bytes the estimate was 1.5 to 2.3 times the reserved peaks of the five LoRA and two
-# QLoRA runs of results/h100/fine_tuning, with these 1.3 to 1.4 times, still above each): gathered units and their
-# gradients, the allocator's cached blocks. On
-# one H200 (results/h200/matrix_1.5b, matrix_7b and parallel_7b: 259 rows, every option set, N = 1 to 128)
-# that came to at most 0.46 P for the 1.5B shape, 0.43 P for the 7B one and 0.58 P under its TP sets (tp2_cp2 at
-# N = 128), beside about 0.5 P more with blocks kept gathered after forward, 0.2 P more with fp32 gradient
-# reduction, 0.3 P more under CPU offload, 0.1 P more under TP; test_memory_model checks every row, and the long
-# sequences of results/h200/long_context_1.5b, where the activations are most of the peak.
+# QLoRA runs of results/h100/fine_tuning, with these 1.02 to 1.42 times, still above each; 1.28 to 1.39 times those
+# of Llama-3.1-70B QLoRA at N = 2 to 8, and 1.84 to 1.92 under CPU offload, of results/h100/qlora_70b): gathered
+# units and their gradients, the allocator's cached blocks. On one H200 (results/h200/matrix_1.5b, matrix_7b and
+# parallel_7b: 259 rows, every option set, N = 1 to 128) that came to at most 0.46 P for the 1.5B shape, 0.43 P for
+# the 7B one and 0.58 P under its TP sets (tp2_cp2 at N = 128), beside about 0.5 P more with blocks kept gathered
+# after forward, 0.2 P more with fp32 gradient reduction, 0.3 P more under CPU offload, 0.1 P more under TP;
+# test_memory_model checks every row, and the long sequences of results/h200/long_context_1.5b, where the
+# activations are most of the peak.
 BEYOND_STATE, NO_RESHARD, FP32_REDUCE, OFFLOADED = 0.6, 0.5, 0.2, 0.3
 TENSOR_PARALLEL = 0.1
-# What a token adds to a step's peak on one rank, beyond the logits: per block, bf16 activations of
-# about 16 hidden and 4 intermediate widths (4 hidden widths under activation checkpointing, the
-# blocks' inputs; none kept on the GPU when they are offloaded). Fitted to the allocated peaks of
-# plan.py's probes of the 1.5B model (one H200), then raised by ACTIVATION_MARGIN: an aim, not a limit.
-HIDDEN_WIDTHS, INTERMEDIATE_WIDTHS, CHECKPOINT_WIDTHS, ACTIVATION_MARGIN = 16, 4, 4, 1.1
+# What a token adds to a step's peak on one rank, beyond the logits, raised by ACTIVATION_MARGIN (an aim, not a
+# limit). Without checkpointing each block keeps about 16 hidden and 4 intermediate widths in bf16: fitted to the
+# allocated peaks of plan.py's probes of the 1.5B model (one H200). Under full checkpointing no constant is fitted: a
+# checkpointed block keeps its input, and the backward recomputes one block at a time, which then holds that rule's
+# whole. With the logits and the margin that is 2.33 MB a token on the 1.5B shape, 1.04 to 1.08 times the slopes its
+# `ac` probes measured (results/h200/plan_1.5b, results/h100/plan_1.5b); 2.54 MB on Llama-3.1-8B under LoRA, 1.22
+# times its probes' (results/h100/plan_fine_tuning_8b, 24 GB); 18.0 to 18.5 GiB of tokens at 32768 a rank under the
+# chunked and fused losses, where the blocks are most of a step, for 14.0 to 18.2 GiB held beyond the state
+# (results/h200/long_context_8b). Selective checkpointing keeps SELECTIVE_WIDTHS hidden widths a block beside what its
+# policy keeps (``selective_widths``): the 1.5B probes' earlier fit of full checkpointing, from which its difference
+# was measured on the 8B shape (results/h200/levers_8b).
+HIDDEN_WIDTHS, INTERMEDIATE_WIDTHS, SELECTIVE_WIDTHS, ACTIVATION_MARGIN = 16, 4, 4, 1.1
 HOST_RUNTIME = 2 * GIB  # one variant's process without its model (torch, transformers, accelerate)
 # Measured under cpu_offload (1.5B, one H200): RSS 29.2 GiB for 23.0 GiB of state on the host at N = 1,
 # 15.0 for 11.5 at N = 2: pinned buffers and the offload's staging come on top of the state.
@@ -85,22 +93,27 @@ def rank_logits_bytes(batch_size: int, block_size: int, config, options: FsdpOpt
 
 
 def activation_bytes_per_token(config, options: FsdpOptions) -> int:
-    """What one more token per microbatch adds to a step's peak on the GPU (``HIDDEN_WIDTHS``), its
-    activations in bf16 or, under fp32, twice that."""
-    itemsize = output_itemsize(options)  # the activations are in the dtype the model computes and returns
-    whole = HIDDEN_WIDTHS * config.hidden_size + INTERMEDIATE_WIDTHS * config.intermediate_size
-    if options.activation_checkpointing_offload:
-        widths = 0
-    elif options.activation_checkpointing == SELECTIVE_AC:
-        widths = CHECKPOINT_WIDTHS * config.hidden_size + selective_widths(config)
-    elif options.checkpoints:  # every K-th block keeps its input alone, the others all of theirs
-        checkpointed = config.num_hidden_layers // options.ac_every
-        widths = (checkpointed * CHECKPOINT_WIDTHS * config.hidden_size
-                  + (config.num_hidden_layers - checkpointed) * whole) / config.num_hidden_layers
-    else:
-        widths = whole
+    """What one more token per microbatch adds to a step's peak on the GPU: its blocks' activations
+    (``block_bytes_per_token``) and, under the model's loss, its logits, raised by ``ACTIVATION_MARGIN``."""
     logits = logits_copies(options.step) * microbatch_logits_bytes(1, 1, config) if options.step.builds_logits else 0
-    return int(ACTIVATION_MARGIN * (logits + config.num_hidden_layers * itemsize * widths))
+    return int(ACTIVATION_MARGIN * (logits + block_bytes_per_token(config, options)))
+
+
+def block_bytes_per_token(config, options: FsdpOptions) -> int:
+    """What the blocks hold of a token at the step's peak on the GPU. Without checkpointing each block all of its
+    activations (``HIDDEN_WIDTHS``, ``INTERMEDIATE_WIDTHS``, in the dtype the model computes and returns). Under full
+    checkpointing (every K-th block with ``ac_every``) a checkpointed block its input alone, in the dtype of the
+    residual stream, the others all of theirs, and, while the backward recomputes a checkpointed block, that one all
+    of its. Selective checkpointing: ``SELECTIVE_WIDTHS`` and what its policy keeps. Offloaded: none."""
+    itemsize, blocks = output_itemsize(options), config.num_hidden_layers
+    if options.activation_checkpointing_offload:
+        return 0
+    if options.activation_checkpointing == SELECTIVE_AC:
+        return blocks * itemsize * (SELECTIVE_WIDTHS * config.hidden_size + selective_widths(config))
+    whole = itemsize * (HIDDEN_WIDTHS * config.hidden_size + INTERMEDIATE_WIDTHS * config.intermediate_size)
+    checkpointed = blocks // options.ac_every if options.checkpoints else 0
+    recomputed = whole if checkpointed else 0
+    return checkpointed * residual_itemsize(options) * config.hidden_size + (blocks - checkpointed) * whole + recomputed
 
 
 def selective_widths(config) -> int:
