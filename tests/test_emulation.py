@@ -42,6 +42,24 @@ def test_a_ring_collective_costs_its_share_of_the_whole_plus_a_latency_a_step():
     assert a100.group_gbps(list(range(0, 32, 2))) == 100.0
 
 
+def test_a_functional_collectives_op_is_priced_by_its_whole_and_an_all_to_all_to_one_rank_as_a_send():
+    """What the emulation's kernel at each functional collective's op counts, from the op's own arguments: a gather
+    its input G times (a coalesced one, its inputs'), a reduction its input; an all-to-all its input, and one in
+    which the rank sends to one rank only (a permute: CP's ring) a send of it."""
+    import torch
+
+    from fsdp2bench.options.links import ALL_TO_ALL, SEND
+    from fsdp2bench.processes.emulation import functional_cost
+
+    piece, other = torch.empty(32, dtype=torch.bfloat16), torch.empty(16, dtype=torch.float32)
+    four = [0, 1, 2, 3]
+    assert functional_cost(ALL_GATHER, [piece], (piece, 4, "3"), four) == (ALL_GATHER, 4 * 64)
+    assert functional_cost(ALL_GATHER, [piece, other], ([piece, other], 4, "3"), four) == (ALL_GATHER, 4 * 128)
+    assert functional_cost(REDUCE_SCATTER, [piece], (piece, "sum", 4, "3"), four) == (REDUCE_SCATTER, 64)
+    assert functional_cost(ALL_TO_ALL, [piece], (piece, [8] * 4, [8] * 4, "3"), four) == (ALL_TO_ALL, 64)
+    assert functional_cost(ALL_TO_ALL, [piece], (piece, [0, 0, 32, 0], [0, 32, 0, 0], "3"), four) == (SEND, 64)
+
+
 def emulated_run(tmp_path, *extra: str) -> tuple[dict, str]:
     out = tmp_path / "out"
     proc = run_script(["main.py", "--model", "tiny", "--device", "cpu", "--simulate_world_size", "8", "--max_steps",

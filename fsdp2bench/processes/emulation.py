@@ -131,10 +131,10 @@ def named_group_ranks(group) -> list[int]:
     return group_ranks(dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) else group)
 
 
-def functional_cost(kind: str, args: tuple, ranks: list[int]) -> tuple[str, int]:
-    """The kind and whole of a functional collective's op called with ``args``. An all-to-all in which this rank
-    sends to one rank only (its input splits all 0 but one: a permute's, CP's ring) is that send."""
-    tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+def functional_cost(kind: str, tensors: list[torch.Tensor], args: tuple, ranks: list[int]) -> tuple[str, int]:
+    """The kind and whole of a functional collective's op called with ``args`` (its ``tensors`` first). An
+    all-to-all in which this rank sends to one rank only (its input splits all 0 but one: a permute's, CP's ring)
+    is that send."""
     whole = sum(_bytes(t) for t in tensors) * (len(ranks) if kind == ALL_GATHER else 1)
     if kind == ALL_TO_ALL and sum(1 for split in args[2] if split) == 1:
         return SEND, whole
@@ -162,14 +162,14 @@ def emulating(original: Callable, kind: str, whole: Callable[[tuple, dict], int]
 
 
 def emulating_op(op, kind: str, tally: Tally, clock: float | None) -> Callable:
-    """``op``'s kernel at the ADInplaceOrView key: its time on the current stream, then the op past this key. The
-    op runs below the key, so that a call it makes of itself (an AsyncCollectiveTensor input, waited and unwrapped,
-    calls the op again) is not counted twice; a call on fake tensors (a graph being traced) is not counted."""
+    """``op``'s kernel at the ADInplaceOrView key: its time on the current stream, then the op past this key, run
+    below it as torch's own kernels at this key run theirs. A call on fake tensors (a graph being traced) is not
+    counted."""
     def kernel(keyset, *args, **kwargs):
-        tensor = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
-        if not is_fake(tensor):
+        tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+        if tensors and not is_fake(tensors[0]):
             ranks = named_group_ranks(args[-1])
-            costed(*functional_cost(kind, args, ranks), ranks, tally, clock, DTENSOR)
+            costed(*functional_cost(kind, tensors, args, ranks), ranks, tally, clock, DTENSOR)
         with torch._C._AutoDispatchBelowADInplaceOrView():
             return op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs)
     return kernel
