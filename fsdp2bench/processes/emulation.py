@@ -4,31 +4,32 @@ Under the fake process group no collective moves data, so a simulated rank's ste
 collective the rank issues first costs its time on the GPU, as a sleep enqueued on the stream that is current where
 it is issued: FSDP2 issues its all-gathers on a stream of their own, ahead of the block that needs them, and its
 reduce-scatters behind the backward, so the real schedule decides how much of that time the compute hides, and the
-step's time is what FSDP2's overlap leaves. Two doors are watched: ``torch.distributed``'s functions (FSDP2's
-all-gathers and reduce-scatters, HSDP's all-reduce, broadcasts) and DTensor's functional collectives (TP's and CP's
-gathers, scatters, all-to-alls and ring sends, the all-reduce of a norm over sharded gradients), which go to the
-backend through ``torch.distributed._functional_collectives`` instead. The time is ``Links.collective_s`` over the
-group's own ranks (options/links.py). On a CPU nothing sleeps: the calls and bytes are counted, the seconds priced.
+step's time is what FSDP2's overlap leaves. Two doors are watched, one per kind of caller: ``torch.distributed``'s
+functions (FSDP2's all-gathers and reduce-scatters, HSDP's all-reduce, broadcasts), and the ops of DTensor's
+functional collectives (``torch.ops._c10d_functional``: TP's and CP's gathers, scatters, all-to-alls and ring
+sends, the all-reduce of a norm over sharded gradients). The second door is a kernel of each op at the dispatcher's
+ADInplaceOrView key, which every call of the op on real tensors passes before its backend's kernel: a call from
+Python (eager DTensor) and a call from a compiled graph's generated code alike, each once; the tracing that builds
+a graph passes it with fake tensors, and is not counted. The time is ``Links.collective_s`` over the group's own
+ranks (options/links.py). On a CPU nothing sleeps: the calls and bytes are counted, the seconds priced.
 
 Every other step is emulated (``emulates``): the compute alone and the step with its communication are timed in one
 process, the same allocator state and the same compiled graphs, which two launches (up to 6% apart on an H100, where
 the exposed communication was about 1% of a step) cannot compare.
 
-Not emulated: a functional collective inside a compiled graph runs from the graph, not through Python; it is counted
-once when the graph is traced and marked ``traced_in_compiled_graph`` (TP or CP with --compile). Real NCCL kernels'
-use of SMs, congestion and stragglers are not modelled.
+Not emulated: real NCCL kernels' use of SMs, congestion and stragglers; the point-to-point functional ops
+(pipelining's, which no layout of the suite issues).
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
+from torch._subclasses.fake_tensor import is_fake
 
 from fsdp2bench.options.links import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, DTENSOR, REDUCE_SCATTER, SEND,
                                       Links)
@@ -57,14 +58,17 @@ PATCHED: dict[str, tuple[str, Callable[[tuple, dict], int]]] = {
 }
 
 
-# DTensor's functional collectives -> (kind, how many times its first argument the whole is: G for a gather,
-# whose output is G inputs). Each takes its tensor first and a ``group`` (a group, its name, a mesh, a mesh and a
-# dimension, or ranks).
-FUNCTIONAL: dict[str, tuple[str, bool]] = {
-    "all_gather_single": (ALL_GATHER, True), "all_gather_tensor": (ALL_GATHER, True),
-    "reduce_scatter_single": (REDUCE_SCATTER, False), "reduce_scatter_tensor": (REDUCE_SCATTER, False),
-    "all_reduce": (ALL_REDUCE, False), "broadcast": (BROADCAST, False),
-    "all_to_all_single": (ALL_TO_ALL, False), "permute_tensor": (SEND, False),
+# The ops of DTensor's functional collectives -> the kind of ring each runs. Each takes its tensor (or list of
+# tensors) first and its group (a name, or the group) last; the whole a gather moves is its input G times, the
+# others' their input. An op this torch lacks is left alone (no one can call it).
+FUNCTIONAL: dict[str, str] = {
+    **dict.fromkeys(("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced"),
+                    ALL_GATHER),
+    **dict.fromkeys(("reduce_scatter_tensor", "reduce_scatter_tensor_out", "reduce_scatter_tensor_coalesced"),
+                    REDUCE_SCATTER),
+    **dict.fromkeys(("all_reduce", "all_reduce_", "all_reduce_coalesced", "all_reduce_coalesced_"), ALL_REDUCE),
+    **dict.fromkeys(("broadcast", "broadcast_"), BROADCAST),
+    "all_to_all_single": ALL_TO_ALL,
 }
 
 
@@ -81,7 +85,6 @@ class Tally:
     links: Links
     waited: bool  # the time was waited on the GPU; on a CPU it is only priced
     kinds: dict[str, dict] = field(default_factory=dict)
-    traced_in_compiled_graph: set[str] = field(default_factory=set)  # counted at tracing only: see the docstring
     on: bool = False  # the step running is emulated: its collectives wait and are counted (``step_starts``)
     steps: int = 0  # the steps emulated so far
 
@@ -102,8 +105,7 @@ class Tally:
         steps = self.steps
         return {"links": vars(self.links), "emulated_steps": steps, "waited_on_the_gpu": self.waited,
                 "per_step": {kind: {k: v / steps for k, v in entry.items()} for kind, entry in self.kinds.items()},
-                "emulated_s_per_step": sum(e["emulated_s"] for e in self.kinds.values()) / steps,
-                "traced_in_compiled_graph": sorted(self.traced_in_compiled_graph)}
+                "emulated_s_per_step": sum(e["emulated_s"] for e in self.kinds.values()) / steps}
 
 
 def cycles_per_second(device: torch.device) -> float:
@@ -124,16 +126,19 @@ def group_ranks(group) -> list[int]:
     return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
 
 
-def functional_ranks(group) -> list[int]:
-    """The ranks of a functional collective's ``group``, in any of the forms it takes."""
-    if isinstance(group, (list, tuple)) and group and all(isinstance(r, int) for r in group):
-        return list(group)
-    if isinstance(group, tuple):  # (mesh, dimension)
-        mesh, dim = group
-        return group_ranks(mesh.get_group(dim))
-    if isinstance(group, str):
-        return group_ranks(dist.distributed_c10d._resolve_process_group(group))
-    return group_ranks(group.get_group() if hasattr(group, "get_group") else group)
+def named_group_ranks(group) -> list[int]:
+    """The ranks of a functional collective's group, as its op takes it: the group's name, or the group."""
+    return group_ranks(dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) else group)
+
+
+def functional_cost(kind: str, tensors: list[torch.Tensor], args: tuple, ranks: list[int]) -> tuple[str, int]:
+    """The kind and whole of a functional collective's op called with ``args`` (its ``tensors`` first). An
+    all-to-all in which this rank sends to one rank only (its input splits all 0 but one: a permute's, CP's ring)
+    is that send."""
+    whole = sum(_bytes(t) for t in tensors) * (len(ranks) if kind == ALL_GATHER else 1)
+    if kind == ALL_TO_ALL and sum(1 for split in args[2] if split) == 1:
+        return SEND, whole
+    return kind, whole
 
 
 def costed(kind: str, size: int, ranks: list[int], tally: Tally, clock: float | None, tag: str = "") -> None:
@@ -156,20 +161,18 @@ def emulating(original: Callable, kind: str, whole: Callable[[tuple, dict], int]
     return call
 
 
-def emulating_functional(original: Callable, kind: str, gathers: bool, tally: Tally,
-                         clock: float | None) -> Callable:
-    """The same for a functional collective; inside a graph being compiled it is only noted (see the docstring)."""
-    signature = inspect.signature(original)
-
-    def call(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs).arguments
-        tensor, ranks = next(iter(bound.values())), functional_ranks(bound["group"])
-        if torch.compiler.is_compiling() or torch._guards.detect_fake_mode(tensor) is not None:
-            tally.traced_in_compiled_graph.add(kind)
-        else:
-            costed(kind, _bytes(tensor) * (len(ranks) if gathers else 1), ranks, tally, clock, DTENSOR)
-        return original(*args, **kwargs)
-    return call
+def emulating_op(op, kind: str, tally: Tally, clock: float | None) -> Callable:
+    """``op``'s kernel at the ADInplaceOrView key: its time on the current stream, then the op past this key, run
+    below it as torch's own kernels at this key run theirs. A call on fake tensors (a graph being traced) is not
+    counted."""
+    def kernel(keyset, *args, **kwargs):
+        tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+        if tensors and not is_fake(tensors[0]):
+            ranks = named_group_ranks(args[-1])
+            costed(*functional_cost(kind, tensors, args, ranks), ranks, tally, clock, DTENSOR)
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs)
+    return kernel
 
 
 def patched(module, name: str, wrapper: Callable) -> Callable:
@@ -181,23 +184,26 @@ def patched(module, name: str, wrapper: Callable) -> Callable:
 
 @contextlib.contextmanager
 def emulated(links: Links | None, device: torch.device) -> Iterator[Tally | None]:
-    """While the block runs, every collective of ``PATCHED`` costs its time (nothing where ``links`` is None)."""
+    """While the block runs, every collective of ``PATCHED`` and ``FUNCTIONAL`` costs its time (nothing where
+    ``links`` is None)."""
     if links is None:
         yield None
         return
     clock = cycles_per_second(device) if device.type == "cuda" else None
     tally = Tally(links, waited=clock is not None)
-    originals: list[tuple[object, str, Callable]] = []
+    originals: list[tuple[str, Callable]] = []
+    ops = torch.library.Library("_c10d_functional", "IMPL")  # its kernels go when it is destroyed
     try:
         for name, (kind, whole) in PATCHED.items():
             if hasattr(dist, name):
-                originals.append((dist, name, patched(dist, name, lambda f, k=kind, w=whole: emulating(
+                originals.append((name, patched(dist, name, lambda f, k=kind, w=whole: emulating(
                     f, k, w, tally, clock))))
-        for name, (kind, gathers) in FUNCTIONAL.items():
-            if hasattr(funcol, name):
-                originals.append((funcol, name, patched(funcol, name, lambda f, k=kind, g=gathers: (
-                    emulating_functional(f, k, g, tally, clock)))))
+        for name, kind in FUNCTIONAL.items():
+            if hasattr(torch.ops._c10d_functional, name):
+                op = getattr(torch.ops._c10d_functional, name).default
+                ops.impl(name, emulating_op(op, kind, tally, clock), "ADInplaceOrView", with_keyset=True)
         yield tally
     finally:
-        for module, name, original in reversed(originals):
-            setattr(module, name, original)
+        ops._destroy()
+        for name, original in reversed(originals):
+            setattr(dist, name, original)

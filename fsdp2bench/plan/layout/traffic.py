@@ -19,8 +19,7 @@ node across nodes). Left out: a tied head's TP gather, latency and the ring's st
 caller combines by a stated rule), congestion, stragglers. FSDP2's and HSDP's collectives are the ones whose
 overlap a timing's emulation measures (``Collective.emulated``: FSDP2 issues them on streams of its own); TP's and
 CP's go through DTensor's functional collectives, issued and waited on the compute stream (the emulation counts
-them apart, and not at all inside a compiled graph), so they are projected here and added whole. No torch: the
-planner imports it.
+them apart, eager or compiled), so they are projected here and added whole. No torch: the planner imports it.
 """
 
 from __future__ import annotations
