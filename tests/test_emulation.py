@@ -10,6 +10,7 @@ import statistics
 import pytest
 from conftest import load, refusal, run_script
 
+from fsdp2bench.options.fsdp import FsdpOptions
 from fsdp2bench.options.links import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Links, parse_links
 from fsdp2bench.run import arguments
 
@@ -94,28 +95,34 @@ def test_every_collective_of_a_step_is_counted_to_the_byte_the_projection_counts
     assert "Emulated a step, N = 8 rank 0 after: all_gather over 4: 5 calls" in said and "priced only" in said
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_tensor_parallel_collectives_are_counted_as_dtensor_issues_them_eager_or_compiled(tmp_path, compiled):
+@pytest.mark.parametrize("checkpointing, compiled", [("none", False), ("none", True), ("full", False),
+                                                     ("selective", False)])
+def test_tensor_parallel_collectives_are_counted_as_dtensor_issues_them_eager_or_compiled(tmp_path, checkpointing,
+                                                                                          compiled):
     """TP 2 beside 4 shards: DTensor's functional all-reduces (each rowwise layer's output in forward, each colwise
     layer's input gradient in backward) pass through the emulation with the activations' bytes, as many as the
     layout search's projection prices, each once; FSDP2's gathers and reductions stay counted beside them. Under
     --compile the compiled blocks' graphs call the same collectives, and each emulated step counts them all, the
-    same calls and bytes (the tracing that builds the graphs counts none)."""
-    from fsdp2bench.plan.layout.traffic import tensor_parallel_all_reduces
+    same calls and bytes (the tracing that builds the graphs counts none). A block recomputed under full or
+    selective checkpointing all-reduces its attention's output again, and the projection counts it."""
+    from fsdp2bench.plan.layout.traffic import recomputed_blocks, tensor_parallel_all_reduces
     from fsdp2bench.run.session import model_facts
 
-    summary, said = emulated_run(tmp_path, "--tp_size", "2", *(("--compile", "--max_steps", "6") if compiled else ()))
+    summary, said = emulated_run(tmp_path, "--tp_size", "2", "--activation_checkpointing", checkpointing,
+                                 *(("--compile", "--max_steps", "6") if compiled else ()))
     emulated, = summary["simulated"]["8"]["0"]["torch_optimizer_after_fsdp"]["emulated"]
     step, config = emulated["per_step"], model_facts("tiny", 421).config
-    calls = tensor_parallel_all_reduces(config, full_ac=False)
+    options = FsdpOptions(activation_checkpointing=checkpointing)
+    calls = tensor_parallel_all_reduces(config, recomputed_blocks(config, options))
     activation = summary["meta"]["per_optimizer_step"]["tokens_per_rank"] * config.hidden_size * 2  # bf16
-    assert calls == 7 * config.num_hidden_layers  # o and down forward; q, k, v, gate and up backward
+    # o and down forward; q, k, v, gate and up backward; o again in a recomputed forward
+    assert calls == (7 if checkpointing == "none" else 8) * config.num_hidden_layers
     assert emulated["emulated_steps"] == (3 if compiled else 2)
     assert step["all_reduce over 2 (DTensor)"] == {"calls": calls, "bytes": calls * activation,
                                                    "emulated_s": pytest.approx(calls * (2e-6 + activation / 450e9))}
     assert step["all_gather over 4"]["calls"] == 5 and step["reduce_scatter over 4"]["calls"] == 3
     assert set(step) == {"all_gather over 4", "reduce_scatter over 4", "all_reduce over 2 (DTensor)"}
-    assert "all_reduce over 2 (DTensor): 14 calls" in said
+    assert f"all_reduce over 2 (DTensor): {calls} calls" in said
 
 
 def test_one_launch_emulates_every_other_step_and_gives_both_figures_labelled(tmp_path):
