@@ -11,8 +11,8 @@ moved by what the memory model says they hold more or less; every other candidat
 nearest timing's FLOP/s. A candidate's step is its compute plus the share of its communication left exposed: its own
 timing's share where its layout and shapes ran, else the share the timed layouts of its shape (which axes are split)
 left exposed, else that of every timed layout (*estimated*). Its communication is what the emulation counted where
-its layout ran, else the projection over the link table (``traffic.py``); TP's and CP's collectives are not emulated
-and add whole. Beside it, two bounds: compute plus all the communication (no overlap) and the larger of the two (full
+its layout ran, else the projection over the link table (``traffic.py``); TP's and CP's collectives are projected and
+add whole (the emulation waits them on the compute stream, so a timing's exposed share leaves them out). Beside it, two bounds: compute plus all the communication (no overlap) and the larger of the two (full
 overlap). On a CPU nothing waits: the emulated step is compute plus the communication priced, no overlap, and said
 so. Candidates rank by the step; the rows on top are timed until the first few are measured. Every figure is
 labelled where it is written.
