@@ -165,7 +165,7 @@ def one_run(traces: dict, run_id: str | None, described_by: str, directory: str)
     if left_out:
         which = f"the run {described_by} describes ({run_id})" if run_id else "the run that started last"
         print(f"note: left out {left_out} trace file(s) of other runs in {directory}; plotting only {which}"
-              + ("" if kept else f", which has none here"))
+              + ("" if kept else ", which has none here"))
     return kept
 
 
