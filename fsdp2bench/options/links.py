@@ -35,12 +35,14 @@ RING_WHOLES = {ALL_GATHER: 1, REDUCE_SCATTER: 1, ALL_REDUCE: 2, BROADCAST: 1, AL
 @dataclass(frozen=True)
 class Links:
     """GB/s (1e9 bytes) per direction per GPU within a node of ``node_size`` GPUs and per NIC across nodes, and the
-    latency of one ring step in microseconds. The defaults: 8-GPU H100 or H200 SXM nodes, one 400 Gb/s NIC a GPU."""
+    latency of one ring step in microseconds; the CTAs (NCCL's channels) a collective's kernel holds. The defaults: 8-GPU
+    H100 or H200 SXM nodes, one 400 Gb/s NIC a GPU, 16 channels (what NCCL's logs show on such nodes)."""
     node_size: int = 8
     within_gbps: float = 450.0
     across_gbps: float = 50.0
     latency_within_us: float = 1.0
     latency_across_us: float = 5.0
+    channels: int = 16  # CTAs a collective's kernel holds on the GPU while it runs (0: none, a sleep)
 
     def group_gbps(self, ranks: Sequence[int]) -> float:
         """A ring over ``ranks``: NVLink inside one node; across nodes one rail per member of the group in the node
@@ -66,7 +68,16 @@ class Links:
         if kind == SEND:
             return whole_bytes / (self.group_gbps(ranks) * 1e9) + latency
         steps = (g - 1) * RING_WHOLES[kind]
-        return RING_WHOLES[kind] * (g - 1) / g * whole_bytes / (self.group_gbps(ranks) * 1e9) + steps * latency
+        return wire_bytes(kind, whole_bytes, g) / (self.group_gbps(ranks) * 1e9) + steps * latency
+
+
+def wire_bytes(kind: str, whole_bytes: int, group: int) -> float:
+    """The bytes a ring collective moves into each of ``group`` ranks (a send: the whole, once)."""
+    if group <= 1:
+        return 0.0
+    if kind == SEND:
+        return float(whole_bytes)
+    return RING_WHOLES[kind] * (group - 1) / group * whole_bytes
 
 
 @functools.cache
@@ -119,6 +130,9 @@ def links_from_file(path: str, flag: str) -> Links:
     return checked_links(links, f"{flag} {path}")
 
 
+MAX_CHANNELS = 64  # NCCL's own ceiling (NCCL_MAX_NCHANNELS) is 32 on Hopper; a bound, not a recommendation
+
+
 def checked_links(links: Links, said: str) -> Links:
     rates = (links.within_gbps, links.across_gbps, links.latency_within_us, links.latency_across_us)
     good = [isinstance(links.node_size, int) and not isinstance(links.node_size, bool) and links.node_size >= 1,
@@ -127,6 +141,10 @@ def checked_links(links: Links, said: str) -> Links:
     if not all(good):
         raise UserError(f"{said}: node_size must be a positive integer, each GB/s a positive number and each "
                         f"latency a number of microseconds, got {asdict(links)}")
+    if not (isinstance(links.channels, int) and not isinstance(links.channels, bool)
+            and 0 <= links.channels <= MAX_CHANNELS):
+        raise UserError(f"{said}: channels must be a whole number from 0 to {MAX_CHANNELS} (the CTAs a collective "
+                        f"holds; 0: none), got {links.channels!r}")
     return links
 
 

@@ -290,7 +290,8 @@ def emulated_said(summary: dict) -> list[str]:
             continue
         kinds = "; ".join(f"{kind}: {e['calls']:g} calls, {size_said(e['bytes'])}, {e['emulated_s'] * 1e3:.2f} ms"
                           for kind, e in emulated["per_step"].items())
-        how = "waited on the GPU" if emulated["waited_on_the_gpu"] else "priced only: on a CPU nothing waits"
+        how = (f"waited on the GPU as {emulated.get('waited_as') or 'a sleep'}" if emulated["waited_on_the_gpu"]
+               else "priced only: on a CPU nothing waits")
         lines.append(f"Emulated a step, N = {n} rank {rank} {short_name(name)}: {kinds or 'no collective'}; "
                      f"{emulated['emulated_s_per_step'] * 1e3:.2f} ms of communication in all ({how}). "
                      + one_launch_said((v.get("speed") or {}).get("emulation")))
