@@ -253,6 +253,8 @@ def test_bad_links_are_one_line(argv, message, tmp_path):
     ({"node_size": 0, "within_gbps": 450, "across_gbps": 50}, "node_size must be a positive integer"),
     ({"node_size": 8, "within_gbps": 450, "across_gbps": 50, "rails": 4}, "not a JSON object"),
     ({"node_size": 3, "within_gbps": 450, "across_gbps": 50}, "nodes of 3 GPUs do not make up N = 8"),
+    *(({"node_size": 8, "within_gbps": 450, "across_gbps": 50, "channels": bad}, "channels must be a whole number "
+       "from 0 to 64") for bad in (-1, 65, 1.5, True, "16", None)),
 ])
 def test_a_links_file_is_checked_field_by_field(fields, message, tmp_path):
     path = tmp_path / "links.json"
@@ -260,3 +262,26 @@ def test_a_links_file_is_checked_field_by_field(fields, message, tmp_path):
     line = refusal(arguments.validate, ["--model", "tiny", "--device", "cpu", "--output_dir", str(tmp_path / "o"),
                                         "--simulate_world_size", "8", "--emulate_communication", str(path)])
     assert line is not None and message in line, line
+
+
+def test_the_bytes_a_ring_moves_into_each_rank():
+    """What the held wait reads and writes: (G-1)/G of the whole for a gather or a scatter, twice that for an
+    all-reduce, the whole for a send, nothing in a group of one."""
+    from fsdp2bench.options.links import wire_bytes
+
+    assert wire_bytes("all_gather", 800, 8) == 700 and wire_bytes("reduce_scatter", 800, 8) == 700
+    assert wire_bytes("all_reduce", 800, 8) == 1400 and wire_bytes("send", 800, 8) == 800
+    assert wire_bytes("all_reduce", 800, 1) == 0
+
+
+def test_the_held_wait_moves_bytes_through_a_tensors_own_storage_as_words():
+    """32-bit words where the size allows, bytes where it does not; nothing through a tensor that is not one block
+    (the wait then only holds its CTAs)."""
+    import torch
+
+    from fsdp2bench.processes.hold import word_view
+
+    words = word_view(torch.zeros(6, dtype=torch.bfloat16))
+    assert words.dtype == torch.int32 and words.numel() == 3
+    assert word_view(torch.zeros(3, dtype=torch.bfloat16)).dtype == torch.uint8
+    assert word_view(torch.zeros(4, 4).t()) is None and word_view(torch.zeros(0)) is None
