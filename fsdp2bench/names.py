@@ -81,3 +81,12 @@ def seconds_said(seconds: float) -> str:
     if seconds >= 1e-4:
         return f"{seconds * 1e3:.3g} ms"
     return f"{seconds * 1e6:.3g} us"
+
+
+def counted(n: float, noun: str, plural: str | None = None) -> str:
+    """A count with its noun in the number it takes ("1 answer", "0 answers", "2 shared processes", "1.5 calls");
+    ``plural`` where the noun does not take -s or -es."""
+    number = f"{n:g}" if isinstance(n, float) else str(n)
+    if n == 1:
+        return f"{number} {noun}"
+    return f"{number} {plural or noun + ('es' if noun.endswith(('s', 'x', 'ch', 'sh')) else 's')}"

@@ -210,9 +210,9 @@ def test_a_figure_not_measured_for_shared_steps_counts_the_steps_its_median_was_
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--max_steps", "4"], "4 step(s) leave 1 compute-only and 2 emulated step(s) after the warm-up (step 0); "
+    (["--max_steps", "4"], "4 steps leave 1 compute-only and 2 emulated steps after the warm-up (step 0); "
                            "emulating every other step, each needs 2: --max_steps 5 or more (and the data for them)"),
-    (["--max_steps", "5", "--compile"], "5 step(s) leave 2 compute-only and 1 emulated step(s) after the warm-up "
+    (["--max_steps", "5", "--compile"], "5 steps leave 2 compute-only and 1 emulated step after the warm-up "
                                         "(steps 0 and 1, which compile); emulating every other step, each needs 2: "
                                         "--max_steps 6 or more (and the data for them)"),
 ])

@@ -16,7 +16,7 @@ from conftest import load, refusal, run_script, start_script
 import plan
 import utils
 from fsdp2bench.memory.estimate import GpuCap
-from fsdp2bench.names import GIB, MIB
+from fsdp2bench.names import GIB, MIB, counted
 from fsdp2bench.options import accelerate_config
 from fsdp2bench.options.fsdp import FsdpOptions
 from fsdp2bench.options.layout import Degrees
@@ -446,7 +446,7 @@ def test_a_timing_beside_other_runs_is_taken_again_and_never_decides_the_ranking
     assert winner.candidate.degrees == Degrees(replicate=1, shard=8) and winner.speed["compute_clean"]
     assert winner.speed["optimizer_s"] == pytest.approx(0.05)
     said = report.unclean_said(timings)
-    assert said.startswith("2 of 3 timing(s) not clean (steps shared with another run)") and "never the winner" in said
+    assert said.startswith("2 of 3 timings not clean (steps shared with another run)") and "never the winner" in said
     path = report.write_search(found, setup, [], timings, {}, None)
     assert load(path)["meta"]["unclean_timings"] == said
 
@@ -663,7 +663,8 @@ def test_a_signal_during_the_timings_ends_in_one_line_and_ranks_what_they_measur
     result = load(out / "plan.json")
     ended = result["meta"]["timings"]
     assert proc.returncode == 130 and stderr.strip().splitlines() == [
-        f"Interrupted ({signal.Signals(signum).name}); the {ended} timing(s) that ended are ranked in "
+        f"Interrupted ({signal.Signals(signum).name}); the {counted(ended, 'timing')} that ended "
+        f"{'is' if ended == 1 else 'are'} ranked in "
         f"{out / 'plan.json'}"], stderr
     assert result["meta"]["interrupted"] is True and ended >= 1
     assert any(c["speed"] and c["speed"]["compute_measured"] for c in result["candidates"])

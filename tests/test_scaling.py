@@ -38,7 +38,7 @@ def accumulated(tmp_path_factory) -> dict[str, dict]:
         out = tmp_path_factory.mktemp(f"sync_each_batch_{way}")
         proc = run_script(["main.py", *ACCUMULATE, "--sync_each_batch", way, "--output_dir", str(out)])
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert "12 steps of 2 microbatches on 2 rank(s)" in proc.stdout
+        assert "12 steps of 2 microbatches on 2 ranks" in proc.stdout
         runs[way] = load(out / "summary.json")
     return runs
 

@@ -18,7 +18,7 @@ from fsdp2bench.files import check_output_dir, digest_of, is_ours, path_kind, re
 from fsdp2bench.memory import estimate
 from fsdp2bench.memory.accounting import built_bytes
 from fsdp2bench.memory.estimate import host_bytes
-from fsdp2bench.names import GIB, VARIANTS
+from fsdp2bench.names import GIB, VARIANTS, counted
 from fsdp2bench.options import accelerate_config, levers as lever_checks, fsdp as options, tuning
 from fsdp2bench.options.layout import Layout
 from fsdp2bench.options.links import Links, check_nodes_fit, parse_links
@@ -451,8 +451,8 @@ def checked_search(args: argparse.Namespace, common: Common) -> CheckedSearch:
     layouts, refused = layouts_of(world_size, facts.config, block, device.type, common.tuning)
     splits = sorted({d.data_ranks for d in layouts}, reverse=True)
     if not any(sequences % ranks == 0 for ranks in splits):
-        raise UserError(f"--global_batch {sequences} sequences: no layout of N = {world_size} splits it evenly "
-                        f"(their data-parallel ranks, {', '.join(map(str, splits))}, each leave a remainder)")
+        raise UserError(f"--global_batch {counted(sequences, 'sequence')}: no layout of N = {world_size} splits it "
+                        f"evenly (their data-parallel ranks, {', '.join(map(str, splits))}, each leave a remainder)")
     cap = estimate.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
     args.init_device = build_device(args.init_device, facts.shapes, cap, [VARIANTS[0]])
     setup = SearchInputs(model=common.model, world_size=world_size, block=block, global_sequences=sequences,

@@ -4,7 +4,7 @@ the checks, and why a run failed; every figure is summary.json's (summary.py).""
 from __future__ import annotations
 
 from fsdp2bench.cli import say
-from fsdp2bench.names import INTENDED, MIB, MICROBATCH_PHASE, UNFIXED, short_name, size_said
+from fsdp2bench.names import INTENDED, MIB, MICROBATCH_PHASE, UNFIXED, counted, short_name, size_said
 from fsdp2bench.options.layout import AXES
 from fsdp2bench.options.step import MODEL, UPSTREAM
 from fsdp2bench.options.tuning import LORA, NO_PEFT, QLORA, TUNING_DEFAULTS
@@ -44,7 +44,7 @@ NAME_WIDTH = 37  # the longest run name
 def print_table(summary: dict) -> None:
     world, gpu = summary["meta"]["world_size"], summary["meta"]["device"] == "cuda"
     columns = [c for c in TABLE_COLUMNS if gpu or not c[3]]
-    print(f"\nResults over {world} rank(s); memory columns are the maximum over ranks.")
+    print(f"\nResults over {counted(world, 'rank')}; memory columns are the maximum over ranks.")
     header = f"{'variant':{NAME_WIDTH}} " + " ".join(f"{title:>{width}}" for title, width, _, _ in columns)
     print(header)
     print("-" * len(header))
@@ -243,7 +243,7 @@ def graph_break_sentences(variants: dict) -> list[str]:
                   and nesting.index("compiled") < nesting.index("fully_shard"))
         why = (": FSDP2's hooks run inside the compiled call, and dynamo does not trace them (a checkpoint around "
                "them then runs whole and uncompiled)" if inside else "")
-        out.append(f"{name}: {breaks} graph break(s) while compiling; its block is nested "
+        out.append(f"{name}: {counted(breaks, 'graph break')} while compiling; its block is nested "
                    f"{' > '.join(nesting)}{why}. summary.json's applied.block_nesting has each variant's.")
     return out
 
@@ -268,8 +268,9 @@ def accumulation_sentences(summary: dict) -> list[str]:
         return []
     mesh = step.get("mesh") or {}
     layout = " x ".join(f"{mesh[axis]} {axis}" for axis in AXES if mesh.get(axis, 1) > 1 and axis != "dp_shard")
-    out = [f"One optimizer step: {step['microbatches']} microbatches, {step['sequences_per_rank']} sequences and "
-           f"{step['tokens_per_rank']} tokens per rank, {step.get('tokens', 'n/a')} tokens in all"
+    out = [f"One optimizer step: {counted(step['microbatches'], 'microbatch')}, "
+           f"{counted(step['sequences_per_rank'], 'sequence')} and {counted(step['tokens_per_rank'], 'token')} per "
+           f"rank, {step.get('tokens', 'n/a')} tokens in all"
            + (f", on {mesh['dp_shard']} dp_shard x {layout}" if layout else "") + "."]
     held = {name: worst_rank(v, MICROBATCH_PHASE) for name, v in summary["variants"].items()
             if v.get("status") == "ok" and MICROBATCH_PHASE in v["accounting"][0]}
@@ -288,8 +289,8 @@ def emulated_said(summary: dict) -> list[str]:
         emulated = (v.get("emulated") or [None])[0]
         if v["status"] != "ok" or not emulated:
             continue
-        kinds = "; ".join(f"{kind}: {e['calls']:g} calls, {size_said(e['bytes'])}, {e['emulated_s'] * 1e3:.2f} ms"
-                          for kind, e in emulated["per_step"].items())
+        kinds = "; ".join(f"{kind}: {counted(e['calls'], 'call')}, {size_said(e['bytes'])}, "
+                          f"{e['emulated_s'] * 1e3:.2f} ms" for kind, e in emulated["per_step"].items())
         how = "waited on the GPU" if emulated["waited_on_the_gpu"] else "priced only: on a CPU nothing waits"
         lines.append(f"Emulated a step, N = {n} rank {rank} {short_name(name)}: {kinds or 'no collective'}; "
                      f"{emulated['emulated_s_per_step'] * 1e3:.2f} ms of communication in all ({how}). "
@@ -321,7 +322,7 @@ def half_said(half: dict) -> str:
 def print_sweep_table(summary: dict) -> None:
     sim = summary["meta"]["simulated"]
     say(f"\nSimulated world sizes ({summary['meta']['model']}): one process played each rank shown, on a fake "
-        f"process group (real allocations, no communication); {sim['steps']} steps per run. "
+        f"process group (real allocations, no communication); {counted(sim['steps'], 'step')} per run. "
         f"{step_said(summary)}")
     header = (f"{'N':>4} {'rank':>4} {'variant':{NAME_WIDTH}} {'train':>8} {'resv':>6} {'tok/s':>8} {'MFU':>6} "
               f"{'params':>7} {'grads':>7} {'optim':>7} {'stale':>7} {'beyond':>7}")

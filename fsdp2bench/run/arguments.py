@@ -16,7 +16,7 @@ import torch
 from fsdp2bench.cli import OneLineParser, UserError, check_ranges, gpu_memory_gib, parse_names, pick_device
 from fsdp2bench.files import check_output_dir, expect_path, looks_like_a_path, refuse_foreign
 from fsdp2bench.memory import estimate
-from fsdp2bench.names import VARIANTS, rank_file
+from fsdp2bench.names import VARIANTS, counted, rank_file
 from fsdp2bench.options import accelerate_config, levers, fsdp as options, step, tuning
 from fsdp2bench.options.layout import CP_STRATEGIES, Layout
 from fsdp2bench.options.links import Links, check_nodes_fit, parse_links
@@ -556,9 +556,10 @@ def check_alternating_steps(steps: int, compiled: bool) -> None:
     if min(compute, emulated) < least:
         needed = next(n for n in itertools.count(steps + 1) if min(alternating_halves(n, compiled)) >= least)
         warm = "steps 0 and 1, which compile" if compiled else "step 0"
-        raise UserError(f"--emulate_communication: {steps} step(s) leave {compute} compute-only and {emulated} "
-                        f"emulated step(s) after the warm-up ({warm}); emulating every other step, each needs "
-                        f"{least}: --max_steps {needed} or more (and the data for them)")
+        raise UserError(f"--emulate_communication: {counted(steps, 'step')} leave{'s' if steps == 1 else ''} "
+                        f"{compute} compute-only and {counted(emulated, 'emulated step')} after the warm-up ({warm}); "
+                        f"emulating every other step, each needs {least}: --max_steps {needed} or more (and the data "
+                        "for them)")
 
 
 def parse_emulation(given: str, world_sizes: list[int]) -> Links:

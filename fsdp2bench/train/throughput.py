@@ -26,6 +26,8 @@ import os
 import re
 import statistics
 
+from fsdp2bench.names import counted
+
 WARMUP_STEPS, COMPILE_WARMUP_STEPS = 1, 2
 MIN_TIMED_STEPS = 2  # clean steps after warm-up that a median is taken of
 # Peak dense bf16 tensor FLOP/s by device name (the vendors' datasheets; without sparsity). First match wins.
@@ -127,11 +129,11 @@ def unmeasured_reason(steps: int, warm: int, shared: int, timed: int, kind: str)
     """Why no median: steps shared with another run (counted among the ``timed`` ``kind`` steps the median was to
     be taken of, not the whole run's), or too few steps."""
     if shared:
-        return (f"{shared} of the {timed} {kind}steps after warm-up ran while another run was busy on the same "
-                f"device, leaving {timed - shared} clean, fewer than the {MIN_TIMED_STEPS} a median needs; "
+        return (f"{shared} of the {counted(timed, kind + 'step')} after warm-up ran while another run was busy on the "
+                f"same device, leaving {timed - shared} clean, fewer than the {MIN_TIMED_STEPS} a median needs; "
                 "--concurrent_variants 1 runs this launch's variants one at a time, and a launch alone on the device "
                 "shares it with none")
-    return f"{steps} step(s): a speed needs {warm} of warm-up and {MIN_TIMED_STEPS} more (--max_steps)"
+    return f"{counted(steps, 'step')}: a speed needs {warm} of warm-up and {MIN_TIMED_STEPS} more (--max_steps)"
 
 
 def rate_said(figures: dict | None) -> str:

@@ -11,7 +11,7 @@ import utils
 
 from fsdp2bench.cli import UserError, say
 from fsdp2bench.files import digest_of, save_summary, write_bytes
-from fsdp2bench.names import seconds_said
+from fsdp2bench.names import counted, seconds_said
 from fsdp2bench.options import accelerate_config
 from fsdp2bench.options.tuning import Tuning
 from fsdp2bench.plan.layout.search import Assessed, SearchInputs, commands, decided, ranked, record, winner_of
@@ -49,9 +49,10 @@ def unclean_said(timings: list[dict]) -> str | None:
     unclean = [t for t in timings if t.get("fits") and not t["clean"]]
     if not unclean:
         return None
-    return (f"{len(unclean)} of {len(timings)} timing(s) not clean ({unclean[0]['unclean']}): no clean speed or no "
-            f"optimizer time, each taken again up to {RETIMES} time(s); the rows resting on them (~, marked "
-            "'not clean') rank but decide nothing, never the winner. Run it again with the device to itself.")
+    return (f"{len(unclean)} of {counted(len(timings), 'timing')} not clean ({unclean[0]['unclean']}): no clean "
+            f"speed or no optimizer time, each taken again up to {counted(RETIMES, 'time')}; the rows resting on "
+            "them (~, marked 'not clean') rank but decide nothing, never the winner. Run it again with the device to "
+            "itself.")
 
 
 def compute_mark(speed: dict) -> str:
@@ -194,26 +195,27 @@ def legend(rows: list[Assessed], setup: SearchInputs, timings: list[dict]) -> st
     overlap = ("each collective FSDP2 issues waited its time on the stream it is issued on, so the step is what "
                "FSDP2's schedule leaves exposed" if setup.device_type == "cuda" else "on a CPU nothing waits: the "
                "step is compute + the communication priced, no overlap (not measured)")
-    return (f"Ranked by tokens per second per {per} of a step {cap}, {len(rows)} candidates. Step: emulated on "
-            f"{emulated} (their own layout timed with its communication emulated over {setup.links.within_gbps:g} "
-            f"GB/s within a node of {setup.links.node_size} and {setup.links.across_gbps:g} GB/s across nodes: "
-            f"{overlap}); e: "
-            "estimated, the compute + the share of the communication the timed layouts of the same shape (which axes "
-            "are split) left exposed, else every timed layout's. Compute measured on "
-            f"{measured} (one simulated rank alone on the device, {len(timings)} timings of one launch each, its "
-            "compute in the steps between the emulated ones; ~ where other runs shared it), estimated (e) on the "
-            "rest from the nearest timing's FLOP/s and the levers' ratios. Communication: counted by the emulation "
-            "on the candidate's own layout, else projected (p) from the shapes; TP's and CP's are projected and add "
-            "whole (the emulation waits them on the compute stream, so a timing's exposed share leaves them out). Bounds: compute + all the communication (no overlap), the larger of "
-            "the two (full overlap). Memory: measured is rank 0's peak reserved on the candidate's own "
-            "layout, measured+ on a like candidate, each moved by the memory model's difference (accumulation); "
-            "calibrated is the memory model's estimate times the ratio of measured to estimated under the same levers; "
-            "estimated is the memory model alone. Rows marked (estimated) are not measured enough to be named.")
+    return (f"Ranked by tokens per second per {per} of a step {cap}, {counted(len(rows), 'candidate')}. Step: "
+            f"emulated on {emulated} (their own layout timed with its communication emulated over "
+            f"{setup.links.within_gbps:g} GB/s within a node of {setup.links.node_size} and "
+            f"{setup.links.across_gbps:g} GB/s across nodes: {overlap}); e: estimated, the compute + the share of the "
+            "communication the timed layouts of the same shape (which axes are split) left exposed, else every timed "
+            f"layout's. Compute measured on {measured} (one simulated rank alone on the device, "
+            f"{counted(len(timings), 'timing')} of one launch each, its compute in the steps between the emulated "
+            "ones; ~ where other runs shared it), estimated (e) on the rest from the nearest timing's FLOP/s and the "
+            "levers' ratios. Communication: counted by the emulation on the candidate's own layout, else projected "
+            "(p) from the shapes; TP's and CP's are projected and add whole (the emulation waits them on the compute "
+            "stream, so a timing's exposed share leaves them out). Bounds: compute + all the communication (no "
+            "overlap), the larger of the two (full overlap). Memory: measured is rank 0's peak reserved on the "
+            "candidate's own layout, measured+ on a like candidate, each moved by the memory model's difference "
+            "(accumulation); calibrated is the memory model's estimate times the ratio of measured to estimated under "
+            "the same levers; estimated is the memory model alone. Rows marked (estimated) are not measured enough to "
+            "be named.")
 
 
 def not_ranked(rows: list[Assessed]) -> list[str]:
     failed = [f for f in rows if f.failed]
-    return [f"{len(failed)} candidates not ranked: {clipped(failed[0].failed, 240)}"] if failed else []
+    return [f"{counted(len(failed), 'candidate')} not ranked: {clipped(failed[0].failed, 240)}"] if failed else []
 
 
 def write_search(rows: list[Assessed], setup: SearchInputs, notes: list[str], timings: list[dict], meta: dict,
