@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Callable
 
 import utils
 
 from fsdp2bench.cli import UserError, say
 from fsdp2bench.files import digest_of, save_summary, write_bytes
-from fsdp2bench.names import counted, seconds_said
+from fsdp2bench.memory.estimate import GpuCap
+from fsdp2bench.names import GIB, counted, seconds_said, size_said
 from fsdp2bench.options import accelerate_config
 from fsdp2bench.options.tuning import Tuning
 from fsdp2bench.plan.layout.search import Assessed, SearchInputs, commands, decided, ranked, record, winner_of
@@ -82,30 +84,49 @@ def memory_said(row: Assessed) -> str:
     return f"{m['estimated_gib']:.1f} estimated"
 
 
-def not_fitting(rows: list[Assessed]) -> list[str]:
-    """How many candidates do not fit, and by how much the closest of each layout misses."""
+LISTED = 8  # candidates named per line of what does not fit (plan.json holds every one)
+
+
+def not_fitting(rows: list[Assessed], cap: GpuCap | None) -> list[str]:
+    """How many candidates do not fit, each counted once by what decided it (a like candidate's timing that ran out
+    of memory, else rank 0's measured peak, else the estimate), and the closest of each kind."""
     out = [f for f in rows if f.fits is False]
     if not out:
         return []
-    closest: dict = {}
-    for f in out:
-        key = f.candidate.degrees
-        over = f.memory.get("over_gib")
-        if over is not None and (key not in closest or over < closest[key].memory["over_gib"]):
-            closest[key] = f
-    lines = [f"{len(out)} of {len(rows)} candidates do not fit; the closest of each layout, by the estimate over "
-             "the cap (not run; the memory model's, calibrated where a timing of the same levers measured it):"]
-    lines += [f"    {f.candidate.name}: {f.memory['over_gib']:.1f} GiB over "
-              f"({'calibrated' if 'calibrated_gib' in f.memory else 'estimated'})"
-              for f in sorted(closest.values(), key=lambda f: f.memory["over_gib"])[:8]]
-    failed = sum(f.out_of_memory for f in out)
-    measured = sum("measured_gib" in f.memory and not f.out_of_memory for f in out)
+    failed = [f for f in out if f.out_of_memory]
+    measured = [f for f in out if not f.out_of_memory and "measured_gib" in f.memory]
+    estimated = [f for f in out if not f.out_of_memory and "measured_gib" not in f.memory]
+    kinds = [(failed, "measured: a like candidate's timing ran out of memory"),
+             (measured, "measured: rank 0's peak reserved, moved by the memory model's difference (accumulation, a "
+                        "larger shard), over the allocator's limit"),
+             (estimated, "estimated: over the cap by the memory model's estimate, calibrated where a timing of the "
+                         "same levers measured it (not run)")]
+    lines = [f"{len(out)} of {counted(len(rows), 'candidate')} {'does' if len(out) == 1 else 'do'} not fit, each "
+             "counted once: " + "; ".join(f"{len(kind)} {what}" for kind, what in kinds if kind)]
     if failed:
-        lines.append(f"    {failed} more did not fit where a like candidate ran out of memory (measured)")
+        lines.append("    out of memory where a like candidate ran: " + names_said(failed))
     if measured:
-        lines.append(f"    {measured} more did not fit by rank 0's measured peak, moved by the memory model's "
-                     "difference (accumulation, a larger shard), over the allocator's limit")
+        limit = cap.allocator_bytes / GIB  # a measurement rules a candidate out only under a cap
+        closest = sorted(measured, key=lambda f: f.memory["measured_gib"])
+        lines.append(f"    over the allocator's limit of {limit:.1f} GiB, the closest: " + names_said(
+            closest, lambda f: f" ({memory_said(f)} GiB, {size_said((f.memory['measured_gib'] - limit) * GIB)} over)"))
+    if estimated:
+        closest_of_layout: dict = {}
+        for f in sorted(estimated, key=lambda f: f.memory["over_gib"]):
+            closest_of_layout.setdefault(f.candidate.degrees, f)
+        lines.append("    over the cap by the estimate, the closest of each layout: " + names_said(
+            list(closest_of_layout.values()), lambda f: f" ({f.memory['over_gib']:.1f} GiB over, {estimate_kind(f)})"))
     return lines
+
+
+def estimate_kind(row: Assessed) -> str:
+    return "calibrated" if "calibrated_gib" in row.memory else "estimated"
+
+
+def names_said(rows: list[Assessed], figures: Callable[[Assessed], str] = lambda f: "") -> str:
+    """The first ``LISTED`` candidates by name, each with its ``figures``, and how many more there are."""
+    said = "; ".join(f"{f.candidate.name}{figures(f)}" for f in rows[:LISTED])
+    return said + (f"; and {len(rows) - LISTED} more (plan.json)" if len(rows) > LISTED else "")
 
 
 def print_search(rows: list[Assessed], setup: SearchInputs, notes: list[str], timings: list[dict],
@@ -115,7 +136,7 @@ def print_search(rows: list[Assessed], setup: SearchInputs, notes: list[str], ti
         print(line, flush=True)
     say(legend(rows, setup, timings))
     unclean = unclean_said(timings)
-    for line in not_fitting(rows) + not_ranked(rows) + ([unclean] if unclean else []) + \
+    for line in not_fitting(rows, setup.cap) + not_ranked(rows) + ([unclean] if unclean else []) + \
             [f"Left out: {note}" for note in notes]:
         say(line)
     if said is None:
