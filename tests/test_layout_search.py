@@ -536,6 +536,10 @@ def test_a_cpu_search_cannot_tell_what_fits_ranks_every_candidate_and_its_comman
     assert "on a CPU nothing waits for the emulated communication, so the overlap is not measured" in said
     # No GPU words on a CPU run: its ranks, what it can tell and what it cannot.
     assert "tok/s/GPU" not in proc.stdout and "tok/s/rank" in proc.stdout and "one GPU first" not in said
+    # The table shows 15 of the 18 ranked rows and says where the rest are.
+    numbered = [line for line in proc.stdout.splitlines() if re.match(r"\s*\d+ R\d+xS", line)]
+    assert len(numbered) == report.SHOWN == 15
+    assert f"the first 15 of 18 ranked rows shown; the other 3 are in {out / 'plan.json'} (every candidate)" in said
     result = load(out / "plan.json")
     assert result["meta"]["timings"] == 2 and all(c["fits"] is None for c in result["candidates"])
     assert sorted(os.listdir(out / "timings")) == ["t0", "t1"]  # one launch a timing

@@ -26,7 +26,7 @@ from fsdp2bench.options.step import LIGER, Step, check_liger
 from fsdp2bench.options.tuning import Tuning
 from fsdp2bench.plan.layout.candidates import (COMPILE, FLOAT8, LEVER_NAMES, Levers, candidates_of, layouts_of,
                                                parse_levers)
-from fsdp2bench.plan.layout.report import CONFIG_NAME, written_config_digest
+from fsdp2bench.plan.layout.report import CONFIG_NAME, PLAN_NAME, written_config_digest
 from fsdp2bench.plan.layout.search import SearchInputs
 from fsdp2bench.plan.layout.timing import timing_dir
 from fsdp2bench.plan.probes import BATCH, BLOCK, BLOCK_STEP, LAYOUT, block_step
@@ -230,7 +230,7 @@ def checked_common(args: argparse.Namespace, given: set[str]) -> Common:
     if args.init_device == "cuda" and device.type != "cuda":
         raise UserError("--init_device cuda needs a GPU (this run is on the CPU)")
     chosen = checked_tuning(args, device.type)
-    check_output_dir(args.output_dir, "plan.json")
+    check_output_dir(args.output_dir, PLAN_NAME)
     refuse_foreign([plan_path(args)], "--output_dir")
     model = args.model or (GPU_DEFAULT_MODEL if device.type == "cuda" else CPU_DEFAULT_MODEL)
     return Common(sizes=sizes, blocks=blocks, device=device, model=model, tuning=chosen)
@@ -272,7 +272,7 @@ def refuse_unread(given: set[str], mode: str) -> None:
 
 
 def plan_path(args: argparse.Namespace) -> str:
-    return os.path.join(args.output_dir, "plan.json")
+    return os.path.join(args.output_dir, PLAN_NAME)
 
 
 def parse_block_sizes(text: str) -> list[int]:
@@ -474,7 +474,7 @@ def check_config_path(output_dir: str) -> None:
     """accelerate_config.json carries no mark of this benchmark (accelerate's loader refuses an unknown key): one
     already there is replaced only beside this benchmark's plan.json, as a file, as that search wrote it (its
     digest in plan.json)."""
-    path, plan = os.path.join(output_dir, CONFIG_NAME), os.path.join(output_dir, "plan.json")
+    path, plan = os.path.join(output_dir, CONFIG_NAME), os.path.join(output_dir, PLAN_NAME)
     if not os.path.lexists(path):
         return
     if os.path.islink(path) or not os.path.isfile(path) or not is_ours(plan):

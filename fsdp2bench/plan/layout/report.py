@@ -20,6 +20,7 @@ from fsdp2bench.plan.layout.search import Assessed, SearchInputs, commands, deci
 from fsdp2bench.plan.layout.timing import RETIMES, clipped
 
 CONFIG_NAME = "accelerate_config.json"
+PLAN_NAME = "plan.json"  # both modes' record
 SHOWN = 15  # ranked rows on the console (plan.json holds every candidate)
 
 
@@ -29,12 +30,16 @@ def table(rows: list[Assessed], setup: SearchInputs) -> list[str]:
     lines = [f"{'#':>3} {'candidate':58} {'memory GiB':>17} {'compute s':>10} {'comm s':>9} {'step s':>9} "
              f"{'tok/s/' + per:>10} {'no overlap':>10} {'full overlap':>12}",
              f"{'':>3} {'':58} {'':>17} {'':>10} {'':>9} {'':>9} {'by step':>10} {'bound':>10} {'bound':>12}"]
-    for i, f in enumerate(ranked(rows)[:SHOWN], 1):
+    in_order = ranked(rows)
+    for i, f in enumerate(in_order[:SHOWN], 1):
         p = f.speed
         lines.append(f"{i:>3} {f.candidate.name[:58]:58} {memory_said(f):>17} {p['compute_s']:>9.3f}"
                      f"{compute_mark(p):1} {p['comm_s']:>8.3f}{comm_mark(p):1} {p['step_s']:>8.3f}{step_mark(p):1} "
                      f"{p['tokens_per_s']:>10,.0f} {p['no_overlap_tokens_per_s']:>10,.0f} "
                      f"{p['full_overlap_tokens_per_s']:>12,.0f}{undecided_said(f, setup)}")
+    if len(in_order) > SHOWN:
+        lines.append(f"{'':>3} the first {SHOWN} of {counted(len(in_order), 'ranked row')} shown; the other "
+                     f"{len(in_order) - SHOWN} are in {os.path.join(setup.output_dir, PLAN_NAME)} (every candidate)")
     return lines
 
 
@@ -242,7 +247,7 @@ def not_ranked(rows: list[Assessed]) -> list[str]:
 def write_search(rows: list[Assessed], setup: SearchInputs, notes: list[str], timings: list[dict], meta: dict,
                  said: dict | None) -> str:
     """plan.json: every candidate (estimated, measured, projected, each labelled) and every timing."""
-    path = os.path.join(setup.output_dir, "plan.json")
+    path = os.path.join(setup.output_dir, PLAN_NAME)
     save_summary(path, {"meta": {**meta, "find": "layout", "candidates": len(rows), "timings": len(timings),
                                  "unclean_timings": unclean_said(timings),
                                  "links": vars(setup.links), "left_out": notes,
