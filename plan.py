@@ -97,10 +97,11 @@ def run(argv: list[str] | None = None) -> int:
         say(line)
     for note in checked.skipped:
         print(f"Skipped: {note}", flush=True)
-    say(f"Planning {counted(len(searches), 'answer')} ({args.find} per option set, N and variant): a shared "
-        f"process per option set and N measures a few values, then fresh probes confirm each edge (another variant "
-        f"starts at the first one's), {PROBE_STEPS} steps of one simulated rank each{cap_said(checked.cap)}"
-        f"{emulation_said(checked.links)}...")
+    trains = checked.base.tuning.said()  # what every probe trains, where not the whole model with AdamW
+    say(f"Planning {counted(len(searches), 'answer')} for {args.model}{', ' + trains if trains else ''} "
+        f"({args.find} per option set, N and variant): a shared process per option set and N measures a few values, "
+        f"then fresh probes confirm each edge (another variant starts at the first one's), {PROBE_STEPS} steps of "
+        f"one simulated rank each{cap_said(checked.cap)}{emulation_said(checked.links)}...")
     landed: dict = {}  # each landed answer's time
 
     def save(interrupted: bool = False) -> dict:

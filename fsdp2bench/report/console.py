@@ -7,7 +7,7 @@ from fsdp2bench.cli import say
 from fsdp2bench.names import INTENDED, MIB, MICROBATCH_PHASE, UNFIXED, counted, short_name, size_said
 from fsdp2bench.options.layout import AXES
 from fsdp2bench.options.step import MODEL, UPSTREAM
-from fsdp2bench.options.tuning import LORA, NO_PEFT, QLORA, TUNING_DEFAULTS
+from fsdp2bench.options.tuning import NO_PEFT, TUNING_DEFAULTS, what_trains
 from fsdp2bench.report.summary import (ACCELERATE, MEASURED_FIGURES, TORCH, worst_rank, compared_sizes, failed_status,
                                        run_entries, simulated_entries, unsupported_findings)
 from fsdp2bench.train import throughput
@@ -183,9 +183,6 @@ def tuned_options(summary: dict) -> dict:
     return summary["meta"].get("fsdp_options", {}).get("tuning", {})
 
 
-ADAPTER_NAMES = {LORA: "LoRA", QLORA: "QLoRA"}
-
-
 def tuning_sentence(summary: dict) -> str | None:
     """What was trained and with which optimizer, where it is not the whole model with AdamW, and what the frozen
     base held on each rank (its chunk of the whole, and no gradient or optimizer state)."""
@@ -204,14 +201,8 @@ def tuning_sentence(summary: dict) -> str | None:
 
 def trained_said(summary: dict) -> str | None:
     """What was trained and with which optimizer, where it is not the whole model with AdamW."""
-    tuned = tuned_options(summary)
-    if not tuned or tuned == TUNING_DEFAULTS:
-        return None
-    base = f"4-bit NF4 base packed in {tuned['qlora_storage']}" if tuned["peft"] == QLORA else "bf16 base"
-    trained = (f"{ADAPTER_NAMES[tuned['peft']]} adapters (rank {tuned['lora_rank']}, alpha {tuned['lora_alpha']:g}, "
-               f"dropout {tuned['lora_dropout']:g}, over {tuned['lora_targets']}) on a frozen {base}"
-               if tuned["peft"] != NO_PEFT else "the whole model")
-    return f"Trained: {trained}, optimizer {tuned['optimizer']}."
+    said = what_trains(tuned_options(summary))
+    return None if said is None else f"Trained: {said}."
 
 
 def sweep_tuning_sentence(summary: dict) -> str | None:

@@ -29,8 +29,10 @@ def run_search(search: CheckedSearch, started: float) -> int:
     rows = [assess(c, setup) for c in search.candidates]
     out = sum(f.fits is False for f in rows)
     near = sum(f.fits is None for f in rows)
-    say(f"{counted(len(rows), 'candidate')} of N = {setup.world_size} at {setup.global_sequences} x {setup.block} "
-        f"tokens a step: {out} over the cap by the memory model's estimate (not run), {near} "
+    trains = setup.base.tuning.said()  # what every timing trains, where not the whole model with AdamW
+    say(f"{counted(len(rows), 'candidate')} of N = {setup.world_size} for {setup.model}"
+        f"{', ' + trains if trains else ''} at {setup.global_sequences} x {setup.block} tokens a step: {out} over "
+        f"the cap by the memory model's estimate (not run), {near} "
         + ("near it" if setup.cap else "that a CPU run cannot place (no cap)")
         + f", {len(rows) - out - near} well under it; timing the most promising one at a time...")
     timings: list[dict] = []
