@@ -113,7 +113,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[s
                    help=f"sequences per microbatch with --find {BLOCK} (default: 1)")
     p.add_argument("--upper_bound", type=int, default=None,
                    help=f"the largest value tried (default: {DEFAULT_UPPER[BATCH]} for a batch, the model's "
-                        f"positions for a block)")
+                        f"positions for a block; on a CPU run {CPU_UPPER[BATCH]} and {CPU_UPPER[BLOCK]}, a block never "
+                        "below --block_size nor beyond the model's positions)")
     p.add_argument("--init_device", choices=["auto", "cpu", "cuda", "meta"], default="auto",
                    help="where each probe builds its model, as main.py's option; auto: on the GPU where 1.2 x the "
                         "model's fp32 bytes fit under the cap (a probe's set-up then takes about a second, not "
@@ -150,8 +151,9 @@ def add_layout_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--links", default=None, metavar="WITHIN,ACROSS|FILE",
                    help="the links every timing's communication is emulated over (main.py's "
                         "--emulate_communication) and the untimed candidates' is projected over: GB/s per direction "
-                        "per GPU WITHIN a node of 8 and ACROSS nodes, or a JSON FILE with node_size, within_gbps, "
-                        "across_gbps (default: 450,50: NVLink 4, 400 Gb/s RDMA)")
+                        f"per GPU WITHIN a node of {Links().node_size} and ACROSS nodes, or a JSON FILE with "
+                        f"node_size, within_gbps, across_gbps (default: {Links().within_gbps:g},"
+                        f"{Links().across_gbps:g}: NVLink 4, 400 Gb/s RDMA)")
     g.add_argument("--max_timings", type=int, default=12,
                    help="timings at most, each one launch of one simulated rank alone on the device (every other "
                         "step with its communication emulated, the steps between its compute alone) (default: 12)")

@@ -138,8 +138,9 @@ def add_emulation_option(p: argparse.ArgumentParser, who: str) -> None:
                    metavar="WITHIN,ACROSS|FILE",
                    help=f"{who} costs its time, as a sleep on the GPU stream it is issued on (on a CPU: priced, "
                         "nothing waits), over links of WITHIN GB/s within a node and ACROSS per NIC, or a JSON FILE "
-                        "of the links (docs/links.md); alone: 8-GPU H100/H200 SXM nodes, 400 Gb/s a GPU (default: "
-                        "off: compute only)")
+                        f"of the links (docs/links.md); alone: {Links().within_gbps:g},{Links().across_gbps:g} in "
+                        f"nodes of {Links().node_size} (H100/H200 SXM: NVLink, a 400 Gb/s NIC a GPU) (default: off: "
+                        "compute only)")
 
 
 def add_step_options(p: argparse.ArgumentParser) -> None:
