@@ -1,4 +1,5 @@
-"""Run names, keys of the files and units, shared by the benchmark and the plots (no torch here)."""
+"""Run names, keys of the files and units, and counts said with their nouns, shared by the benchmark and the plots (no
+torch here)."""
 
 from __future__ import annotations
 
