@@ -307,7 +307,7 @@ def test_what_does_not_fit_is_counted_once_by_what_decided_it():
                        "memory model's estimate, calibrated where a timing of the same levers measured it (not run)")
     assert said[1] == f"    out of memory where a like candidate ran: {failed.candidate.name}; {both.candidate.name}"
     assert said[2] == (f"    over the allocator's limit of 80.0 GiB, the closest: {measured.candidate.name} (84.0 "
-                       "measured+ GiB, 4.00 GiB over)")
+                       "GiB measured+, 4.00 GiB over)")
     assert said[3] == (f"    over the cap by the estimate, the closest of each layout: {estimated.candidate.name} "
                        "(30.0 GiB over, estimated)")
     assert len(said) == 4
@@ -329,8 +329,8 @@ def test_a_candidate_a_like_timing_puts_over_the_limit_is_named_once_as_measured
     assert said[0].startswith("1 of 2 candidates does not fit, each counted once: 1 measured: rank 0's peak reserved")
     assert "estimated" not in said[0] and not any("more" in line for line in said)
     over = size_said(moved - moved // 2)
-    assert said[1:] == [f"    over the allocator's limit of 1.0 GiB, the closest: {hsdp.candidate.name} (1.0 measured+ "
-                        f"GiB, {over} over)"]
+    assert said[1:] == [f"    over the allocator's limit of 1.0 GiB, the closest: {hsdp.candidate.name} (1.0 GiB "
+                        f"measured+, {over} over)"]
 
 
 def test_a_timing_never_reads_an_earlier_searchs_summary_as_its_own(tmp_path, monkeypatch):

@@ -114,7 +114,8 @@ def not_fitting(rows: list[Assessed], cap: GpuCap | None) -> list[str]:
         limit = cap.allocator_bytes / GIB  # a measurement rules a candidate out only under a cap
         closest = sorted(measured, key=lambda f: f.memory["measured_gib"])
         lines.append(f"    over the allocator's limit of {limit:.1f} GiB, the closest: " + names_said(
-            closest, lambda f: f" ({memory_said(f)} GiB, {size_said((f.memory['measured_gib'] - limit) * GIB)} over)"))
+            closest, lambda f: f" ({' GiB '.join(memory_said(f).split(' ', 1))}, "
+                               f"{size_said((f.memory['measured_gib'] - limit) * GIB)} over)"))
     if estimated:
         closest_of_layout: dict = {}
         for f in sorted(estimated, key=lambda f: f.memory["over_gib"]):
