@@ -556,10 +556,9 @@ def check_alternating_steps(steps: int, compiled: bool) -> None:
     least = throughput.MIN_TIMED_STEPS
     if min(compute, emulated) < least:
         needed = next(n for n in itertools.count(steps + 1) if min(alternating_halves(n, compiled)) >= least)
-        warm = throughput.numbers_said(list(range(throughput.warmup_steps(compiled)))) + (", which compile" if compiled
-                                                                                           else "")
+        warm = throughput.numbers_said(list(range(throughput.warmup_steps(compiled))))
         raise UserError(f"--emulate_communication: {counted(steps, 'step')} leave{'s' if steps == 1 else ''} "
-                        f"{compute} compute-only and {counted(emulated, 'emulated step')} after the warm-up ({warm}); "
+                        f"{compute} compute-only and {counted(emulated, 'emulated step')} after the warm-up ({warm}{', which compile' if compiled else ''}); "
                         f"emulating every other step, each needs {least}: --max_steps {needed} or more (and the data "
                         "for them)")
 
