@@ -36,7 +36,7 @@ from fsdp2bench.loading.modes import (CHECKPOINT_DTYPES, MODES, NEEDS_PEERS, SIM
                                       host_need, load_process, print_simulated, print_table, summarise, trace_file,
                                       write_checkpoint_process)
 from fsdp2bench.memory.estimate import HOST_RUNTIME
-from fsdp2bench.names import GIB
+from fsdp2bench.names import GIB, counted
 from fsdp2bench.options import accelerate_config
 from fsdp2bench.processes import simulation
 from fsdp2bench.processes.isolation import (Interrupted, Piece, StoreKeys, gather_records, launcher_keeps_to_one_thread,
@@ -198,7 +198,7 @@ def check_host_fits(args: argparse.Namespace, modes: list[str], facts: ModelFact
     total, available = local * HOST_RUNTIME + need, host_memory_for_launch()
     if total > available:
         raise UserError(f"--model {facts.name} needs about {total / GIB:.1f} GiB of host memory at its peak ({what}: "
-                        f"{need / GIB:.1f} GiB, beside {local} process(es) of {HOST_RUNTIME / GIB:.0f} GiB); "
+                        f"{need / GIB:.1f} GiB, beside {counted(local, 'process')} of {HOST_RUNTIME / GIB:.0f} GiB); "
                         f"{available / GIB:.1f} GiB are available: leave that out (--modes, --checkpoint of one "
                         f"already written), or run on a larger host")
 
@@ -276,7 +276,7 @@ def run_modes(s: Session, modes: list[str], checkpoint: Checkpoint, options: Loa
 
     for mode in modes:
         if s.rank == 0:
-            print(f"[{mode}] loading on {s.world_size} rank(s)...", flush=True)
+            print(f"[{mode}] loading on {counted(s.world_size, 'rank')}...", flush=True)
         with kept_when_interrupted(records, mode, modes, keep if s.rank == 0 else None):
             records[mode] = load_mode(s, mode, checkpoint, options, s.world_size, simulated=False)
         if s.rank == 0:

@@ -32,7 +32,7 @@ from fsdp2bench.cli import exit_with, say
 from fsdp2bench.files import save_summary
 from fsdp2bench.memory import estimate
 from fsdp2bench.memory.accounting import trainable_parameters
-from fsdp2bench.names import MIB
+from fsdp2bench.names import MIB, counted
 from fsdp2bench.options import accelerate_config, fsdp
 from fsdp2bench.options.links import Links
 from fsdp2bench.plan.checks import SEED, Checked, CheckedSearch, parse_args, plan_path, set_options, validate
@@ -97,10 +97,11 @@ def run(argv: list[str] | None = None) -> int:
         say(line)
     for note in checked.skipped:
         print(f"Skipped: {note}", flush=True)
-    say(f"Planning {len(searches)} answers ({args.find} per option set, N and variant): a shared process per "
-        f"option set and N measures a few values, then fresh probes confirm each edge (another variant starts at "
-        f"the first one's), {PROBE_STEPS} steps of one simulated rank each{cap_said(checked.cap)}"
-        f"{emulation_said(checked.links)}...")
+    trains = checked.base.tuning.said()  # what every probe trains, where not the whole model with AdamW
+    say(f"Planning {counted(len(searches), 'answer')} for {args.model}{', ' + trains if trains else ''} "
+        f"({args.find} per option set, N and variant): a shared process per option set and N measures a few values, "
+        f"then fresh probes confirm each edge (another variant starts at the first one's), {PROBE_STEPS} steps of "
+        f"one simulated rank each{cap_said(checked.cap)}{emulation_said(checked.links)}...")
     landed: dict = {}  # each landed answer's time
 
     def save(interrupted: bool = False) -> dict:
@@ -120,7 +121,8 @@ def run(argv: list[str] | None = None) -> int:
         runner.run_plan(planner, save)
     except Interrupted as exc:
         ended = save(interrupted=True)["meta"]["probes"]
-        return say_interrupted(session, exc, f"; the {ended} probe(s) that ended are in {plan_path(args)}" if ended
+        return say_interrupted(session, exc, f"; the {counted(ended, 'probe')} that ended "
+                               f"{'is' if ended == 1 else 'are'} in {plan_path(args)}" if ended
                                else f"; no probe had ended ({plan_path(args)} says what was planned)")
     return said_plan(save(), args)
 
@@ -134,11 +136,11 @@ def said_plan(plan: dict, args: argparse.Namespace) -> int:
     print(f"Wrote {plan_path(args)}; {hint}", flush=True)
     findings = [a["error"] for a in plan["answers"] if unsupported(a)]  # each names its probe
     if findings:  # as main.py and matrix.py report the same layout: a finding, the run not failed
-        say(f"unsupported by the installed libraries (a finding, not a failure of the plan): {len(findings)} "
-            f"answer(s): {'; '.join(findings)}")
+        say(f"unsupported by the installed libraries (a finding, not a failure of the plan): "
+            f"{counted(len(findings), 'answer')}: {'; '.join(findings)}")
     failed = [a["error"] for a in plan["answers"] if a["error"] and not unsupported(a)]
     if failed:  # last: the answers the plan could not give
-        print(f"FAILED: {len(failed)} answer(s): {'; '.join(failed)}", file=sys.stderr, flush=True)
+        print(f"FAILED: {counted(len(failed), 'answer')}: {'; '.join(failed)}", file=sys.stderr, flush=True)
     return 1 if failed else 0
 
 
@@ -155,7 +157,7 @@ def say_landed(plan: dict, questions: dict, searches: dict, landed: dict, elapse
         pace = (elapsed - min(landed.values())) / (len(landed) - 1) if len(landed) > 1 else None
         eta = f", about {pace * left:.0f} s left" if left and pace is not None else ""
         print(f"[answer {len(landed)}/{len(searches)}] {questions[key].title}: {value} "
-              f"({a['probes']} probes; {elapsed:.0f} s{eta})", flush=True)
+              f"({counted(a['probes'], 'probe')}; {elapsed:.0f} s{eta})", flush=True)
 
 
 def emulation_said(links: Links | None) -> str:

@@ -31,6 +31,7 @@ import time
 
 from fsdp2bench.cli import OneLineParser, UserError, check_ranges, environment_changed, exit_with
 from fsdp2bench.files import check_writable_file, expect_path, refuse_foreign, write_json
+from fsdp2bench.names import counted
 from fsdp2bench.report.matrix import INTERRUPTED_CODES, read_summary, wait_passing_interrupt
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -390,7 +391,7 @@ def say_result(result: dict, json_path: str) -> None:
                                                                        "no allocator peaks to compare (a CPU run has none)")
         losses = {True: "bit-equal", False: "they differ"}.get(same["losses_bit_equal"],
                                                               "none recorded to compare (a simulated rank records none)")
-        print(f"against the baseline: {same['runs_compared']} runs, peaks: {peaks}, losses: {losses}")
+        print(f"against the baseline: {counted(same['runs_compared'], 'run')}, peaks: {peaks}, losses: {losses}")
         theirs = same["versions"]["baseline"] or {}
         changed = {lib: (theirs.get(lib), v) for lib, v in (same["versions"]["this"] or {}).items()
                    if theirs.get(lib) != v}

@@ -27,7 +27,7 @@ import warnings
 
 from fsdp2bench.cli import OneLineParser, UserError, check_ranges, exit_with
 from fsdp2bench.files import cannot_create_in, expect_path
-from fsdp2bench.names import VARIANTS, simulated_dir_name
+from fsdp2bench.names import VARIANTS, counted, simulated_dir_name
 from fsdp2bench.plan.layout.plot import plot_layout_search
 from fsdp2bench.plan.plot import plot_plan
 from fsdp2bench.report.matrix import SWEEP_DIR
@@ -93,8 +93,8 @@ def plot(args: argparse.Namespace) -> list[str]:
         say_commands("the traces of each N", [os.path.join(args.dir, simulated_dir_name(n)) for n in sizes])
         strays = load_traces(args.dir, {name: f"{name}_memory_usage" for name in VARIANTS}, [])
         if strays:  # a sweep writes its traces in its simulated_N<n> folders, none here
-            print(f"note: left out {sum(map(len, strays.values()))} trace file(s) of another run in {args.dir}: "
-                  "the sweep summary.json describes writes none there")
+            print(f"note: left out {counted(sum(map(len, strays.values())), 'trace file')} of another run in "
+                  f"{args.dir}: the sweep summary.json describes writes none there")
         return []
     loading_path = os.path.join(args.dir, "loading_summary.json")
     with reading(loading_path):
@@ -164,7 +164,7 @@ def one_run(traces: dict, run_id: str | None, described_by: str, directory: str)
     kept, left_out = latest_run(traces, run_id)
     if left_out:
         which = f"the run {described_by} describes ({run_id})" if run_id else "the run that started last"
-        print(f"note: left out {left_out} trace file(s) of other runs in {directory}; plotting only {which}"
+        print(f"note: left out {counted(left_out, 'trace file')} of other runs in {directory}; plotting only {which}"
               + ("" if kept else ", which has none here"))
     return kept
 

@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Callable, Iterator, NoReturn
 
+from fsdp2bench.names import counted
+
 
 class UserError(Exception):
     """A problem the user can fix (bad flag, missing file); reported in one line, once per launch."""
@@ -386,7 +388,8 @@ def check_gpus_per_rank(local_ranks: int, gpus: int) -> None:
     starts, with the ways out."""
     if local_ranks <= gpus:
         return
-    raise UserError(f"{local_ranks} ranks were started on this node but {gpus} GPU{'s are' if gpus != 1 else ' is'} "
-                    f"visible to them, and each rank needs a GPU of its own: start {gpus} (--nproc_per_node {gpus}), "
+    raise UserError(f"{counted(local_ranks, 'rank')} {'was' if local_ranks == 1 else 'were'} started on this node "
+                    f"but {counted(gpus, 'GPU')} {'is' if gpus == 1 else 'are'} visible to them, and each rank needs "
+                    f"a GPU of its own: start {gpus} (--nproc_per_node {gpus}), "
                     f"measure N = {local_ranks} on one GPU with --simulate_world_size {local_ranks}, or run on the "
                     "CPU with --device cpu")

@@ -1,4 +1,5 @@
-"""Run names, keys of the files and units, shared by the benchmark and the plots (no torch here)."""
+"""Run names, keys of the files and units, and counts said with their nouns, shared by the benchmark and the plots (no
+torch here)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,12 @@ def seconds_said(seconds: float) -> str:
     if seconds >= 1e-4:
         return f"{seconds * 1e3:.3g} ms"
     return f"{seconds * 1e6:.3g} us"
+
+
+def counted(n: float, noun: str, plural: str | None = None) -> str:
+    """A count with its noun in the number it takes ("1 answer", "0 answers", "2 shared processes", "1.5 calls");
+    ``plural`` where the noun does not take -s or -es."""
+    number = f"{n:g}" if isinstance(n, float) else str(n)
+    if n == 1:
+        return f"{number} {noun}"
+    return f"{number} {plural or noun + ('es' if noun.endswith(('s', 'x', 'ch', 'sh')) else 's')}"

@@ -115,7 +115,7 @@ def refused(tmp_path: Path, path: str) -> str:
     ({}, {"mixed_precision": True}, "mixed_precision true: YAML reads an unquoted yes, on or true as true, which is "
                                     "no precision; write mixed_precision: bf16"),
     ({"fsdp_ignored_modules": "lm_head"}, {}, "fsdp_ignored_modules lm_head: the suite shards every module"),
-    ({}, {"num_processes": 8}, "num_processes 8, but this launch has 1 rank(s): launch 8 (torchrun --nproc_per_node "
+    ({}, {"num_processes": 8}, "num_processes 8, but this launch has 1 rank: launch 8 (torchrun --nproc_per_node "
                                "8, or accelerate launch --config_file fsdp2.yaml), or play rank 0 of 8 on one GPU with "
                                "--simulate_world_size 8"),
     ({}, {"parallelism_config": {"parallelism_config_cp_size": 2}},

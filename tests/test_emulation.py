@@ -118,6 +118,10 @@ def test_tensor_parallel_collectives_are_counted_as_dtensor_issues_them_eager_or
     # o and down forward; q, k, v, gate and up backward; o again in a recomputed forward
     assert calls == (7 if checkpointing == "none" else 8) * config.num_hidden_layers
     assert emulated["emulated_steps"] == (3 if compiled else 2)
+    # Which steps were warm-up, emulated and compute only, said by number: under --compile step 1 is warm-up too.
+    assert ("In one launch, steps 0 and 1 warm-up, compiling (left out); steps 3 and 5 emulated; steps 2 and 4 "
+            "compute only: " if compiled else "In one launch, step 0 warm-up (left out); steps 1 and 3 emulated; "
+            "steps 2 and 4 compute only: ") in said
     assert step["all_reduce over 2 (DTensor)"] == {"calls": calls, "bytes": calls * activation,
                                                    "emulated_s": pytest.approx(calls * (2e-6 + activation / 450e9))}
     assert step["all_gather over 4"]["calls"] == 5 and step["reduce_scatter over 4"]["calls"] == 3
@@ -154,7 +158,8 @@ def test_one_launch_emulates_every_other_step_and_gives_both_figures_labelled(tm
     exposed = figures["exposed"]
     assert exposed["s"] is None and exposed["share"] is None and "a CPU waits for nothing" in exposed["not_measured"]
     assert exposed["emulated_s_per_step"] == emulated["emulated_s_per_step"] > 0
-    assert "In one launch, odd steps emulated; even steps, step 0 among them, compute only: compute_only " in said
+    assert ("In one launch, step 0 warm-up (left out); steps 1, 3 and 5 emulated; steps 2, 4 and 6 compute only: "
+            "compute_only ") in said
     assert "; emulated (nothing waited) " in said and "exposed not measured (a CPU waits" in said
     if not any(steps[i]["runs_beside"] for i in (2, 4, 6)):  # else fewer than 3, as the loop above checks
         assert "(median of 3); emulated (nothing waited) " in said
@@ -210,9 +215,9 @@ def test_a_figure_not_measured_for_shared_steps_counts_the_steps_its_median_was_
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--max_steps", "4"], "4 step(s) leave 1 compute-only and 2 emulated step(s) after the warm-up (step 0); "
+    (["--max_steps", "4"], "4 steps leave 1 compute-only and 2 emulated steps after the warm-up (step 0); "
                            "emulating every other step, each needs 2: --max_steps 5 or more (and the data for them)"),
-    (["--max_steps", "5", "--compile"], "5 step(s) leave 2 compute-only and 1 emulated step(s) after the warm-up "
+    (["--max_steps", "5", "--compile"], "5 steps leave 2 compute-only and 1 emulated step after the warm-up "
                                         "(steps 0 and 1, which compile); emulating every other step, each needs 2: "
                                         "--max_steps 6 or more (and the data for them)"),
 ])

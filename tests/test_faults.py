@@ -170,7 +170,7 @@ BAD_INPUTS = {
     "bad failure spec": (["--inject_failure", "accelerate:x:1"], "expected VARIANT:STEP:RANK"),
     "concurrency zero": (["--concurrent_variants", "0"], "--concurrent_variants must be a positive integer"),
     "bad flag": (["--batch_sizes", "2"], "unrecognized arguments"),
-    "model too big for the host": (["--model", "qwen2.5-7b"], "GiB of host memory (1 process(es) at N = 1"),
+    "model too big for the host": (["--model", "qwen2.5-7b"], "GiB of host memory (1 process at N = 1"),
     "checkpoint offload alone": (["--activation_checkpointing_offload"],
                                  "--activation_checkpointing_offload needs --activation_checkpointing"),
     "reshard not a bool": (["--reshard_after_forward", "maybe"], "--reshard_after_forward: expected true or false, got 'maybe'"),
@@ -308,7 +308,7 @@ def test_variants_run_together_from_the_fork_server_give_the_numbers_of_the_sequ
                        "--concurrent_variants", "2", "--output_dir", str(tmp_path)],
                       FSDP2_BENCH_START_METHOD="forkserver")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[torch_optimizer_after_fsdp, accelerate] 12 steps on 2 rank(s)..." in proc.stdout
+    assert "[torch_optimizer_after_fsdp, accelerate] 12 steps on 2 ranks..." in proc.stdout
     sequential = load(suite[0] / "summary.json")["variants"]
     together = load(tmp_path / "summary.json")["variants"]
     assert set(together) == {"torch_optimizer_after_fsdp", "accelerate"}
@@ -364,7 +364,7 @@ def test_an_interrupt_that_reaches_one_rank_only_ends_every_rank_with_the_summar
     assert proc.returncode != 0
     # rank 0 got the launcher's SIGTERM once rank 1 had ended: it names the signal that began it, and where
     said = [line for line in stderr.splitlines() if line.startswith("Interrupted")]
-    assert said == [f"Interrupted (SIGINT to rank 1) during accelerate; 1 finished variant(s) and the partial traces "
+    assert said == [f"Interrupted (SIGINT to rank 1) during accelerate; 1 finished variant and the partial traces "
                     f"of the interrupted are in {tmp_path}/"], stderr
     assert statuses(tmp_path) == {"torch_optimizer_after_fsdp": "ok", "accelerate": "interrupted"}
     assert load(tmp_path / "accelerate_memory_usage.json")["status"] == "interrupted"
@@ -422,7 +422,7 @@ def test_a_variant_out_of_memory_beside_others_is_run_again_alone(tmp_path):
     assert proc.returncode == 1  # the injection strikes again when it runs alone
     oom = "rank 0: out of memory (injected: Tried to allocate 1.00 GiB at step 2 on rank 0)"
     assert f"[{FIXED}] ran out of memory beside {VARIANTS[0]}; run again alone before it is reported ({oom})\n" \
-           f"[{FIXED}] 6 steps on 2 rank(s) (again, alone)..." in proc.stdout
+           f"[{FIXED}] 6 steps on 2 ranks (again, alone)..." in proc.stdout
     assert f"Run again alone after running out of memory beside others (summary.json: rerun_alone_after): {FIXED};" \
         in " ".join(proc.stdout.split("\n"))
     summary = load(tmp_path / "summary.json")

@@ -406,6 +406,11 @@ def test_the_batch_planner_probes_lora_each_probe_holding_the_adapters_and_its_c
                        "3", *LORA, "--lora_rank", "8", "--output_dir", str(out)], nproc=None, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Skipped: tp2: not planned (--peft lora with --tp_size 2" in proc.stdout
+    # The first line names what every probe trains and the optimizer, beside the model; one answer, one shared process
+    said = " ".join(proc.stdout.split())
+    assert (f"Planning 1 answer for tiny, LoRA adapters (rank 8, alpha 32, dropout 0, over {tuning.PROJECTIONS[0]},"
+            in said and "on a frozen bf16 base, optimizer adamw (batch_size per option set" in said)
+    assert " in 1 shared process, in " in said and "1 shared processes" not in said
     result = load(out / "plan.json")
     base, adapters = tiny_lora_shapes(8)
     assert result["meta"]["tuning"] == {**tuning.TUNING_DEFAULTS, "peft": "lora", "lora_rank": 8}
@@ -486,6 +491,8 @@ def test_the_layout_search_claims_the_state_main_py_measures_to_the_byte_and_its
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     said = " ".join(proc.stdout.split())
     assert f"Left out: tp 2: --peft {argv[1]} with --tp_size 2" in said
+    adapters_of = {"lora": "LoRA adapters (rank 8", "qlora": "QLoRA adapters (rank 16"}[argv[1]]
+    assert f"{len(load(out / 'plan.json')['candidates'])} candidates of N = 2 for tiny, {adapters_of}" in said
     result = load(out / "plan.json")
     assert result["meta"]["tuning"]["peft"] == argv[1] and result["meta"]["timings"] == 2
     assert {c["name"].split()[0] for c in result["candidates"]} == {"R1xS2xC1xT1", "R2xS1xC1xT1"}

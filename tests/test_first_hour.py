@@ -14,6 +14,7 @@ from conftest import TINY, VARIANTS, child_running, load, refusal, run_script, s
 import loading
 import matrix
 import plan
+from fsdp2bench.names import counted
 from fsdp2bench.run import arguments
 
 UNREACHABLE = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}  # a port nothing listens on
@@ -292,7 +293,7 @@ def test_a_second_run_into_a_directory_moves_the_first_runs_files_aside_in_one_l
     assert second.returncode in (0, 1), second.stderr
     said = [line for line in second.stdout.splitlines() if "earlier runs" in line]
     aside, = (out / "earlier_runs").iterdir()
-    assert said == [f"note: moved the {len(firsts)} file(s) of earlier runs in {out} to {aside}/; this run writes "
+    assert said == [f"note: moved the {counted(len(firsts), 'file')} of earlier runs in {out} to {aside}/; this run writes "
                     "its own in their place"]
     assert sorted(p.name for p in aside.iterdir()) == firsts and load(aside / "summary.json")["meta"]["run_id"] == first_id
     assert sorted(p.name for p in out.iterdir() if p.is_file()) == ["my_notes.png", "summary.json"]
@@ -310,7 +311,7 @@ def test_a_matrix_run_again_keeps_the_earlier_matrix_json_aside(tmp_path):
     assert run_script(args, nproc=None).returncode == 0
     first = (tmp_path / "matrix.json").read_bytes()
     second = run_script(args, nproc=None)
-    assert second.returncode == 0 and f"note: moved the 1 file(s) of earlier runs in {tmp_path} to" in second.stdout, \
+    assert second.returncode == 0 and f"note: moved the 1 file of earlier runs in {tmp_path} to" in second.stdout, \
         second.stdout[-2000:] + second.stderr[-2000:]
     kept = list((tmp_path / "earlier_runs").glob("before-*/matrix.json"))
     assert [k.read_bytes() for k in kept] == [first] and (tmp_path / "matrix.json").read_bytes() != first

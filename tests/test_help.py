@@ -162,3 +162,36 @@ def test_every_python_file_at_the_top_runs_or_says_it_is_not_a_script(script):
 
 
 NOT_SCRIPTS = {"utils.py": "holds main.py's four variants", "measure.py": "holds the memory tracker of main.py's runs"}
+
+
+# A default said in words, not as the value argparse holds: (script, option) -> the words.
+DEFAULTS_IN_WORDS = {("main.py", "--variants"): "all four", ("loading.py", "--modes"): "all of them"}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_default_said_is_the_default_the_parser_holds(script, monkeypatch):
+    """The value after '(default: ' is the option's own default (a number compared as a number), so that help and
+    parser cannot drift apart; an option without a value of its own (None) says what happens instead."""
+    parser = parser_of(SCRIPTS[script], monkeypatch)
+    for action in options_of(parser):
+        if not action.option_strings or action.default in (None, False) or isinstance(action, argparse._HelpAction):
+            continue
+        name = action.option_strings[0]
+        shown = " ".join(parser._get_formatter()._expand_help(action).split())
+        said = shown.rsplit("(default: ", 1)[1].rstrip(")")
+        if (script, name) in DEFAULTS_IN_WORDS:
+            assert said == DEFAULTS_IN_WORDS[script, name], (script, name, said)
+        elif isinstance(action.default, (int, float)):
+            assert float(re.split(r"[,;:]? ", said)[0]) == action.default, (script, name, said, action.default)
+        else:
+            assert re.split(r"[,;:]? ", said)[0] == str(action.default), (script, name, said, action.default)
+
+
+def test_plans_upper_bound_says_its_default_on_a_gpu_and_on_a_cpu(monkeypatch):
+    """The searched range's top differs by device: the help says both (a CPU run's is small, to check the search)."""
+    from fsdp2bench.plan.checks import CPU_UPPER, DEFAULT_UPPER
+
+    action = next(a for a in options_of(parser_of(plan, monkeypatch)) if a.dest == "upper_bound")
+    said = " ".join(action.help.split())
+    assert f"(default: {DEFAULT_UPPER['batch_size']} for a batch" in said
+    assert f"on a CPU run {CPU_UPPER['batch_size']} and {CPU_UPPER['block_size']}" in said

@@ -16,7 +16,7 @@ from conftest import load, refusal, run_script, start_script
 import plan
 import utils
 from fsdp2bench.memory.estimate import GpuCap
-from fsdp2bench.names import GIB, MIB
+from fsdp2bench.names import GIB, MIB, counted, size_said
 from fsdp2bench.options import accelerate_config
 from fsdp2bench.options.fsdp import FsdpOptions
 from fsdp2bench.options.layout import Degrees
@@ -287,19 +287,50 @@ def test_a_timing_calibrates_the_memory_models_estimate_for_candidates_of_its_le
     assert same.fits is True and "well under the cap" in same.memory["how"]
 
 
-def test_what_does_not_fit_is_said_by_what_decided_it():
+def test_what_does_not_fit_is_counted_once_by_what_decided_it():
     """Over the cap by the estimate (with how far), by a measurement moved by the memory model, or out of memory
-    where a like candidate ran: three different lines."""
+    where a like candidate ran (one that the estimate had put over the cap too counted there alone): each candidate
+    counted once, by kind, and the closest named."""
     setup = setup_of(GpuCap(80.0, 140 * GIB, 0))
-    estimated, measured, failed = (layout_search.assess(flat(1, ac), setup) for ac in ("none", "full", "selective"))
-    estimated.estimated_bytes = 110 * GIB
-    layout_search.judge_by_estimate(estimated, setup, 1.0, "estimated")
+    estimated, measured, failed, both = (layout_search.assess(flat(1, ac), setup)
+                                         for ac in ("none", "full", "selective", "none"))
+    for row in (estimated, both):
+        row.estimated_bytes = 110 * GIB
+        layout_search.judge_by_estimate(row, setup, 1.0, "estimated")
     measured.fits, measured.memory["measured_gib"] = False, 84.0
     failed.fits, failed.out_of_memory = False, True
-    said = report.not_fitting([estimated, measured, failed])
-    assert said[0].startswith("3 of 3 candidates do not fit") and "30.0 GiB over (estimated)" in said[1]
-    assert said[2] == "    1 more did not fit where a like candidate ran out of memory (measured)"
-    assert said[3].startswith("    1 more did not fit by rank 0's measured peak")
+    both.out_of_memory = True
+    said = report.not_fitting([estimated, measured, failed, both], setup.cap)
+    assert said[0] == ("4 of 4 candidates do not fit, each counted once: 2 measured: a like candidate's timing ran "
+                       "out of memory; 1 measured: rank 0's peak reserved, moved by the memory model's difference "
+                       "(accumulation, a larger shard), over the allocator's limit; 1 estimated: over the cap by the "
+                       "memory model's estimate, calibrated where a timing of the same levers measured it (not run)")
+    assert said[1] == f"    out of memory where a like candidate ran: {failed.candidate.name}; {both.candidate.name}"
+    assert said[2] == (f"    over the allocator's limit of 80.0 GiB, the closest: {measured.candidate.name} (84.0 "
+                       "GiB measured+, 4.00 GiB over)")
+    assert said[3] == (f"    over the cap by the estimate, the closest of each layout: {estimated.candidate.name} "
+                       "(30.0 GiB over, estimated)")
+    assert len(said) == 4
+
+
+def test_a_candidate_a_like_timing_puts_over_the_limit_is_named_once_as_measured():
+    """The LoRA search's case: nothing over the cap by the estimate, one timing (R1xS8) whose peak, moved by what the
+    memory model says R2xS4 holds more (twice the shard), puts R2xS4 over the allocator's limit. It is the one
+    candidate that does not fit, said so once, as measured, with how far over; nothing is 'more'."""
+    setup = setup_of(GpuCap(1.0, 140 * GIB, 0))
+    flat8, hsdp = (layout_search.assess(Candidate(d, "none", "model", False, False, 1, 1), setup)
+                   for d in (Degrees(replicate=1, shard=8), Degrees(replicate=2, shard=4)))
+    assert flat8.fits is not False and hsdp.fits is not False  # under the cap by the estimate
+    moved = hsdp.estimated_bytes - flat8.estimated_bytes
+    peak_mib = (setup.cap.allocator_bytes - moved // 2) / MIB
+    layout_timing.take_timing(timed(0.10, peak_mib, flat8.candidate.name), flat8, [flat8, hsdp], setup)
+    assert flat8.fits is True and hsdp.fits is False and not hsdp.out_of_memory
+    said = report.not_fitting([flat8, hsdp], setup.cap)
+    assert said[0].startswith("1 of 2 candidates does not fit, each counted once: 1 measured: rank 0's peak reserved")
+    assert "estimated" not in said[0] and not any("more" in line for line in said)
+    over = size_said(moved - moved // 2)
+    assert said[1:] == [f"    over the allocator's limit of 1.0 GiB, the closest: {hsdp.candidate.name} (1.0 GiB "
+                        f"measured+, {over} over)"]
 
 
 def test_a_timing_never_reads_an_earlier_searchs_summary_as_its_own(tmp_path, monkeypatch):
@@ -446,7 +477,7 @@ def test_a_timing_beside_other_runs_is_taken_again_and_never_decides_the_ranking
     assert winner.candidate.degrees == Degrees(replicate=1, shard=8) and winner.speed["compute_clean"]
     assert winner.speed["optimizer_s"] == pytest.approx(0.05)
     said = report.unclean_said(timings)
-    assert said.startswith("2 of 3 timing(s) not clean (steps shared with another run)") and "never the winner" in said
+    assert said.startswith("2 of 3 timings not clean (steps shared with another run)") and "never the winner" in said
     path = report.write_search(found, setup, [], timings, {}, None)
     assert load(path)["meta"]["unclean_timings"] == said
 
@@ -505,6 +536,10 @@ def test_a_cpu_search_cannot_tell_what_fits_ranks_every_candidate_and_its_comman
     assert "on a CPU nothing waits for the emulated communication, so the overlap is not measured" in said
     # No GPU words on a CPU run: its ranks, what it can tell and what it cannot.
     assert "tok/s/GPU" not in proc.stdout and "tok/s/rank" in proc.stdout and "one GPU first" not in said
+    # The table shows 15 of the 18 ranked rows and says where the rest are.
+    numbered = [line for line in proc.stdout.splitlines() if re.match(r"\s*\d+ R\d+xS", line)]
+    assert len(numbered) == report.SHOWN == 15
+    assert f"the first 15 of 18 ranked rows shown; the other 3 are in {out / 'plan.json'} (every candidate)" in said
     result = load(out / "plan.json")
     assert result["meta"]["timings"] == 2 and all(c["fits"] is None for c in result["candidates"])
     assert sorted(os.listdir(out / "timings")) == ["t0", "t1"]  # one launch a timing
@@ -663,7 +698,8 @@ def test_a_signal_during_the_timings_ends_in_one_line_and_ranks_what_they_measur
     result = load(out / "plan.json")
     ended = result["meta"]["timings"]
     assert proc.returncode == 130 and stderr.strip().splitlines() == [
-        f"Interrupted ({signal.Signals(signum).name}); the {ended} timing(s) that ended are ranked in "
+        f"Interrupted ({signal.Signals(signum).name}); the {counted(ended, 'timing')} that ended "
+        f"{'is' if ended == 1 else 'are'} ranked in "
         f"{out / 'plan.json'}"], stderr
     assert result["meta"]["interrupted"] is True and ended >= 1
     assert any(c["speed"] and c["speed"]["compute_measured"] for c in result["candidates"])

@@ -154,7 +154,7 @@ def test_an_interrupted_matrix_stops_and_keeps_what_finished(tmp_path, signum, n
     (["--simulate_world_size", "2,x"], "expected comma-separated integers, got 'x'"),
     (["--batch_size", "0"], "--batch_size must be a positive integer"),
     (["--option_sets", "hsdp", "--nproc_per_node", "3"],
-     "nothing to run: hsdp: no real run on 3 rank(s) (its layout's sizes do not divide it)"),
+     "nothing to run: hsdp: no real run on 3 ranks (its layout's sizes do not divide it)"),
 ])
 def test_a_bad_matrix_command_gets_one_line_before_any_launch(tmp_path, flags, message):
     """The first launched for real; the others asked of matrix.py's checks (matrix.check) in this process, which

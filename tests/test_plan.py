@@ -18,7 +18,7 @@ from conftest import child_running, load, refusal, run_script, start_script
 import plan
 from fsdp2bench.cli import OneLineParser, UserError, gpu_memory_gib
 from fsdp2bench.memory import estimate
-from fsdp2bench.names import MIB, VARIANTS
+from fsdp2bench.names import MIB, VARIANTS, counted
 from fsdp2bench.plan import checks, report as plan_report, search as plan_search
 from fsdp2bench.plan.probes import BLOCKS_FREE, ProbeRunner, Question
 from fsdp2bench.plan.room import ROOM_MARGIN
@@ -544,6 +544,12 @@ def plan_until(tmp_path, probes_seen: int, own_group: bool = False):
     return proc
 
 
+def ended_said(result: dict) -> str:
+    """How an interrupted plan's last line counts the probes that ended (each counted once, in plan.json)."""
+    ended = result["meta"]["probes"]
+    return f"the {counted(ended, 'probe')} that ended {'is' if ended == 1 else 'are'}"
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM])
 def test_an_interrupted_plan_says_what_it_kept_and_claims_nothing(tmp_path, signum):
     """A scheduler's SIGTERM to plan.py alone. Its SIGINT goes to the same handler (isolation.catch_interrupts):
@@ -554,8 +560,7 @@ def test_an_interrupted_plan_says_what_it_kept_and_claims_nothing(tmp_path, sign
     plan_json = tmp_path / "plan" / "plan.json"
     result = load(plan_json)
     assert proc.returncode == 130 and stderr.strip().splitlines() == [
-        f"Interrupted ({signal.Signals(signum).name}); the {result['meta']['probes']} probe(s) that ended are in "
-        f"{plan_json}"], stderr
+        f"Interrupted ({signal.Signals(signum).name}); {ended_said(result)} in {plan_json}"], stderr
     assert result["meta"]["interrupted"] is True and result["meta"]["probes"] >= 5
     unfinished = [a for a in result["answers"] if not a["finished"]]
     assert unfinished and all(a["largest"] is None and a["tokens_per_rank_per_step"] is None for a in unfinished)
@@ -574,8 +579,7 @@ def test_a_signal_to_the_plan_and_every_process_it_started_ends_in_one_line(tmp_
     _, stderr = proc.communicate(timeout=120)
     result = load(plan_json)
     assert proc.returncode == 130 and stderr.strip().splitlines() == [
-        f"Interrupted ({signal.Signals(signum).name}); the {result['meta']['probes']} probe(s) that ended are in "
-        f"{plan_json}"], stderr
+        f"Interrupted ({signal.Signals(signum).name}); {ended_said(result)} in {plan_json}"], stderr
     assert result["meta"]["interrupted"] is True and result["meta"]["probes"] >= 1
     assert not any(a["largest"] for a in result["answers"] if not a["finished"])
 
@@ -602,7 +606,7 @@ def test_a_signal_to_one_probe_fails_its_answer_and_the_last_line_says_so(tmp_pa
     # The probe's own words depend on where the signal found it (Interrupted, or torch's RuntimeError).
     assert proc.returncode == 1 and len(failed) == 1 and "SIGTERM" in failed[0]["error"], stderr
     assert "(its shared process)" not in failed[0]["error"]
-    assert stderr.strip().splitlines()[-1] == f"FAILED: 1 answer(s): {failed[0]['error']}"
+    assert stderr.strip().splitlines()[-1] == f"FAILED: 1 answer: {failed[0]['error']}"
     assert any(line.startswith("N = 2, block 128: no finding") for line in result["findings"]), result["findings"]
     assert [a["largest"] for a in result["answers"] if not a["error"]] == [8]
 
@@ -613,7 +617,7 @@ def test_a_signal_to_a_shared_process_fails_its_answer_and_the_last_line_says_so
     failed = [a for a in result["answers"] if a["error"]]
     assert proc.returncode == 1 and len(failed) == 1 and "its shared process" in failed[0]["error"], stderr
     assert "SIGTERM" in failed[0]["error"]
-    assert stderr.strip().splitlines()[-1] == f"FAILED: 1 answer(s): {failed[0]['error']}"
+    assert stderr.strip().splitlines()[-1] == f"FAILED: 1 answer: {failed[0]['error']}"
     assert [a["largest"] for a in result["answers"] if not a["error"]] == [3]
 
 
@@ -819,7 +823,7 @@ def test_a_layout_accelerate_refuses_is_a_finding_of_the_plan_as_of_main_py_not_
                        "--output_dir", str(tmp_path / "plan")], nproc=None)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     said = " ".join(proc.stdout.split())
-    assert "unsupported by the installed libraries (a finding, not a failure of the plan): 1 answer(s): tp2 N=2 " \
+    assert "unsupported by the installed libraries (a finding, not a failure of the plan): 1 answer: tp2 N=2 " \
            "accelerate" in said and "no dimension for FSDP to shard" in said
     assert "(tp2 unsupported)" in said and "FAILED" not in proc.stderr
     assert "no probe fit, so there is nothing to draw" in said

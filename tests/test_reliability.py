@@ -91,7 +91,7 @@ LAUNCHER = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE
                                                     "host"),
     ({"RANK": "0"}, "error: WORLD_SIZE is not set in the environment but RANK is"),
     ({**LAUNCHER, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "FSDP2_BENCH_PEER_WAIT_S": "3"},
-     "error: rank 0: the 2 rank(s) of WORLD_SIZE=2 did not all meet at 127.0.0.1:"),
+     "error: rank 0: the 2 ranks of WORLD_SIZE=2 did not all meet at 127.0.0.1:"),
 ])
 def test_launcher_variables_set_by_hand_give_one_line_or_a_clean_run(tmp_path, monkeypatch, env, line):
     """Each within 30 s (a hang fails the test): the wait for ranks that never come is 15 s, 3 s here. The

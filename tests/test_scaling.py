@@ -38,7 +38,7 @@ def accumulated(tmp_path_factory) -> dict[str, dict]:
         out = tmp_path_factory.mktemp(f"sync_each_batch_{way}")
         proc = run_script(["main.py", *ACCUMULATE, "--sync_each_batch", way, "--output_dir", str(out)])
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert "12 steps of 2 microbatches on 2 rank(s)" in proc.stdout
+        assert "12 steps of 2 microbatches on 2 ranks" in proc.stdout
         runs[way] = load(out / "summary.json")
     return runs
 
@@ -139,7 +139,7 @@ def test_matrix_sets_run_only_where_their_shards_divide_n():
     (["--dp_replicate_size", "2", "--requires_all_reduce", "false"], "2", "--requires_all_reduce false needs HSDP"),
     (["--gradient_accumulation_steps", "0"], "1", "--gradient_accumulation_steps must be in [1, 65536], got 0"),
     (["--gradient_accumulation_steps", "60000", "--batch_size", "16", "--block_size", "2048", "--max_steps", "1"], "1",
-     "960000 x 2048 tokens on 1 rank.s. would repeat the built-in text to 1,966,082,048 tokens, more than its 1,073,"),
+     "1 step of 960000 x 2048 tokens on 1 rank would repeat the built-in text to 1,966,082,048 tokens, more than its 1,073,"),
 ])
 def test_a_bad_combination_is_refused_in_one_line_before_anything_runs(monkeypatch, tmp_path, flags, world, message):
     for name, value in {"RANK": "0", "WORLD_SIZE": world, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": world,

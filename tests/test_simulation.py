@@ -135,7 +135,7 @@ def test_sigterm_keeps_finished_runs_and_marks_the_interrupted_one(tmp_path):
     assert simulated["16"]["0"]["torch_optimizer_after_fsdp"]["status"] == "not run"
     partial = load(tmp_path / "simulated_N8" / "torch_optimizer_after_fsdp_memory_usage.json")
     assert partial["status"] == "interrupted" and 0 < len(partial["steps"]) < 200
-    assert stderr.strip().splitlines() == [f"Interrupted (SIGTERM); 1 finished run(s) and the partial traces of the "
+    assert stderr.strip().splitlines() == [f"Interrupted (SIGTERM); 1 finished run and the partial traces of the "
                                            f"interrupted are in {tmp_path}/"], stderr
     drawn = run_script(["visualize.py", "--dir", str(tmp_path)], nproc=None)
     assert drawn.returncode == 0, drawn.stderr

@@ -168,7 +168,7 @@ def test_progress_lines_on_a_log_and_none_with_quiet(suite, single_process):
     assert "\r" not in proc.stdout and "s left" in proc.stdout
     assert "draw the plots with:\n    python3 visualize.py --dir " in proc.stdout
     _, quiet = single_process  # --quiet
-    assert " step 1/3" not in quiet.stdout and "Results over 1 rank(s)" in quiet.stdout
+    assert " step 1/3" not in quiet.stdout and "Results over 1 rank;" in quiet.stdout
 
 
 def test_without_a_gpu_and_without_model_the_tiny_model_is_chosen_and_said(suite, tmp_path):

@@ -96,7 +96,7 @@ def test_a_directory_holding_two_runs_is_drawn_as_the_run_its_summary_describes(
     proc = run_script(["visualize.py", "--dir", str(work)], nproc=None)
     assert proc.returncode == 0, proc.stderr
     # The new run wrote the first variant's rank-0 file; its rank-1 file and the 3 others' 6 are the first run's.
-    assert f"note: left out 7 trace file(s) of other runs in {work}; plotting only the run summary.json describes " \
+    assert f"note: left out 7 trace files of other runs in {work}; plotting only the run summary.json describes " \
            f"({run_id})" in proc.stdout
     assert f"no results for {', '.join(VARIANTS[1:])}" in proc.stdout
     (work / "summary.json").write_text(json.dumps({**json.loads((work / "summary.json").read_text()),

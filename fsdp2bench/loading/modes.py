@@ -14,7 +14,7 @@ from torch import nn
 import utils
 from fsdp2bench.loading.checkpoints import Checkpoint, write_bin
 from fsdp2bench.memory.accounting import local_tensor, shard_rows
-from fsdp2bench.names import MIB, size_said
+from fsdp2bench.names import MIB, counted, size_said
 from fsdp2bench.options.layout import Degrees
 from fsdp2bench.processes import simulation
 from fsdp2bench.processes.child import TracedChild, run_traced_child
@@ -328,7 +328,7 @@ def gpu_cell(text: str, summary: dict) -> str:
 
 
 def print_table(summary: dict) -> None:
-    print(f"{loaded_what(summary)} on {summary['world_size']} rank(s)")
+    print(f"{loaded_what(summary)} on {counted(summary['world_size'], 'rank')}")
     header = f"{'mode':16} {'load s':>7} {'RSS added, per rank (MiB)':>28} {'sum':>8}" \
              f"{gpu_cell('GPU peak MiB', summary)} {'match':>6}"
     print(header)

@@ -59,7 +59,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, UNFIXED
+from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, UNFIXED, counted
 from fsdp2bench.options import levers
 from fsdp2bench.options.fsdp import AUTOCAST, FP32, FULL_AC, NO_AC, POLICY, SELECTIVE_AC, FsdpOptions
 from fsdp2bench.options.layout import Degrees, tensor_parallel_dim, tensor_parallel_plan
@@ -157,7 +157,7 @@ def compiled_read_back(model: nn.Module, units: list[nn.Module]) -> str:
         return "blocks"
     if levers.compiled(model):
         return "model"
-    return "none" if count == 0 else f"{count} of {len(units)} blocks"
+    return "none" if count == 0 else f"{count} of {counted(len(units), 'block')}"
 
 
 def gathered_block_bytes(model: nn.Module, layer_classes: list[str]) -> int | None:

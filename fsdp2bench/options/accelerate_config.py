@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from fsdp2bench.cli import UserError, environment_changed
 from fsdp2bench.files import expect_path
+from fsdp2bench.names import counted
 from fsdp2bench.options import levers
 from fsdp2bench.options.fsdp import AUTOCAST, FP32, FULL_AC, NO_AC
 from fsdp2bench.options.layout import CP_STRATEGIES
@@ -147,8 +148,8 @@ def check_num_processes(config: ConfigOptions | None, world_size: int) -> None:
     if config is None or config.num_processes is None or config.num_processes == world_size:
         return
     n = config.num_processes
-    raise UserError(f"{config.source}: num_processes {n}, but this launch has {world_size} rank(s): launch {n} "
-                    f"(torchrun --nproc_per_node {n}, or accelerate launch --config_file {config.source}), or play "
+    raise UserError(f"{config.source}: num_processes {n}, but this launch has {counted(world_size, 'rank')}: launch "
+                    f"{n} (torchrun --nproc_per_node {n}, or accelerate launch --config_file {config.source}), or play "
                     f"rank 0 of {n} on one GPU with --simulate_world_size {n}")
 
 

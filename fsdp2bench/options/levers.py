@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fsdp2bench.cli import UserError
+from fsdp2bench.names import counted
 from fsdp2bench.options.fsdp import FULL_AC, SELECTIVE_AC, FsdpOptions
 
 if TYPE_CHECKING:
@@ -207,8 +208,8 @@ def float8_linears(model: nn.Module) -> int:
 def check(options: FsdpOptions, device_type: str, num_blocks: int) -> None:
     """A lever that cannot run here, refused in one line with the reason, before anything runs."""
     if options.ac_every > num_blocks:
-        raise UserError(f"--ac_every {options.ac_every}: this model has {num_blocks} blocks, so no block would be "
-                        "checkpointed")
+        raise UserError(f"--ac_every {options.ac_every}: this model has {counted(num_blocks, 'block')}, so no block "
+                        "would be checkpointed")
     if options.compile and device_type == "cpu" and not cpp_compiler():
         raise UserError("--compile on the CPU: inductor builds C++ there, and no C++ compiler (g++, c++ or clang++) "
                         "is on the PATH")

@@ -104,8 +104,24 @@ class Tuning:
     def targets(self) -> list[str]:
         return [name.strip() for name in self.lora_targets.split(",") if name.strip()]
 
+    def said(self) -> str | None:
+        return what_trains(asdict(self))
+
 
 TUNING_DEFAULTS = asdict(Tuning())  # as summary.json's meta writes them
+ADAPTER_NAMES = {LORA: "LoRA", QLORA: "QLoRA"}
+
+
+def what_trains(tuned: dict) -> str | None:
+    """What trains and with which optimizer (``tuned``: a Tuning as summary.json and plan.json write it), where it is
+    not the whole model with AdamW: a run's console and a plan's first line say it."""
+    if not tuned or tuned == TUNING_DEFAULTS:
+        return None
+    base = f"4-bit NF4 base packed in {tuned['qlora_storage']}" if tuned["peft"] == QLORA else "bf16 base"
+    trained = (f"{ADAPTER_NAMES[tuned['peft']]} adapters (rank {tuned['lora_rank']}, alpha {tuned['lora_alpha']:g}, "
+               f"dropout {tuned['lora_dropout']:g}, over {tuned['lora_targets']}) on a frozen {base}"
+               if tuned["peft"] != NO_PEFT else "the whole model")
+    return f"{trained}, optimizer {tuned['optimizer']}"
 
 
 # --------------------------------------------------------------------------- the optimizer's state

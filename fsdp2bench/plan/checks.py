@@ -18,7 +18,7 @@ from fsdp2bench.files import check_output_dir, digest_of, is_ours, path_kind, re
 from fsdp2bench.memory import estimate
 from fsdp2bench.memory.accounting import built_bytes
 from fsdp2bench.memory.estimate import host_bytes
-from fsdp2bench.names import GIB, VARIANTS
+from fsdp2bench.names import GIB, VARIANTS, counted
 from fsdp2bench.options import accelerate_config, levers as lever_checks, fsdp as options, tuning
 from fsdp2bench.options.layout import Layout
 from fsdp2bench.options.links import Links, check_nodes_fit, parse_links
@@ -26,7 +26,7 @@ from fsdp2bench.options.step import LIGER, Step, check_liger
 from fsdp2bench.options.tuning import Tuning
 from fsdp2bench.plan.layout.candidates import (COMPILE, FLOAT8, LEVER_NAMES, Levers, candidates_of, layouts_of,
                                                parse_levers)
-from fsdp2bench.plan.layout.report import CONFIG_NAME, written_config_digest
+from fsdp2bench.plan.layout.report import CONFIG_NAME, PLAN_NAME, written_config_digest
 from fsdp2bench.plan.layout.search import SearchInputs
 from fsdp2bench.plan.layout.timing import timing_dir
 from fsdp2bench.plan.probes import BATCH, BLOCK, BLOCK_STEP, LAYOUT, block_step
@@ -113,7 +113,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[s
                    help=f"sequences per microbatch with --find {BLOCK} (default: 1)")
     p.add_argument("--upper_bound", type=int, default=None,
                    help=f"the largest value tried (default: {DEFAULT_UPPER[BATCH]} for a batch, the model's "
-                        f"positions for a block)")
+                        f"positions for a block; on a CPU run {CPU_UPPER[BATCH]} and {CPU_UPPER[BLOCK]}, a block never "
+                        "below --block_size nor beyond the model's positions)")
     p.add_argument("--init_device", choices=["auto", "cpu", "cuda", "meta"], default="auto",
                    help="where each probe builds its model, as main.py's option; auto: on the GPU where 1.2 x the "
                         "model's fp32 bytes fit under the cap (a probe's set-up then takes about a second, not "
@@ -150,8 +151,9 @@ def add_layout_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--links", default=None, metavar="WITHIN,ACROSS|FILE",
                    help="the links every timing's communication is emulated over (main.py's "
                         "--emulate_communication) and the untimed candidates' is projected over: GB/s per direction "
-                        "per GPU WITHIN a node of 8 and ACROSS nodes, or a JSON FILE with node_size, within_gbps, "
-                        "across_gbps (default: 450,50: NVLink 4, 400 Gb/s RDMA)")
+                        f"per GPU WITHIN a node of {Links().node_size} and ACROSS nodes, or a JSON FILE with "
+                        f"node_size, within_gbps, across_gbps (default: {Links().within_gbps:g},"
+                        f"{Links().across_gbps:g}: NVLink 4, 400 Gb/s RDMA)")
     g.add_argument("--max_timings", type=int, default=12,
                    help="timings at most, each one launch of one simulated rank alone on the device (every other "
                         "step with its communication emulated, the steps between its compute alone) (default: 12)")
@@ -230,7 +232,7 @@ def checked_common(args: argparse.Namespace, given: set[str]) -> Common:
     if args.init_device == "cuda" and device.type != "cuda":
         raise UserError("--init_device cuda needs a GPU (this run is on the CPU)")
     chosen = checked_tuning(args, device.type)
-    check_output_dir(args.output_dir, "plan.json")
+    check_output_dir(args.output_dir, PLAN_NAME)
     refuse_foreign([plan_path(args)], "--output_dir")
     model = args.model or (GPU_DEFAULT_MODEL if device.type == "cuda" else CPU_DEFAULT_MODEL)
     return Common(sizes=sizes, blocks=blocks, device=device, model=model, tuning=chosen)
@@ -272,7 +274,7 @@ def refuse_unread(given: set[str], mode: str) -> None:
 
 
 def plan_path(args: argparse.Namespace) -> str:
-    return os.path.join(args.output_dir, "plan.json")
+    return os.path.join(args.output_dir, PLAN_NAME)
 
 
 def parse_block_sizes(text: str) -> list[int]:
@@ -451,8 +453,8 @@ def checked_search(args: argparse.Namespace, common: Common) -> CheckedSearch:
     layouts, refused = layouts_of(world_size, facts.config, block, device.type, common.tuning)
     splits = sorted({d.data_ranks for d in layouts}, reverse=True)
     if not any(sequences % ranks == 0 for ranks in splits):
-        raise UserError(f"--global_batch {sequences} sequences: no layout of N = {world_size} splits it evenly "
-                        f"(their data-parallel ranks, {', '.join(map(str, splits))}, each leave a remainder)")
+        raise UserError(f"--global_batch {counted(sequences, 'sequence')}: no layout of N = {world_size} splits it "
+                        f"evenly (their data-parallel ranks, {', '.join(map(str, splits))}, each leave a remainder)")
     cap = estimate.gpu_cap(args.gpu_memory, device.index) if device.type == "cuda" else None
     args.init_device = build_device(args.init_device, facts.shapes, cap, [VARIANTS[0]])
     setup = SearchInputs(model=common.model, world_size=world_size, block=block, global_sequences=sequences,
@@ -474,7 +476,7 @@ def check_config_path(output_dir: str) -> None:
     """accelerate_config.json carries no mark of this benchmark (accelerate's loader refuses an unknown key): one
     already there is replaced only beside this benchmark's plan.json, as a file, as that search wrote it (its
     digest in plan.json)."""
-    path, plan = os.path.join(output_dir, CONFIG_NAME), os.path.join(output_dir, "plan.json")
+    path, plan = os.path.join(output_dir, CONFIG_NAME), os.path.join(output_dir, PLAN_NAME)
     if not os.path.lexists(path):
         return
     if os.path.islink(path) or not os.path.isfile(path) or not is_ours(plan):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Hashable
 
 from fsdp2bench.cli import say
+from fsdp2bench.names import counted
 from fsdp2bench.plan.search import Search, outcome_said
 
 
@@ -72,7 +73,7 @@ def findings(answers: list[dict], reference: str, device_type: str = "cuda") -> 
         where = f"N = {n}{_fixed_said(cell[0] if cell else None)}"
         open_ = [a for a in cell if a["error"] or not a["finished"]]
         if open_:  # a comparison with an answer that failed or was cut short would rest on a bound
-            out.append(f"{where}: no finding, {len(open_)} of {len(cell)} answers open ("
+            out.append(f"{where}: no finding, {len(open_)} of {counted(len(cell), 'answer')} open ("
                        + ", ".join(f"{a['option_set']} {open_said(a)}" for a in open_)
                        + ")" + "".join(f"; {a['option_set']} fits {_fit_said(a)}" for a in cell
                                        if a not in open_ and a["largest"]) + ".")
@@ -169,10 +170,11 @@ def print_plan(plan: dict) -> None:
     cap = meta.get("gpu_memory")
     said = f"resv: the probe's peak reserved at the largest value; headroom: the allocator's limit of " \
         f"{cap['allocator_limit_mib']:,.0f} MiB less it." if cap else "A CPU run: no allocator, no cap."
-    say(f"tokens: per rank per optimizer step at the largest value. {said} {meta['probes']} fresh probes "
+    say(f"tokens: per rank per optimizer step at the largest value. {said} {counted(meta['probes'], 'fresh probe')} "
         f"({meta['probes_per_answer']:.1f} per answer, {meta['probes_run_again_alone']} run again alone, "
         f"{meta['probes_set_up_ahead']} set up ahead of their value and {meta['stood_down']} more stood down "
-        f"unused) after {meta['shared_values']} values in {meta['shared_processes']} shared "
-        f"processes, in {meta['wall_s']:.0f} s; plan.json has each probe's phase and failed allocation.")
+        f"unused) after {counted(meta['shared_values'], 'value')} in "
+        f"{counted(meta['shared_processes'], 'shared process')}, in {meta['wall_s']:.0f} s; plan.json has each "
+        "probe's phase and failed allocation.")
     for line in plan["findings"]:
         say(line)

@@ -4,10 +4,10 @@ the checks, and why a run failed; every figure is summary.json's (summary.py).""
 from __future__ import annotations
 
 from fsdp2bench.cli import say
-from fsdp2bench.names import INTENDED, MIB, MICROBATCH_PHASE, UNFIXED, short_name, size_said
+from fsdp2bench.names import INTENDED, MIB, MICROBATCH_PHASE, UNFIXED, counted, short_name, size_said
 from fsdp2bench.options.layout import AXES
 from fsdp2bench.options.step import MODEL, UPSTREAM
-from fsdp2bench.options.tuning import LORA, NO_PEFT, QLORA, TUNING_DEFAULTS
+from fsdp2bench.options.tuning import NO_PEFT, TUNING_DEFAULTS, what_trains
 from fsdp2bench.report.summary import (ACCELERATE, MEASURED_FIGURES, TORCH, worst_rank, compared_sizes, failed_status,
                                        run_entries, simulated_entries, unsupported_findings)
 from fsdp2bench.train import throughput
@@ -44,7 +44,7 @@ NAME_WIDTH = 37  # the longest run name
 def print_table(summary: dict) -> None:
     world, gpu = summary["meta"]["world_size"], summary["meta"]["device"] == "cuda"
     columns = [c for c in TABLE_COLUMNS if gpu or not c[3]]
-    print(f"\nResults over {world} rank(s); memory columns are the maximum over ranks.")
+    print(f"\nResults over {counted(world, 'rank')}; memory columns are the maximum over ranks.")
     header = f"{'variant':{NAME_WIDTH}} " + " ".join(f"{title:>{width}}" for title, width, _, _ in columns)
     print(header)
     print("-" * len(header))
@@ -183,9 +183,6 @@ def tuned_options(summary: dict) -> dict:
     return summary["meta"].get("fsdp_options", {}).get("tuning", {})
 
 
-ADAPTER_NAMES = {LORA: "LoRA", QLORA: "QLoRA"}
-
-
 def tuning_sentence(summary: dict) -> str | None:
     """What was trained and with which optimizer, where it is not the whole model with AdamW, and what the frozen
     base held on each rank (its chunk of the whole, and no gradient or optimizer state)."""
@@ -204,14 +201,8 @@ def tuning_sentence(summary: dict) -> str | None:
 
 def trained_said(summary: dict) -> str | None:
     """What was trained and with which optimizer, where it is not the whole model with AdamW."""
-    tuned = tuned_options(summary)
-    if not tuned or tuned == TUNING_DEFAULTS:
-        return None
-    base = f"4-bit NF4 base packed in {tuned['qlora_storage']}" if tuned["peft"] == QLORA else "bf16 base"
-    trained = (f"{ADAPTER_NAMES[tuned['peft']]} adapters (rank {tuned['lora_rank']}, alpha {tuned['lora_alpha']:g}, "
-               f"dropout {tuned['lora_dropout']:g}, over {tuned['lora_targets']}) on a frozen {base}"
-               if tuned["peft"] != NO_PEFT else "the whole model")
-    return f"Trained: {trained}, optimizer {tuned['optimizer']}."
+    said = what_trains(tuned_options(summary))
+    return None if said is None else f"Trained: {said}."
 
 
 def sweep_tuning_sentence(summary: dict) -> str | None:
@@ -243,7 +234,7 @@ def graph_break_sentences(variants: dict) -> list[str]:
                   and nesting.index("compiled") < nesting.index("fully_shard"))
         why = (": FSDP2's hooks run inside the compiled call, and dynamo does not trace them (a checkpoint around "
                "them then runs whole and uncompiled)" if inside else "")
-        out.append(f"{name}: {breaks} graph break(s) while compiling; its block is nested "
+        out.append(f"{name}: {counted(breaks, 'graph break')} while compiling; its block is nested "
                    f"{' > '.join(nesting)}{why}. summary.json's applied.block_nesting has each variant's.")
     return out
 
@@ -268,8 +259,9 @@ def accumulation_sentences(summary: dict) -> list[str]:
         return []
     mesh = step.get("mesh") or {}
     layout = " x ".join(f"{mesh[axis]} {axis}" for axis in AXES if mesh.get(axis, 1) > 1 and axis != "dp_shard")
-    out = [f"One optimizer step: {step['microbatches']} microbatches, {step['sequences_per_rank']} sequences and "
-           f"{step['tokens_per_rank']} tokens per rank, {step.get('tokens', 'n/a')} tokens in all"
+    out = [f"One optimizer step: {counted(step['microbatches'], 'microbatch')}, "
+           f"{counted(step['sequences_per_rank'], 'sequence')} and {counted(step['tokens_per_rank'], 'token')} per "
+           f"rank, {step.get('tokens', 'n/a')} tokens in all"
            + (f", on {mesh['dp_shard']} dp_shard x {layout}" if layout else "") + "."]
     held = {name: worst_rank(v, MICROBATCH_PHASE) for name, v in summary["variants"].items()
             if v.get("status") == "ok" and MICROBATCH_PHASE in v["accounting"][0]}
@@ -288,8 +280,8 @@ def emulated_said(summary: dict) -> list[str]:
         emulated = (v.get("emulated") or [None])[0]
         if v["status"] != "ok" or not emulated:
             continue
-        kinds = "; ".join(f"{kind}: {e['calls']:g} calls, {size_said(e['bytes'])}, {e['emulated_s'] * 1e3:.2f} ms"
-                          for kind, e in emulated["per_step"].items())
+        kinds = "; ".join(f"{kind}: {counted(e['calls'], 'call')}, {size_said(e['bytes'])}, "
+                          f"{e['emulated_s'] * 1e3:.2f} ms" for kind, e in emulated["per_step"].items())
         how = (f"waited on the GPU as {emulated.get('waited_as') or 'a sleep'}" if emulated["waited_on_the_gpu"]
                else "priced only: on a CPU nothing waits")
         lines.append(f"Emulated a step, N = {n} rank {rank} {short_name(name)}: {kinds or 'no collective'}; "
@@ -322,7 +314,7 @@ def half_said(half: dict) -> str:
 def print_sweep_table(summary: dict) -> None:
     sim = summary["meta"]["simulated"]
     say(f"\nSimulated world sizes ({summary['meta']['model']}): one process played each rank shown, on a fake "
-        f"process group (real allocations, no communication); {sim['steps']} steps per run. "
+        f"process group (real allocations, no communication); {counted(sim['steps'], 'step')} per run. "
         f"{step_said(summary)}")
     header = (f"{'N':>4} {'rank':>4} {'variant':{NAME_WIDTH}} {'train':>8} {'resv':>6} {'tok/s':>8} {'MFU':>6} "
               f"{'params':>7} {'grads':>7} {'optim':>7} {'stale':>7} {'beyond':>7}")

@@ -19,7 +19,7 @@ import tempfile
 import time
 
 from fsdp2bench.files import write_json
-from fsdp2bench.names import INTENDED, MIB, UNFIXED, step_peak_state
+from fsdp2bench.names import INTENDED, MIB, UNFIXED, counted, step_peak_state
 from fsdp2bench.options.fsdp import OPTION_SETS
 from fsdp2bench.processes.starting import CANCELLED, GO, START_GATE, open_gate
 from fsdp2bench.train import throughput
@@ -63,7 +63,7 @@ def launches(output_dir: str, sets: list[str], wanted: list[int], sweep_steps: i
         if nproc and fitting_sizes(name, [nproc]):
             out.append((name, set_dir(output_dir, name), [*forwarded, *flags, "--output_dir", set_dir(output_dir, name)]))
         elif nproc:
-            skipped.append(f"{name}: no real run on {nproc} rank(s) (its layout's sizes do not divide it)")
+            skipped.append(f"{name}: no real run on {counted(nproc, 'rank')} (its layout's sizes do not divide it)")
         fitting = fitting_sizes(name, wanted)
         if fitting:
             sweep = os.path.join(set_dir(output_dir, name), SWEEP_DIR)
@@ -266,7 +266,7 @@ def print_findings(matrix: dict) -> None:
               for key, c in checks.items() if c.get("ok") is False]
     not_ok = [r for r in matrix["rows"] if r["status"] != "ok"]
     print(f"checks: {'every launch passed its checks' if not failed else 'FAILED ' + '; '.join(failed)}; "
-          f"{len(matrix['rows']) - len(not_ok)} of {len(matrix['rows'])} rows ok"
+          f"{len(matrix['rows']) - len(not_ok)} of {counted(len(matrix['rows']), 'row')} ok"
           + "".join(f"\n  {r['option_set']} N={r['world_size']} {r['variant']}: {r['status']}" for r in not_ok))
 
 

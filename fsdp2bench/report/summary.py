@@ -9,8 +9,8 @@ from fsdp2bench.memory import snapshots
 from fsdp2bench.memory.accounting import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_frozen_bytes,
                                           expected_gathered_block_bytes, expected_setup, expected_state, projection,
                                           unfixed_costs_more_from)
-from fsdp2bench.names import (INTENDED, MIB, PEAK_PHASES, PHASES, STATE_KEYS, UNFIXED, phases, state_bytes,
-                              step_peak_state)
+from fsdp2bench.names import (INTENDED, MIB, PEAK_PHASES, PHASES, STATE_KEYS, UNFIXED, counted, phases,
+                              state_bytes, step_peak_state)
 from fsdp2bench.options.fsdp import FsdpOptions
 from fsdp2bench.processes.isolation import UNSUPPORTED
 
@@ -311,8 +311,8 @@ NOT_A_LOSS = "a loss is not a positive number"
 
 
 def _too_few_steps(steps: int) -> str:
-    return (f"{steps} step(s) cannot tell a falling loss from the spread of the loss over the batches; it needs at "
-            f"least {MIN_STEPS} steps")
+    return (f"{counted(steps, 'step')} cannot tell a falling loss from the spread of the loss over the batches; it "
+            f"needs at least {MIN_STEPS} steps")
 
 
 def _trained_check(drops: dict, bar: dict | None, steps: int, diverged: bool) -> dict:

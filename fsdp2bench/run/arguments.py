@@ -16,7 +16,7 @@ import torch
 from fsdp2bench.cli import OneLineParser, UserError, check_ranges, gpu_memory_gib, parse_names, pick_device
 from fsdp2bench.files import check_output_dir, expect_path, looks_like_a_path, refuse_foreign
 from fsdp2bench.memory import estimate
-from fsdp2bench.names import VARIANTS, rank_file
+from fsdp2bench.names import VARIANTS, counted, rank_file
 from fsdp2bench.options import accelerate_config, levers, fsdp as options, step, tuning
 from fsdp2bench.options.layout import CP_STRATEGIES, Layout
 from fsdp2bench.options.links import Links, check_nodes_fit, parse_links
@@ -138,8 +138,9 @@ def add_emulation_option(p: argparse.ArgumentParser, who: str) -> None:
                    metavar="WITHIN,ACROSS|FILE",
                    help=f"{who} costs its time, as a sleep on the GPU stream it is issued on (on a CPU: priced, "
                         "nothing waits), over links of WITHIN GB/s within a node and ACROSS per NIC, or a JSON FILE "
-                        "of the links (docs/links.md); alone: 8-GPU H100/H200 SXM nodes, 400 Gb/s a GPU (default: "
-                        "off: compute only)")
+                        f"of the links (docs/links.md); alone: {Links().within_gbps:g},{Links().across_gbps:g} in "
+                        f"nodes of {Links().node_size} (H100/H200 SXM: NVLink, a 400 Gb/s NIC a GPU) (default: off: "
+                        "compute only)")
 
 
 def add_step_options(p: argparse.ArgumentParser) -> None:
@@ -555,10 +556,11 @@ def check_alternating_steps(steps: int, compiled: bool) -> None:
     least = throughput.MIN_TIMED_STEPS
     if min(compute, emulated) < least:
         needed = next(n for n in itertools.count(steps + 1) if min(alternating_halves(n, compiled)) >= least)
-        warm = "steps 0 and 1, which compile" if compiled else "step 0"
-        raise UserError(f"--emulate_communication: {steps} step(s) leave {compute} compute-only and {emulated} "
-                        f"emulated step(s) after the warm-up ({warm}); emulating every other step, each needs "
-                        f"{least}: --max_steps {needed} or more (and the data for them)")
+        warm = throughput.numbers_said(list(range(throughput.warmup_steps(compiled))))
+        raise UserError(f"--emulate_communication: {counted(steps, 'step')} leave{'s' if steps == 1 else ''} "
+                        f"{compute} compute-only and {counted(emulated, 'emulated step')} after the warm-up ({warm}{', which compile' if compiled else ''}); "
+                        f"emulating every other step, each needs {least}: --max_steps {needed} or more (and the data "
+                        "for them)")
 
 
 def parse_emulation(given: str, world_sizes: list[int]) -> Links:

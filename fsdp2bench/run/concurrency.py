@@ -19,7 +19,7 @@ import torch.distributed as dist
 from fsdp2bench.cli import UserError
 from fsdp2bench.memory.accounting import built_bytes
 from fsdp2bench.memory.estimate import GpuCap, device_state, gpu_need, host_bytes, tokens_said
-from fsdp2bench.names import GIB
+from fsdp2bench.names import GIB, counted
 from fsdp2bench.options.fsdp import FsdpOptions
 from fsdp2bench.processes.isolation import StoreKeys, wait_for_keys
 from fsdp2bench.processes.starting import started_ahead
@@ -125,7 +125,7 @@ def check_fits(shapes, world_size: int, names: list[str], init_device: str, devi
     available = host_memory_for_launch()
     if host > available:
         raise UserError(f"--model (with --batch_size and --block_size) needs about {host / GIB:.1f} GiB of host memory "
-                        f"({processes} process(es) at N = {world_size}: the model built on the host, its state"
+                        f"({counted(processes, 'process')} at N = {world_size}: the model built on the host, its state"
                         f"{', a step' if device_type == 'cpu' else ''} and the runtime); {available / GIB:.1f} GiB "
                         "are available")
     total = gpu_memory() if device_type == "cuda" else None

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from fsdp2bench.cli import RankError, UserError, one_line, pick_device
 from fsdp2bench.files import check_replaceable, is_ours, lock_output_dir, prepare_output_dir
 from fsdp2bench.memory.accounting import model_bytes, param_shapes, parameter_count
+from fsdp2bench.names import counted
 from fsdp2bench.options.tuning import Tuning
 from fsdp2bench.processes.isolation import (STORE_TIMEOUT, StoreKeys, StoreLost, catch_interrupts, launcher_env,
                                             set_first, wait_for_keys)
@@ -128,7 +129,7 @@ def move_earlier_runs_aside(output_dir: str, run_id: str) -> None:
     for folder in {os.path.dirname(r) for r in found if os.path.dirname(r)}:
         with contextlib.suppress(OSError):  # left where it holds files of another program
             os.rmdir(os.path.join(output_dir, folder))
-    print(f"note: moved the {len(found)} file(s) of earlier runs in {output_dir} to "
+    print(f"note: moved the {counted(len(found), 'file')} of earlier runs in {output_dir} to "
           f"{os.path.join(output_dir, aside)}/; this run writes its own in their place", flush=True)
 
 
@@ -169,8 +170,8 @@ def meet_peers(rank: int, world_size: int) -> dist.TCPStore:
     try:
         store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=PEER_WAIT_S)))
     except (dist.DistError, RuntimeError) as exc:
-        raise RankError(f"rank {rank}: the {world_size} rank(s) of WORLD_SIZE={world_size} did not all meet at "
-                        f"{where} within {PEER_WAIT_S:g} s ({one_line(exc)}); start every rank with the same "
+        raise RankError(f"rank {rank}: the {counted(world_size, 'rank')} of WORLD_SIZE={world_size} did not all "
+                        f"meet at {where} within {PEER_WAIT_S:g} s ({one_line(exc)}); start every rank with the same "
                         f"WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torchrun does), or raise FSDP2_BENCH_PEER_WAIT_S")
     store.set_timeout(STORE_TIMEOUT)  # from here on a wait is for work, not for a rank to appear
     return store

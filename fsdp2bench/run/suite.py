@@ -14,6 +14,7 @@ import torch
 from fsdp2bench.cli import say
 from fsdp2bench.files import save_summary, unwritten
 from fsdp2bench.memory.accounting import PROJECTION_WORLD_SIZES
+from fsdp2bench.names import counted
 from fsdp2bench.processes import simulation
 from fsdp2bench.processes.isolation import (INTERRUPTED, Interrupted, Piece, StoreKeys, StoreLost, failed,
                                             gather_records, has_keys, leave_together, run_isolated, status_of,
@@ -44,7 +45,7 @@ class Suite:
     def steps_said(self) -> str:
         """"12 steps", or with accumulation "12 steps of 4 microbatches"."""
         k = self.train.options.gradient_accumulation_steps
-        return f"{len(self.batches)} steps" + (f" of {k} microbatches" if k > 1 else "")
+        return counted(len(self.batches), "step") + (f" of {counted(k, 'microbatch')}" if k > 1 else "")
 
     @property
     def summary_path(self) -> str:
@@ -72,7 +73,7 @@ def run_variants(suite: Suite) -> int:
     while groups:
         group = groups.pop(0)
         if s.rank == 0:
-            print(f"[{', '.join(group)}] {suite.steps_said} on {s.world_size} rank(s)"
+            print(f"[{', '.join(group)}] {suite.steps_said} on {counted(s.world_size, 'rank')}"
                   f"{' (again, alone)' if group[0] in shared_failure else ''}...", flush=True)
         jobs = [suite.job(name, StoreKeys(f"{name}/alone" if name in shared_failure else name), s.rank, s.world_size,
                           suite.output_dir, position=i) for i, name in enumerate(group)]
@@ -105,7 +106,7 @@ def kept_said(suite: Suite, entries: list[dict], what: str) -> str:
     interrupted ones, or that none had finished."""
     finished = sum(e.get("status") == "ok" for e in entries)
     partial = any(e.get("status") == INTERRUPTED for e in entries)
-    kept = [f"{finished} finished {what}(s)"] if finished else []
+    kept = [counted(finished, f"finished {what}")] if finished else []
     kept += ["the partial traces of the interrupted"] if partial else []
     if not kept:
         return f"; no {what} had finished or begun to train"
@@ -174,8 +175,9 @@ def run_sweep(suite: Suite, sizes: list[int], rank_specs: list) -> int:
     if s.rank == 0:
         for note in notes:
             print(note)
-        print(f"Simulating {len(runs)} runs ({len(sizes)} world sizes x {len(suite.names)} variants x the ranks "
-              f"played) over {s.world_size} process(es), {suite.steps_said} each...", flush=True)
+        print(f"Simulating {counted(len(runs), 'run')} ({counted(len(sizes), 'world size')} x "
+              f"{counted(len(suite.names), 'variant')} x the ranks played) over {counted(s.world_size, 'process')}, "
+              f"{suite.steps_said} each...", flush=True)
     for n in sizes:
         os.makedirs(simulation.world_size_dir(suite.output_dir, n), exist_ok=True)
 

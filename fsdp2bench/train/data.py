@@ -9,6 +9,7 @@ import random
 import torch
 
 from fsdp2bench.cli import UserError, from_hub
+from fsdp2bench.names import counted
 
 _SUBJECTS = ["the miller", "a sailor", "the old queen", "my brother", "the clerk", "a fox", "the weaver", "our host"]
 _VERBS = ["carried", "counted", "sold", "hid", "found", "painted", "mended", "lost"]
@@ -115,7 +116,8 @@ def builtin_for_steps(tokens: torch.Tensor, block_size: int, sequences: int, fra
     need = blocks * block_size
     if need > MAX_BUILTIN_TOKENS:
         kept = f" (--dataset_fraction {fraction:g} keeps that share of them)" if fraction < 1 else ""
-        raise UserError(f"{max_steps or 1} step(s) of {sequences} x {block_size} tokens on {world_size} rank(s) "
+        raise UserError(f"{counted(max_steps or 1, 'step')} of {sequences} x {block_size} tokens on "
+                        f"{counted(world_size, 'rank')} "
                         f"would repeat the built-in text to {need:,} tokens{kept}, more than its "
                         f"{MAX_BUILTIN_TOKENS:,} (each rank keeps its share as int64): give fewer --max_steps"
                         f"{', a larger --dataset_fraction' if kept else ''}, or a --dataset")
@@ -139,8 +141,8 @@ def rank_batches(tokens: torch.Tensor, block_size: int, batch_size: int, fractio
         steps = min(steps, max_steps)
     if steps == 0:
         raise UserError(f"--block_size {block_size}, --batch_size {batch_size}, --gradient_accumulation_steps "
-                        f"{microbatches}, --dataset_fraction {fraction:g}: the dataset gives {n_blocks} blocks, too "
-                        f"few for one step on {world_size} rank(s)")
+                        f"{microbatches}, --dataset_fraction {fraction:g}: the dataset gives "
+                        f"{counted(n_blocks, 'block')}, too few for one step on {counted(world_size, 'rank')}")
     blocks = tokens[: n_blocks * block_size].view(n_blocks, block_size)
     mine = blocks[rank::world_size]
     # An int64 copy of the batches kept alone: the rest of the data is freed with ``tokens``.

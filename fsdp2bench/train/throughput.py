@@ -26,6 +26,8 @@ import os
 import re
 import statistics
 
+from fsdp2bench.names import counted
+
 WARMUP_STEPS, COMPILE_WARMUP_STEPS = 1, 2
 MIN_TIMED_STEPS = 2  # clean steps after warm-up that a median is taken of
 # Peak dense bf16 tensor FLOP/s by device name (the vendors' datasheets; without sparsity). First match wins.
@@ -63,8 +65,8 @@ def speed(steps: list[dict], tokens_per_step: float, flops_per_token: int, gpu_n
     figures are then its emulated steps' where they waited on the GPU, else its compute-only steps'."""
     warm, peak = warmup_steps(compiled), peak_flops(gpu_name)
     waited = bool(tally and tally["waited_on_the_gpu"])
-    emulation = None if tally is None else emulation_figures(steps[warm:], len(steps), warm, tally, tokens_per_step,
-                                                             flops_per_token, peak)
+    emulation = None if tally is None else emulation_figures(steps, compiled, tally, tokens_per_step, flops_per_token,
+                                                             peak)
     own = median_figures(steps[warm:], len(steps), warm, tokens_per_step, flops_per_token, peak, "") if tally is None \
         else emulation["emulated" if waited else "compute_only"]
     figures = {"tokens_per_step_per_gpu": tokens_per_step, "model_flops_per_token": flops_per_token,
@@ -98,17 +100,18 @@ def median_figures(steps: list[dict], all_steps: int, warm: int, tokens_per_step
     return figures
 
 
-EMULATED_STEPS = "odd steps emulated; even steps, step 0 among them, compute only"
 NOTHING_WAITED = ("a CPU waits for nothing: the communication is only priced, never overlapped, so none is measured "
                   "exposed")
 
 
-def emulation_figures(after: list[dict], all_steps: int, warm: int, tally: dict, tokens_per_step: float,
-                      flops_per_token: int, peak: float | None) -> dict:
+def emulation_figures(steps: list[dict], compiled: bool, tally: dict, tokens_per_step: float, flops_per_token: int,
+                      peak: float | None) -> dict:
     """One launch, both figures: the median of its compute-only steps (``compute_only``) and of its emulated steps
     (``emulated``) after warm-up, and what of the emulated communication the step left ``exposed`` (their
     difference, and its share of the emulated seconds a step) where the emulated steps waited on the GPU."""
-    halves = {label: median_figures([s for s in after if s.get("communication_emulated") == on], all_steps, warm,
+    warm = warmup_steps(compiled)
+    after = steps[warm:]
+    halves = {label: median_figures([s for s in after if s.get("communication_emulated") == on], len(steps), warm,
                                     tokens_per_step, flops_per_token, peak, kind)
               for label, on, kind in (("compute_only", False, "compute-only "), ("emulated", True, "emulated "))}
     communication = tally["emulated_s_per_step"]
@@ -120,18 +123,40 @@ def emulation_figures(after: list[dict], all_steps: int, warm: int, tally: dict,
         exposed["not_measured"] = halves["compute_only"]["not_measured"] or halves["emulated"]["not_measured"]
     else:
         exposed.update(s=emulated - compute, share=(emulated - compute) / communication if communication else None)
-    return {"steps": EMULATED_STEPS, "waited_on_the_gpu": tally["waited_on_the_gpu"], **halves, "exposed": exposed}
+    return {"steps": alternating_steps_said(steps, compiled), "waited_on_the_gpu": tally["waited_on_the_gpu"],
+            **halves, "exposed": exposed}
+
+
+def alternating_steps_said(steps: list[dict], compiled: bool) -> str:
+    """Which steps of this run were warm-up (left out of both figures), which had their communication emulated and
+    which were compute only, by number, as the step records say."""
+    warm = warmup_steps(compiled)
+    emulated = [i for i, s in enumerate(steps) if i >= warm and s.get("communication_emulated")]
+    alone = [i for i, s in enumerate(steps) if i >= warm and not s.get("communication_emulated")]
+    return (f"{numbers_said(list(range(min(warm, len(steps)))))} warm-up{', compiling' if compiled else ''} (left "
+            f"out); {numbers_said(emulated)} emulated; {numbers_said(alone)} compute only")
+
+
+def numbers_said(numbers: list[int]) -> str:
+    """Step numbers as a sentence says them: "step 0", "steps 2, 4 and 6", "steps 3, 5, ..., 99 (49 steps)"."""
+    if not numbers:
+        return "no step"
+    if len(numbers) == 1:
+        return f"step {numbers[0]}"
+    if len(numbers) <= 5:
+        return f"steps {', '.join(map(str, numbers[:-1]))} and {numbers[-1]}"
+    return f"steps {numbers[0]}, {numbers[1]}, ..., {numbers[-1]} ({len(numbers)} steps)"
 
 
 def unmeasured_reason(steps: int, warm: int, shared: int, timed: int, kind: str) -> str:
     """Why no median: steps shared with another run (counted among the ``timed`` ``kind`` steps the median was to
     be taken of, not the whole run's), or too few steps."""
     if shared:
-        return (f"{shared} of the {timed} {kind}steps after warm-up ran while another run was busy on the same "
-                f"device, leaving {timed - shared} clean, fewer than the {MIN_TIMED_STEPS} a median needs; "
+        return (f"{shared} of the {counted(timed, kind + 'step')} after warm-up ran while another run was busy on the "
+                f"same device, leaving {timed - shared} clean, fewer than the {MIN_TIMED_STEPS} a median needs; "
                 "--concurrent_variants 1 runs this launch's variants one at a time, and a launch alone on the device "
                 "shares it with none")
-    return f"{steps} step(s): a speed needs {warm} of warm-up and {MIN_TIMED_STEPS} more (--max_steps)"
+    return f"{counted(steps, 'step')}: a speed needs {warm} of warm-up and {MIN_TIMED_STEPS} more (--max_steps)"
 
 
 def rate_said(figures: dict | None) -> str:

@@ -6,18 +6,21 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Callable
 
 import utils
 
 from fsdp2bench.cli import UserError, say
 from fsdp2bench.files import digest_of, save_summary, write_bytes
-from fsdp2bench.names import seconds_said
+from fsdp2bench.memory.estimate import GpuCap
+from fsdp2bench.names import GIB, counted, seconds_said, size_said
 from fsdp2bench.options import accelerate_config
 from fsdp2bench.options.tuning import Tuning
 from fsdp2bench.plan.layout.search import Assessed, SearchInputs, commands, decided, ranked, record, winner_of
 from fsdp2bench.plan.layout.timing import RETIMES, clipped
 
 CONFIG_NAME = "accelerate_config.json"
+PLAN_NAME = "plan.json"  # both modes' record
 SHOWN = 15  # ranked rows on the console (plan.json holds every candidate)
 
 
@@ -27,12 +30,16 @@ def table(rows: list[Assessed], setup: SearchInputs) -> list[str]:
     lines = [f"{'#':>3} {'candidate':58} {'memory GiB':>17} {'compute s':>10} {'comm s':>9} {'step s':>9} "
              f"{'tok/s/' + per:>10} {'no overlap':>10} {'full overlap':>12}",
              f"{'':>3} {'':58} {'':>17} {'':>10} {'':>9} {'':>9} {'by step':>10} {'bound':>10} {'bound':>12}"]
-    for i, f in enumerate(ranked(rows)[:SHOWN], 1):
+    in_order = ranked(rows)
+    for i, f in enumerate(in_order[:SHOWN], 1):
         p = f.speed
         lines.append(f"{i:>3} {f.candidate.name[:58]:58} {memory_said(f):>17} {p['compute_s']:>9.3f}"
                      f"{compute_mark(p):1} {p['comm_s']:>8.3f}{comm_mark(p):1} {p['step_s']:>8.3f}{step_mark(p):1} "
                      f"{p['tokens_per_s']:>10,.0f} {p['no_overlap_tokens_per_s']:>10,.0f} "
                      f"{p['full_overlap_tokens_per_s']:>12,.0f}{undecided_said(f, setup)}")
+    if len(in_order) > SHOWN:
+        lines.append(f"{'':>3} the first {SHOWN} of {counted(len(in_order), 'ranked row')} shown; the other "
+                     f"{len(in_order) - SHOWN} are in {os.path.join(setup.output_dir, PLAN_NAME)} (every candidate)")
     return lines
 
 
@@ -49,9 +56,10 @@ def unclean_said(timings: list[dict]) -> str | None:
     unclean = [t for t in timings if t.get("fits") and not t["clean"]]
     if not unclean:
         return None
-    return (f"{len(unclean)} of {len(timings)} timing(s) not clean ({unclean[0]['unclean']}): no clean speed or no "
-            f"optimizer time, each taken again up to {RETIMES} time(s); the rows resting on them (~, marked "
-            "'not clean') rank but decide nothing, never the winner. Run it again with the device to itself.")
+    return (f"{len(unclean)} of {counted(len(timings), 'timing')} not clean ({unclean[0]['unclean']}): no clean "
+            f"speed or no optimizer time, each taken again up to {counted(RETIMES, 'time')}; the rows resting on "
+            "them (~, marked 'not clean') rank but decide nothing, never the winner. Run it again with the device to "
+            "itself.")
 
 
 def compute_mark(speed: dict) -> str:
@@ -81,30 +89,50 @@ def memory_said(row: Assessed) -> str:
     return f"{m['estimated_gib']:.1f} estimated"
 
 
-def not_fitting(rows: list[Assessed]) -> list[str]:
-    """How many candidates do not fit, and by how much the closest of each layout misses."""
+LISTED = 8  # candidates named per line of what does not fit (plan.json holds every one)
+
+
+def not_fitting(rows: list[Assessed], cap: GpuCap | None) -> list[str]:
+    """How many candidates do not fit, each counted once by what decided it (a like candidate's timing that ran out
+    of memory, else rank 0's measured peak, else the estimate), and the closest of each kind."""
     out = [f for f in rows if f.fits is False]
     if not out:
         return []
-    closest: dict = {}
-    for f in out:
-        key = f.candidate.degrees
-        over = f.memory.get("over_gib")
-        if over is not None and (key not in closest or over < closest[key].memory["over_gib"]):
-            closest[key] = f
-    lines = [f"{len(out)} of {len(rows)} candidates do not fit; the closest of each layout, by the estimate over "
-             "the cap (not run; the memory model's, calibrated where a timing of the same levers measured it):"]
-    lines += [f"    {f.candidate.name}: {f.memory['over_gib']:.1f} GiB over "
-              f"({'calibrated' if 'calibrated_gib' in f.memory else 'estimated'})"
-              for f in sorted(closest.values(), key=lambda f: f.memory["over_gib"])[:8]]
-    failed = sum(f.out_of_memory for f in out)
-    measured = sum("measured_gib" in f.memory and not f.out_of_memory for f in out)
+    failed = [f for f in out if f.out_of_memory]
+    measured = [f for f in out if not f.out_of_memory and "measured_gib" in f.memory]
+    estimated = [f for f in out if not f.out_of_memory and "measured_gib" not in f.memory]
+    kinds = [(failed, "measured: a like candidate's timing ran out of memory"),
+             (measured, "measured: rank 0's peak reserved, moved by the memory model's difference (accumulation, a "
+                        "larger shard), over the allocator's limit"),
+             (estimated, "estimated: over the cap by the memory model's estimate, calibrated where a timing of the "
+                         "same levers measured it (not run)")]
+    lines = [f"{len(out)} of {counted(len(rows), 'candidate')} {'does' if len(out) == 1 else 'do'} not fit, each "
+             "counted once: " + "; ".join(f"{len(kind)} {what}" for kind, what in kinds if kind)]
     if failed:
-        lines.append(f"    {failed} more did not fit where a like candidate ran out of memory (measured)")
+        lines.append("    out of memory where a like candidate ran: " + names_said(failed))
     if measured:
-        lines.append(f"    {measured} more did not fit by rank 0's measured peak, moved by the memory model's "
-                     "difference (accumulation, a larger shard), over the allocator's limit")
+        limit = cap.allocator_bytes / GIB  # a measurement rules a candidate out only under a cap
+        closest = sorted(measured, key=lambda f: f.memory["measured_gib"])
+        lines.append(f"    over the allocator's limit of {limit:.1f} GiB, the closest: " + names_said(
+            closest, lambda f: f" ({' GiB '.join(memory_said(f).split(' ', 1))}, "
+                               f"{size_said((f.memory['measured_gib'] - limit) * GIB)} over)"))
+    if estimated:
+        closest_of_layout: dict = {}
+        for f in sorted(estimated, key=lambda f: f.memory["over_gib"]):
+            closest_of_layout.setdefault(f.candidate.degrees, f)
+        lines.append("    over the cap by the estimate, the closest of each layout: " + names_said(
+            list(closest_of_layout.values()), lambda f: f" ({f.memory['over_gib']:.1f} GiB over, {estimate_kind(f)})"))
     return lines
+
+
+def estimate_kind(row: Assessed) -> str:
+    return "calibrated" if "calibrated_gib" in row.memory else "estimated"
+
+
+def names_said(rows: list[Assessed], figures: Callable[[Assessed], str] = lambda f: "") -> str:
+    """The first ``LISTED`` candidates by name, each with its ``figures``, and how many more there are."""
+    said = "; ".join(f"{f.candidate.name}{figures(f)}" for f in rows[:LISTED])
+    return said + (f"; and {len(rows) - LISTED} more (plan.json)" if len(rows) > LISTED else "")
 
 
 def print_search(rows: list[Assessed], setup: SearchInputs, notes: list[str], timings: list[dict],
@@ -114,7 +142,7 @@ def print_search(rows: list[Assessed], setup: SearchInputs, notes: list[str], ti
         print(line, flush=True)
     say(legend(rows, setup, timings))
     unclean = unclean_said(timings)
-    for line in not_fitting(rows) + not_ranked(rows) + ([unclean] if unclean else []) + \
+    for line in not_fitting(rows, setup.cap) + not_ranked(rows) + ([unclean] if unclean else []) + \
             [f"Left out: {note}" for note in notes]:
         say(line)
     if said is None:
@@ -194,32 +222,33 @@ def legend(rows: list[Assessed], setup: SearchInputs, timings: list[dict]) -> st
     overlap = ("each collective FSDP2 issues waited its time on the stream it is issued on, so the step is what "
                "FSDP2's schedule leaves exposed" if setup.device_type == "cuda" else "on a CPU nothing waits: the "
                "step is compute + the communication priced, no overlap (not measured)")
-    return (f"Ranked by tokens per second per {per} of a step {cap}, {len(rows)} candidates. Step: emulated on "
-            f"{emulated} (their own layout timed with its communication emulated over {setup.links.within_gbps:g} "
-            f"GB/s within a node of {setup.links.node_size} and {setup.links.across_gbps:g} GB/s across nodes: "
-            f"{overlap}); e: "
-            "estimated, the compute + the share of the communication the timed layouts of the same shape (which axes "
-            "are split) left exposed, else every timed layout's. Compute measured on "
-            f"{measured} (one simulated rank alone on the device, {len(timings)} timings of one launch each, its "
-            "compute in the steps between the emulated ones; ~ where other runs shared it), estimated (e) on the "
-            "rest from the nearest timing's FLOP/s and the levers' ratios. Communication: counted by the emulation "
-            "on the candidate's own layout, else projected (p) from the shapes; TP's and CP's are projected and add "
-            "whole (the emulation waits them on the compute stream, so a timing's exposed share leaves them out). Bounds: compute + all the communication (no overlap), the larger of "
-            "the two (full overlap). Memory: measured is rank 0's peak reserved on the candidate's own "
-            "layout, measured+ on a like candidate, each moved by the memory model's difference (accumulation); "
-            "calibrated is the memory model's estimate times the ratio of measured to estimated under the same levers; "
-            "estimated is the memory model alone. Rows marked (estimated) are not measured enough to be named.")
+    return (f"Ranked by tokens per second per {per} of a step {cap}, {counted(len(rows), 'candidate')}. Step: "
+            f"emulated on {emulated} (their own layout timed with its communication emulated over "
+            f"{setup.links.within_gbps:g} GB/s within a node of {setup.links.node_size} and "
+            f"{setup.links.across_gbps:g} GB/s across nodes: {overlap}); e: estimated, the compute + the share of the "
+            "communication the timed layouts of the same shape (which axes are split) left exposed, else every timed "
+            f"layout's. Compute measured on {measured} (one simulated rank alone on the device, "
+            f"{counted(len(timings), 'timing')} of one launch each, its compute in the steps between the emulated "
+            "ones; ~ where other runs shared it), estimated (e) on the rest from the nearest timing's FLOP/s and the "
+            "levers' ratios. Communication: counted by the emulation on the candidate's own layout, else projected "
+            "(p) from the shapes; TP's and CP's are projected and add whole (the emulation waits them on the compute "
+            "stream, so a timing's exposed share leaves them out). Bounds: compute + all the communication (no "
+            "overlap), the larger of the two (full overlap). Memory: measured is rank 0's peak reserved on the "
+            "candidate's own layout, measured+ on a like candidate, each moved by the memory model's difference "
+            "(accumulation); calibrated is the memory model's estimate times the ratio of measured to estimated under "
+            "the same levers; estimated is the memory model alone. Rows marked (estimated) are not measured enough to "
+            "be named.")
 
 
 def not_ranked(rows: list[Assessed]) -> list[str]:
     failed = [f for f in rows if f.failed]
-    return [f"{len(failed)} candidates not ranked: {clipped(failed[0].failed, 240)}"] if failed else []
+    return [f"{counted(len(failed), 'candidate')} not ranked: {clipped(failed[0].failed, 240)}"] if failed else []
 
 
 def write_search(rows: list[Assessed], setup: SearchInputs, notes: list[str], timings: list[dict], meta: dict,
                  said: dict | None) -> str:
     """plan.json: every candidate (estimated, measured, projected, each labelled) and every timing."""
-    path = os.path.join(setup.output_dir, "plan.json")
+    path = os.path.join(setup.output_dir, PLAN_NAME)
     save_summary(path, {"meta": {**meta, "find": "layout", "candidates": len(rows), "timings": len(timings),
                                  "unclean_timings": unclean_said(timings),
                                  "links": vars(setup.links), "left_out": notes,

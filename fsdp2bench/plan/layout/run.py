@@ -11,6 +11,7 @@ import time
 from fsdp2bench.cli import UserError, say
 from fsdp2bench.files import is_ours, prepare_output_dir
 from fsdp2bench.memory.accounting import trainable_parameters
+from fsdp2bench.names import counted
 from fsdp2bench.plan.checks import CheckedSearch
 from fsdp2bench.plan.layout.report import CONFIG_NAME, print_search, winner_said, write_search
 from fsdp2bench.plan.layout.search import SearchInputs, assess
@@ -28,8 +29,10 @@ def run_search(search: CheckedSearch, started: float) -> int:
     rows = [assess(c, setup) for c in search.candidates]
     out = sum(f.fits is False for f in rows)
     near = sum(f.fits is None for f in rows)
-    say(f"{len(rows)} candidates of N = {setup.world_size} at {setup.global_sequences} x {setup.block} tokens a "
-        f"step: {out} over the cap by the memory model's estimate (not run), {near} "
+    trains = setup.base.tuning.said()  # what every timing trains, where not the whole model with AdamW
+    say(f"{counted(len(rows), 'candidate')} of N = {setup.world_size} for {setup.model}"
+        f"{', ' + trains if trains else ''} at {setup.global_sequences} x {setup.block} tokens a step: {out} over "
+        f"the cap by the memory model's estimate (not run), {near} "
         + ("near it" if setup.cap else "that a CPU run cannot place (no cap)")
         + f", {len(rows) - out - near} well under it; timing the most promising one at a time...")
     timings: list[dict] = []
@@ -38,8 +41,9 @@ def run_search(search: CheckedSearch, started: float) -> int:
     except KeyboardInterrupt as exc:
         meta = run_meta(setup, started, interrupted=True)
         path = write_search(rows, setup, search.notes, timings, meta, winner_said(rows, setup))
-        print(f"Interrupted ({str(exc) or 'SIGINT'}); the {len(timings)} timing(s) that ended are ranked in {path}",
-              file=sys.stderr, flush=True)
+        ended = len(timings)
+        print(f"Interrupted ({str(exc) or 'SIGINT'}); the {counted(ended, 'timing')} that ended "
+              f"{'is' if ended == 1 else 'are'} ranked in {path}", file=sys.stderr, flush=True)
         return 130
     said = winner_said(rows, setup)
     print_search(rows, setup, search.notes, timings, said)
