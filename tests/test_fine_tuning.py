@@ -15,6 +15,7 @@ import pytest
 from conftest import TINY, VARIANTS, load, refusal, run_script
 import plan
 from fsdp2bench.cli import UserError
+from fsdp2bench.names import size_said
 from fsdp2bench.options import tuning
 from fsdp2bench.options.levers import cpp_compiler
 from fsdp2bench.plan.layout import search as layout_search
@@ -94,8 +95,26 @@ def test_lora_trains_every_intended_variant_and_the_stale_optimizer_holds_old_ad
             assert rank["param_bytes"] > half and rank["before_zero_grad"]["grad_bytes"] < 4 * adapters
     for rank in summary["variants"][UNFIXED]["accounting"]:
         assert rank["stale_param_bytes"] == 4 * adapters and rank["optimizer_state_bytes"] == 0
-    assert "Trained: LoRA adapters (rank 16" in " ".join(proc.stdout.split())
+    said = " ".join(proc.stdout.split())
+    assert "Trained: LoRA adapters (rank 16" in said
+    assert (f"The frozen base held, in each of the 4 variants, on ranks 0-1: {size_said(half)}, {size_said(half)} of "
+            f"its {size_said(2 * sum(math.prod(s) for s in base))} (FSDP2's padded chunk), and at most 0 bytes of "
+            "gradients and 0 bytes of optimizer state in any variant and rank.") in said
     assert summary["meta"]["fsdp_options"]["tuning"]["peft"] == "lora"
+
+
+@needs_peft
+def test_the_frozen_base_sentence_says_whose_ranks_it_lists_and_that_it_left_some_out(tmp_path):
+    """5 ranks, two variants: the sentence lists the first four ranks' chunks of the base, says they are 4 of 5 and
+    that both variants held them."""
+    proc = run_script(["main.py", *TINY, *LORA, "--max_steps", "2", "--variants",
+                       "torch_optimizer_after_fsdp,accelerate", "--quiet", "--output_dir", str(tmp_path)], nproc=5,
+                      timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    base, _ = tiny_lora_parameters(16)
+    chunk = size_said(padded_chunk_bytes(base, 5, 2))
+    assert (f"The frozen base held, in each of the 2 variants, on ranks 0-3 of 5: {chunk}, {chunk}, {chunk}, {chunk}, "
+            "... of its") in " ".join(proc.stdout.split())
 
 
 @needs_peft

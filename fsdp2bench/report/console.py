@@ -4,7 +4,7 @@ the checks, and why a run failed; every figure is summary.json's (summary.py).""
 from __future__ import annotations
 
 from fsdp2bench.cli import say
-from fsdp2bench.names import INTENDED, MIB, MICROBATCH_PHASE, UNFIXED, short_name, size_said
+from fsdp2bench.names import INTENDED, MIB, MICROBATCH_PHASE, UNFIXED, ranks_said, short_name, size_said
 from fsdp2bench.options.layout import AXES
 from fsdp2bench.options.step import MODEL, UPSTREAM
 from fsdp2bench.options.tuning import LORA, NO_PEFT, QLORA, TUNING_DEFAULTS
@@ -184,22 +184,32 @@ def tuned_options(summary: dict) -> dict:
 
 
 ADAPTER_NAMES = {LORA: "LoRA", QLORA: "QLoRA"}
+FROZEN_RANKS_SHOWN, UNEVEN_RANKS_SHOWN = 4, 8  # the ranks a sentence lists; summary.json has every rank's
 
 
 def tuning_sentence(summary: dict) -> str | None:
     """What was trained and with which optimizer, where it is not the whole model with AdamW, and what the frozen
     base held on each rank (its chunk of the whole, and no gradient or optimizer state)."""
     said = trained_said(summary)
-    entry = next((e for _, e in run_entries(summary) if e.get("status") == "ok" and e.get("frozen_base")), None)
-    if said is None or entry is None:
+    held = {name: e for name, e in run_entries(summary) if e.get("status") == "ok" and e.get("frozen_base")}
+    if said is None or not held:
         return said
-    held, whole = entry["frozen_base"], entry["expected_frozen_base"][0]["frozen_full_bytes"]
-    return (said + " The frozen base held " + ", ".join(f"{size_said(r['frozen_param_bytes'])} on rank {i}"
-                                                        for i, r in enumerate(held[:4]))
-            + f" of its {size_said(whole)} (FSDP2's padded chunk), and at most "
-            f"{size_said(max(r['frozen_grad_bytes'] for r in held))} of gradients and "
-            f"{size_said(max(r['frozen_state_bytes'] for r in held))} of optimizer state."
-            + statistics_said(entry.get("four_bit_statistics_bytes")))
+    return said + frozen_base_said(held) + statistics_said(next(iter(held.values())).get("four_bit_statistics_bytes"))
+
+
+def frozen_base_said(held: dict[str, dict]) -> str:
+    """What the frozen base held per rank, saying whose figures they are (one variant's, or every variant's where
+    they are the same), and the most gradient and optimizer state it had in any variant on any rank."""
+    (name, entry), *others = held.items()
+    ranks = entry["frozen_base"]
+    whose = (f"in each of the {len(held)} variants" if others and all(e["frozen_base"] == ranks for _, e in others)
+             else f"in {name}" + (" (the other variants' in summary.json's frozen_base)" if others else ""))
+    every = [r for e in held.values() for r in e["frozen_base"]]
+    return (f" The frozen base held, {whose}, on "
+            f"{ranks_said([size_said(r['frozen_param_bytes']) for r in ranks], FROZEN_RANKS_SHOWN)} of its "
+            f"{size_said(entry['expected_frozen_base'][0]['frozen_full_bytes'])} (FSDP2's padded chunk), and at most "
+            f"{size_said(max(r['frozen_grad_bytes'] for r in every))} of gradients and "
+            f"{size_said(max(r['frozen_state_bytes'] for r in every))} of optimizer state in any variant and rank.")
 
 
 def trained_said(summary: dict) -> str | None:
@@ -251,14 +261,15 @@ def graph_break_sentences(variants: dict) -> list[str]:
 def uneven_ranks_sentence(summary: dict) -> str | None:
     """Where the ranks hold different parameter bytes (FSDP2's padding, TP's uneven splits), which holds what:
     the table's memory columns are the heaviest rank's."""
-    entry = next((v for n, v in summary["variants"].items() if n in INTENDED and v.get("status") == "ok"), None)
+    name, entry = next(((n, v) for n, v in summary["variants"].items() if n in INTENDED and v.get("status") == "ok"),
+                       (None, None))
     held = [rank["end_of_training"]["param_bytes"] for rank in entry["accounting"]] if entry else []
     if len(set(held)) < 2:
         return None
     heaviest = held.index(max(held))
     return ("The ranks hold different parameter bytes (FSDP2 pads the last shard; TP splits a dim that its ranks do "
-            "not divide evenly): " + ", ".join(f"rank {r} {size_said(b)}" for r, b in enumerate(held[:8]))
-            + (", ..." if len(held) > 8 else "") + f"; rank {heaviest} holds the most.")
+            f"not divide evenly), in {name}: {ranks_said([size_said(b) for b in held], UNEVEN_RANKS_SHOWN)}; rank "
+            f"{heaviest} holds the most.")
 
 
 def accumulation_sentences(summary: dict) -> list[str]:
