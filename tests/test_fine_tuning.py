@@ -104,6 +104,24 @@ def test_lora_trains_every_intended_variant_and_the_stale_optimizer_holds_old_ad
 
 
 @needs_peft
+def test_dotted_targets_adapt_the_layers_peft_matches_them_to(tmp_path):
+    """--lora_targets as peft's target_modules: self_attn.q_proj (a suffix after a dot) adapts both blocks' q_proj,
+    model.layers.0.mlp.down_proj (a full name) the first block's down_proj alone; every byte is the rule's, and the
+    stale optimizer holds exactly those adapters (rank 16: A is 16 x in, B out x 16, fp32)."""
+    proc = run_script(["main.py", *TINY, *LORA, "--lora_targets", "self_attn.q_proj,model.layers.0.mlp.down_proj",
+                       "--quiet", "--output_dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    summary = load(tmp_path / "summary.json")
+    for check in ("intended_losses_match", "accounting_matches_expected", "frozen_base_sharded"):
+        assert summary["checks"][check]["ok"] is True, (check, summary["checks"][check])
+    p = PRESETS["tiny"]
+    h, i = p["hidden_size"], p["intermediate_size"]
+    adapters = 2 * (16 * h + h * 16) + (16 * i + h * 16)  # q_proj of both blocks, down_proj of the first
+    for rank in summary["variants"][UNFIXED]["accounting"]:
+        assert rank["stale_param_bytes"] == 4 * adapters
+
+
+@needs_peft
 def test_the_frozen_base_sentence_says_whose_ranks_it_lists_and_that_it_left_some_out(tmp_path):
     """5 ranks, two variants: the sentence lists the first four ranks' chunks of the base, says they are 4 of 5 and
     that both variants held them."""
@@ -350,6 +368,15 @@ BAD_TUNING = [
     ([*LORA, "--lora_targets", "q_proj,qkv_proj"], "--lora_targets q_proj,qkv_proj: qkv_proj matches no Linear layer"),
     ([*LORA, "--lora_targets", ","], "--lora_targets ,: an empty item between commas"),
     ([*LORA, "--lora_targets", "q_proj,,v_proj"], "--lora_targets q_proj,,v_proj: an empty item between commas"),
+    ([*LORA, "--lora_targets", "q_proj,v_proj,q_proj"], "--lora_targets q_proj,v_proj,q_proj: q_proj is given twice"),
+    ([*LORA, "--lora_targets", "self_attn.q_proj,q_proj"], "--lora_targets self_attn.q_proj,q_proj: self_attn.q_proj "
+                                                            "adds no layer: its 2 layer(s) are selected by q_proj already"),
+    ([*LORA, "--lora_targets", "elf_attn.q_proj"], "--lora_targets elf_attn.q_proj: elf_attn.q_proj matches no Linear "
+                                                   "layer of this model; its Linear layers are named down_proj, "
+                                                   "gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"),
+    ([*LORA, "--lora_targets", "q_proj,mlp"], "--lora_targets q_proj,mlp: mlp matches model.layers.0.mlp (Qwen2MLP), "
+                                              "not a Linear layer"),
+    ([*LORA, "--lora_targets", "embed_tokens"], "embed_tokens matches model.embed_tokens (Embedding), not a Linear"),
     (["--lora_rank", "8"], "--lora_rank needs --peft lora"),
     (["--optimizer", "sgd"], "--optimizer: invalid choice: 'sgd'"),
     (["--optimizer", "bnb_adamw8bit"], "--optimizer bnb_adamw8bit: bitsandbytes' AdamW8bit keeps its state in plain"),

@@ -228,16 +228,56 @@ def quantize_drawn(module: nn.Module, draw: Callable[[tuple[int, int]], torch.Te
         module.weight = four_bit_weight(drawn, weight.dtype, module).to(drawn.device)
 
 
+def selects(target: str, name: str) -> bool:
+    """peft's rule for a list of ``target_modules`` (``check_target_module_exists``): a module is adapted where its
+    full name is the target, or ends with a dot and the target (``q_proj``, ``self_attn.q_proj``,
+    ``model.layers.0.mlp.down_proj``)."""
+    return name == target or name.endswith(f".{target}")
+
+
 def check_targets(model: nn.Module, targets: list[str]) -> None:
-    """Every name of ``--lora_targets`` matches a Linear layer of the model (peft takes a module whose name ends
-    with it); one that matches none is a name this model does not use."""
+    """Each name of ``--lora_targets`` selects Linear layers of the model by peft's rule, and only those; none is
+    given twice or selects only layers that the others select (peft would take either in silence, a name that
+    matches nothing too, where another does)."""
     from torch import nn
 
-    linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    missing = [name for name in targets if name not in linear]
-    if missing or not targets:
-        raise UserError(f"--lora_targets {','.join(targets)}: {', '.join(missing) or 'no name given'} matches no "
-                        f"Linear layer of this model; its Linear layers are named {', '.join(sorted(linear))}")
+    modules = dict(model.named_modules())
+    linear = [name for name, module in modules.items() if isinstance(module, nn.Linear)]
+    flag = f"--lora_targets {','.join(targets)}"
+    chosen = [[name for name in modules if selects(target, name)] for target in targets]
+    for target, names in zip(targets, chosen):
+        other = next((n for n in names if n not in linear), None)
+        if other is not None:
+            raise UserError(f"{flag}: {target} matches {other} ({type(modules[other]).__name__}), not a Linear layer "
+                            f"(LoRA is measured on Linear layers); {linear_names_said(linear)}")
+    missing = [target for target, names in zip(targets, chosen) if not names]
+    if missing:
+        raise UserError(f"{flag}: {', '.join(missing)} matches no Linear layer of this model; "
+                        f"{linear_names_said(linear)}")
+    check_targets_distinct(flag, targets, chosen)
+
+
+def check_targets_distinct(flag: str, targets: list[str], chosen: list[list[str]]) -> None:
+    """A target given twice, or one whose layers the other targets all select already, adds nothing: refused, so
+    that the line names what is adapted once."""
+    twice = next((target for i, target in enumerate(targets) if target in targets[:i]), None)
+    if twice is not None:
+        raise UserError(f"{flag}: {twice} is given twice")
+    for i, (target, names) in enumerate(zip(targets, chosen)):
+        by_others = {name for j, other in enumerate(chosen) if j != i for name in other}
+        if set(names) <= by_others:
+            covering = [t for j, t in enumerate(targets) if j != i and set(chosen[j]) & set(names)]
+            raise UserError(f"{flag}: {target} adds no layer: its {len(names)} layer(s) are selected by "
+                            f"{', '.join(covering)} already")
+
+
+def linear_names_said(linear: list[str]) -> str:
+    """The model's Linear layers for a refusal: the last part of their names, and one whole name."""
+    if not linear:
+        return "it has no Linear layer"
+    last = sorted({name.rsplit(".", 1)[-1] for name in linear})
+    return (f"its Linear layers are named {', '.join(last)} (a target matches a layer whose full name is it or ends "
+            f"with '.' and it, peft's rule: e.g. {linear[0]})")
 
 
 # --------------------------------------------------------------------------- checks

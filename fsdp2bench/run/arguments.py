@@ -179,7 +179,10 @@ def add_tuning_options(p: argparse.ArgumentParser) -> None:
                         f"(default: {defaults['lora_dropout']:g})")
     g.add_argument("--lora_targets", default=None, metavar="NAMES",
                    help="with --peft lora or qlora: comma-separated module NAMES to adapt, as peft's target_modules "
-                        f"(each must name a Linear layer of the model) (default: {defaults['lora_targets']})")
+                        "match them: a layer whose full name is a NAME or ends with a dot and it (q_proj, "
+                        "self_attn.q_proj, model.layers.0.mlp.down_proj); each must select Linear layers only, and "
+                        "one the others do not already select, none given twice "
+                        f"(default: {defaults['lora_targets']})")
     g.add_argument("--allow_known_failure", action="store_true",
                    help="run a combination known to fail under FSDP2 (--qlora_storage uint8) instead of refusing it, "
                         "to measure it: the end-of-run checks say whether the loss was finite, fell, and whether the "
