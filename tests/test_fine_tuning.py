@@ -272,12 +272,99 @@ def test_torchaos_low_bit_adamw_trains_lora_in_every_variant_with_its_state_coun
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     summary = load(tmp_path / "summary.json")
     for check in ("intended_variants_trained", "unfixed_did_not_train", "intended_losses_match",
-                  "accounting_matches_expected", "frozen_base_sharded"):
+                  "accounting_matches_expected", "frozen_base_sharded", "low_bit_moments_by_torchaos_rule"):
         assert summary["checks"][check]["ok"] is True, (check, summary["checks"][check])
     for name in ("torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_fixed", "accelerate"):
         held = [rank["before_zero_grad"]["optimizer_state_bytes"] for rank in summary["variants"][name]["accounting"]]
         assert held == [LOW_BIT_STATE[optimizer]] * 2, (name, held)
     assert LOW_BIT_STATE[optimizer] < (2 * 4 * ELEMENTS + 4 * ADAPTERS) / 3
+
+
+# torchao's rule, read in its _AdamBase._new_buffer (torchao 0.18): a moment is quantized where the rank's local chunk
+# holds at least 4096 elements and whole blocks (256 elements for 8-bit and fp8, 128 for 4-bit); else it is a plain
+# tensor like the parameter (fp32 adapters: 4 bytes an element). Bytes of a quantized moment: codes, a fp32 scale a
+# block, a fp32 table (256 entries for 8-bit, 16 for 4-bit, none for fp8).
+LOW_BIT_RULE = {"adamw8bit": ("8 bits", 256, 1, 256), "adamw4bit": ("4 bits", 128, 0.5, 16),
+                "adamw_fp8": ("fp8", 256, 1, 0)}
+
+
+def tiny_adapter_chunks(rank: int, n: int) -> list[int]:
+    """The local elements of every LoRA adapter of the tiny model on rank 0 of n: FSDP2's first chunk, ceil(d0 / n)
+    rows (every rank's where n divides each d0)."""
+    _, adapters = tiny_lora_shapes(rank)
+    return [math.ceil(s[0] / n) * math.prod(s[1:]) for s in adapters]
+
+
+def moments_by_rule(optimizer: str, chunks: list[int]) -> dict:
+    """What torchao's rule makes of ``chunks``: per kind, the tensors, their elements and the state bytes (two
+    moments and a 4-byte step each)."""
+    _, block, code_bytes, table = LOW_BIT_RULE[optimizer]
+    quantized = [c for c in chunks if c >= 4096 and c % block == 0]
+    plain = [c for c in chunks if c not in quantized]
+    return {"quantized": {"tensors": len(quantized), "elements": sum(quantized),
+                          "state_bytes": sum(2 * int(c * code_bytes + 4 * c // block + 4 * table) + 4
+                                             for c in quantized)},
+            "full_precision": {"tensors": len(plain), "elements": sum(plain),
+                               "state_bytes": sum(2 * 4 * c + 4 for c in plain)}}
+
+
+@needs_peft
+@needs_torchao
+@pytest.mark.parametrize("optimizer, lora_rank, quantized", [("adamw8bit", 16, 0), ("adamw8bit", 128, 18),
+                                                             ("adamw4bit", 128, 24)])
+def test_torchaos_rule_leaves_small_chunks_in_full_precision_and_the_run_says_how_many(tmp_path, optimizer, lora_rank,
+                                                                                       quantized):
+    """torchao quantizes no moment of a chunk under 4096 elements or of a partial block, in silence. At LoRA rank 16
+    every adapter's chunk on 2 ranks is under it (AdamW's state, to the byte); at rank 128 the 8-bit optimizer
+    quantizes 18 of the 28 (k and v's B of 2048 elements and the 10,880-element chunks, 42.5 blocks of 256, stay
+    fp32), the 4-bit one 24 (10,880 is 85 blocks of 128). The optimizer's own state says which, on every rank; the
+    state bytes the summary reports are what it holds; the console says both counts in one sentence."""
+    proc = run_script(["main.py", *TINY, *LORA, "--lora_rank", str(lora_rank), "--optimizer", optimizer,
+                       "--max_steps", "2", "--variants", f"torch_optimizer_after_fsdp,{UNFIXED}", "--quiet",
+                       "--output_dir", str(tmp_path)], timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    summary = load(tmp_path / "summary.json")
+    expected = moments_by_rule(optimizer, tiny_adapter_chunks(lora_rank, 2))
+    assert expected["quantized"]["tensors"] == quantized
+    entry = summary["variants"]["torch_optimizer_after_fsdp"]
+    assert entry["low_bit_moments"] == [expected] * 2
+    held = [rank["before_zero_grad"]["optimizer_state_bytes"] for rank in entry["accounting"]]
+    assert held == [sum(kind["state_bytes"] for kind in expected.values())] * 2
+    assert summary["variants"][UNFIXED]["low_bit_moments"][0]["full_precision"]["tensors"] == 0
+    for check in ("accounting_matches_expected", "low_bit_moments_by_torchaos_rule"):
+        assert summary["checks"][check]["ok"] is True, (check, summary["checks"][check])
+    codes, block = LOW_BIT_RULE[optimizer][:2]
+    q, f = expected["quantized"], expected["full_precision"]
+    assert (f"{optimizer} kept in {codes} the moments of {quantized} of the 28 trained tensors ({q['elements']:,} "
+            f"elements, {size_said(q['state_bytes'])} of state) and left {28 - quantized} in full precision "
+            f"({f['elements']:,} elements, {size_said(f['state_bytes'])} of state), by torchao's rule: a rank's chunk "
+            f"is quantized only from 4,096 elements and in whole blocks of {block} (rank 0 of "
+            f"torch_optimizer_after_fsdp). In {codes}, per rank, ranks 0-1: {quantized} of 28, {quantized} of 28."
+            ) in " ".join(proc.stdout.split())
+
+
+@needs_peft
+@needs_torchao
+def test_a_sweep_says_per_simulated_run_how_many_tensors_torchao_quantized(tmp_path):
+    """Simulated N = 2 and 8 at LoRA rank 128: rank 0 of N = 2 holds 18 of the 28 adapters' moments in 8 bits, of
+    N = 8 none (every chunk under 4096 elements); each run's record is the rule's, its state bytes what it holds."""
+    proc = run_script(["main.py", "--model", "tiny", *LORA, "--lora_rank", "128", "--optimizer", "adamw8bit",
+                       "--variants", "torch_optimizer_after_fsdp", "--simulate_world_size", "2,8", "--max_steps", "2",
+                       "--output_dir", str(tmp_path)], timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    summary = load(tmp_path / "summary.json")
+    for n, quantized in (("2", 18), ("8", 0)):
+        entry = summary["simulated"][n]["0"]["torch_optimizer_after_fsdp"]
+        expected = moments_by_rule("adamw8bit", tiny_adapter_chunks(128, int(n)))
+        assert expected["quantized"]["tensors"] == quantized
+        assert entry["low_bit_moments"] == [expected], n
+        assert entry["accounting"][0]["before_zero_grad"]["optimizer_state_bytes"] == sum(
+            kind["state_bytes"] for kind in expected.values()), n
+    assert summary["checks"]["low_bit_moments_by_torchaos_rule"]["ok"] is True
+    said = " ".join(proc.stdout.split())
+    assert "adamw8bit kept in 8 bits the moments of 18 of the 28 trained tensors (" in said
+    assert ("(N = 2 rank 0 of torch_optimizer_after_fsdp). In 8 bits, per run: N = 2 rank 0 18 of 28, N = 8 rank 0 0 "
+            "of 28.") in said
 
 
 @needs_peft

@@ -72,16 +72,18 @@ LOW_BIT_ON_BF16 = ("torchao 0.18's quantized optimizer states implement no aten.
 class LowBit(NamedTuple):
     """How a torchao optimizer stores a moment of a parameter's local chunk: quantized in blocks where the chunk
     holds at least ``QUANTIZED_FROM`` elements and a whole number of blocks (codes, one fp32 scale a block, and its
-    own fp32 lookup table), else as a plain tensor like the parameter."""
+    own fp32 lookup table), else as a plain tensor like the parameter (``quantizes``)."""
     cls: str
     code_bits: int
     block: int
     table: int  # fp32 entries of the lookup table of each quantized moment
+    codes: str  # what a quantized moment's elements are, for a sentence
 
 
-LOW_BIT = {ADAMW8BIT: LowBit("AdamW8bit", 8, 256, 256), ADAMW4BIT: LowBit("AdamW4bit", 4, 128, 16),
-           ADAMW_FP8: LowBit("AdamWFp8", 8, 256, 0)}
-QUANTIZED_FROM = 4096  # torchao's rule, bitsandbytes': smaller chunks keep plain moments
+LOW_BIT = {ADAMW8BIT: LowBit("AdamW8bit", 8, 256, 256, "8 bits"), ADAMW4BIT: LowBit("AdamW4bit", 4, 128, 16, "4 bits"),
+           ADAMW_FP8: LowBit("AdamWFp8", 8, 256, 0, "fp8")}
+# torchao 0.18's _AdamBase._new_buffer, after bitsandbytes: smaller chunks keep plain moments.
+QUANTIZED_FROM = 4096
 MOMENTS = 2  # AdamW's exp_avg and exp_avg_sq
 STEP_BYTES = 4  # every AdamW's per-parameter fp32 step counter, a host tensor
 
@@ -110,11 +112,19 @@ TUNING_DEFAULTS = asdict(Tuning())  # as summary.json's meta writes them
 
 # --------------------------------------------------------------------------- the optimizer's state
 
+def quantizes(optimizer: str, numel: int) -> bool:
+    """Whether ``optimizer`` quantizes the moments of a local chunk of ``numel`` elements: torchao's low-bit ones
+    do where the chunk holds at least ``QUANTIZED_FROM`` elements and a whole number of blocks, and keep the rest
+    plain, in the parameter's dtype, in silence."""
+    low = LOW_BIT.get(optimizer)
+    return low is not None and numel >= QUANTIZED_FROM and numel % low.block == 0
+
+
 def moment_bytes(optimizer: str, numel: int, itemsize: int) -> int:
     """Bytes of one AdamW moment of a local chunk of ``numel`` elements whose parameter has ``itemsize`` bytes."""
-    low = LOW_BIT.get(optimizer)
-    if low is None or numel < QUANTIZED_FROM or numel % low.block:
+    if not quantizes(optimizer, numel):
         return numel * itemsize
+    low = LOW_BIT[optimizer]
     return numel * low.code_bits // 8 + 4 * (numel // low.block) + 4 * low.table
 
 

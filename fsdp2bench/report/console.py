@@ -4,10 +4,11 @@ the checks, and why a run failed; every figure is summary.json's (summary.py).""
 from __future__ import annotations
 
 from fsdp2bench.cli import say
+from fsdp2bench.memory.accounting import FULL_PRECISION, QUANTIZED
 from fsdp2bench.names import INTENDED, MIB, MICROBATCH_PHASE, UNFIXED, ranks_said, short_name, size_said
 from fsdp2bench.options.layout import AXES
 from fsdp2bench.options.step import MODEL, UPSTREAM
-from fsdp2bench.options.tuning import LORA, NO_PEFT, QLORA, TUNING_DEFAULTS
+from fsdp2bench.options.tuning import LORA, LOW_BIT, NO_PEFT, QLORA, QUANTIZED_FROM, TUNING_DEFAULTS
 from fsdp2bench.report.summary import (ACCELERATE, MEASURED_FIGURES, TORCH, worst_rank, compared_sizes, failed_status,
                                        run_entries, simulated_entries, unsupported_findings)
 from fsdp2bench.train import throughput
@@ -148,7 +149,7 @@ def explanations(summary: dict) -> list[str]:
     out = [f"{name} {cause}; the other variants ran (what the installed libraries cannot do is a finding of this "
            f"run, not its failure)." for name, cause in unsupported_findings(run_entries(summary)).items()]
     out += [s for s in [compared_sentence(summary.get("accelerate_vs_torch")), uneven_ranks_sentence(summary),
-                        tuning_sentence(summary)] if s]
+                        tuning_sentence(summary), low_bit_sentence(summary)] if s]
     tuned = tuned_options(summary)
     unfixed = summary["variants"].get(UNFIXED)
     if unfixed and unfixed["status"] == "ok":
@@ -184,7 +185,7 @@ def tuned_options(summary: dict) -> dict:
 
 
 ADAPTER_NAMES = {LORA: "LoRA", QLORA: "QLoRA"}
-FROZEN_RANKS_SHOWN, UNEVEN_RANKS_SHOWN = 4, 8  # the ranks a sentence lists; summary.json has every rank's
+FROZEN_RANKS_SHOWN, UNEVEN_RANKS_SHOWN, MOMENT_RANKS_SHOWN = 4, 8, 8  # the ranks a sentence lists (summary.json: all)
 
 
 def tuning_sentence(summary: dict) -> str | None:
@@ -222,6 +223,48 @@ def trained_said(summary: dict) -> str | None:
                f"dropout {tuned['lora_dropout']:g}, over {tuned['lora_targets']}) on a frozen {base}"
                if tuned["peft"] != NO_PEFT else "the whole model")
     return f"Trained: {trained}, optimizer {tuned['optimizer']}."
+
+
+def low_bit_sentence(summary: dict) -> str | None:
+    """Under a torchao optimizer, how many trained tensors it kept in low bits and how many its rule left in full
+    precision (it does so in silence, and the state counts them so): one rank's tensors, elements and state bytes,
+    and the count on every rank (or simulated run) of the first variant whose optimizer stepped."""
+    runs = moments_per_run(summary)
+    if not runs:
+        return None
+    optimizer = tuned_options(summary)["optimizer"]
+    low, (where, name, ranks) = LOW_BIT[optimizer], runs[0]
+    quantized, plain = ranks[0][QUANTIZED], ranks[0][FULL_PRECISION]
+    head = (f"{optimizer} kept in {low.codes} the moments of {quantized['tensors']} of the {trained(ranks[0])} "
+            f"trained tensors ({quantized['elements']:,} elements, {size_said(quantized['state_bytes'])} of state) and "
+            f"left {plain['tensors']} in full precision ({plain['elements']:,} elements, "
+            f"{size_said(plain['state_bytes'])} of state), by torchao's rule: a rank's chunk is quantized only from "
+            f"{QUANTIZED_FROM:,} elements and in whole blocks of {low.block}")
+    if summary.get("simulated"):
+        per = ", ".join(f"{w} {r[0][QUANTIZED]['tensors']} of {trained(r[0])}" for w, _, r in runs)
+        return f"{head} ({where} of {name}). In {low.codes}, per run: {per}."
+    per = ranks_said([f"{r[QUANTIZED]['tensors']} of {trained(r)}" for r in ranks], MOMENT_RANKS_SHOWN)
+    return f"{head} (rank 0 of {name}). In {low.codes}, per rank, {per}."
+
+
+def moments_per_run(summary: dict) -> list[tuple[str, str, list[dict]]]:
+    """(where, variant, each rank's ``low_bit_moments``) of the first variant whose optimizer stepped: the run's,
+    or each simulated N and rank's."""
+    def stepped(entry: dict) -> bool:
+        return entry.get("status") == "ok" and any(trained(r) for r in entry.get("low_bit_moments", []))
+
+    if not summary.get("simulated"):
+        return [("", name, e["low_bit_moments"]) for name, e in summary["variants"].items() if stepped(e)][:1]
+    first: dict = {}
+    for n, rank, name, e in simulated_entries(summary["simulated"]):
+        if stepped(e):
+            first.setdefault((n, rank), (f"N = {n} rank {rank}", name, e["low_bit_moments"]))
+    return list(first.values())
+
+
+def trained(moments: dict) -> int:
+    """The trained tensors of one rank's ``low_bit_moments``, of either kind."""
+    return sum(kind["tensors"] for kind in moments.values())
 
 
 def sweep_tuning_sentence(summary: dict) -> str | None:
@@ -360,9 +403,9 @@ def print_sweep_table(summary: dict) -> None:
         indent="     ")
     for line in emulated_said(summary):
         say(line, indent="     ")
-    tuning = sweep_tuning_sentence(summary)
-    if tuning:
-        say(tuning)
+    for sentence in (sweep_tuning_sentence(summary), low_bit_sentence(summary)):
+        if sentence:
+            say(sentence)
     crossover = summary["simulation_findings"]["unfixed_exceeds_intended_from_world_size"]
     exact = (summary.get("projection") or {}).get("unfixed_costs_more_from_world_size")
     rule = f"; by the sharding rule from N = {exact} on" if exact else ""
