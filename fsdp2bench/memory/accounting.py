@@ -264,6 +264,9 @@ def frozen_held(frozen: list[torch.Tensor], optimizer: torch.optim.Optimizer) ->
             "frozen_state_bytes": nbytes(tensors_of_state(optimizer.state.get(p, {}) for p in frozen))}
 
 
+QUANTIZED, FULL_PRECISION = "quantized", "full_precision"  # the kinds of moments a torchao optimizer holds
+
+
 def moments_kept(optimizer: torch.optim.Optimizer) -> dict:
     """How the optimizer holds each trained parameter's moments on this rank, as it made them: quantized (a tensor
     subclass of codes, scales and a table) or plain, in full precision (torchao's rule leaves a small chunk so, in
@@ -280,15 +283,13 @@ def moments_kept(optimizer: torch.optim.Optimizer) -> dict:
     return kept
 
 
-QUANTIZED, FULL_PRECISION = "quantized", "full_precision"
-
-
 def no_moments() -> dict:
     """An empty count of moments by kind, as ``moments_kept`` and ``expected_moments_kept`` fill it."""
     return {kind: {"tensors": 0, "elements": 0, "state_bytes": 0} for kind in (QUANTIZED, FULL_PRECISION)}
 
 
 def tally(kind: dict, elements: int, state: int) -> None:
+    """One more parameter of ``kind``: the measured count and the rule's add alike."""
     kind["tensors"] += 1
     kind["elements"] += elements
     kind["state_bytes"] += state

@@ -247,8 +247,8 @@ def selects(target: str, name: str) -> bool:
 
 def check_targets(model: nn.Module, targets: list[str]) -> None:
     """Each name of ``--lora_targets`` selects Linear layers of the model by peft's rule, and only those; none is
-    given twice or selects only layers that the others select (peft would take either in silence, a name that
-    matches nothing too, where another does)."""
+    given twice or selects only layers that the others select. peft takes a repeated or redundant target in
+    silence, and one that matches nothing where another matches."""
     from torch import nn
 
     modules = dict(model.named_modules())
