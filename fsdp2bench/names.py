@@ -91,3 +91,16 @@ def counted(n: float, noun: str, plural: str | None = None) -> str:
     if n == 1:
         return f"{number} {noun}"
     return f"{number} {plural or noun + ('es' if noun.endswith(('s', 'x', 'ch', 'sh')) else 's')}"
+
+
+def listed(items: list[str], shown: int) -> str:
+    """The first ``shown`` items for a sentence, with "..." after them where some are left out."""
+    return ", ".join(items[:shown]) + (", ..." if len(items) > shown else "")
+
+
+def ranks_said(figures: list[str], shown: int) -> str:
+    """One figure per rank (0, 1, ...) for a sentence, the first ``shown`` of them, saying which ranks they are and,
+    where some are left out, of how many: "ranks 0-3 of 8: a, b, c, d, ...", "ranks 0-1: a, b", "rank 0: a"."""
+    kept = min(shown, len(figures))
+    span = "rank 0" if kept == 1 else f"ranks 0-{kept - 1}"
+    return f"{span}{f' of {len(figures)}' if len(figures) > kept else ''}: {listed(figures, shown)}"

@@ -250,19 +250,22 @@ def test_a_failed_background_thread_fails_its_variant_in_one_line(tmp_path):
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("accelerate:0:2", "rank 2 is not among the ranks played, [0, 1]"),
-    ("accelerate:12:0", "step 12 is not among this run's steps 0..11"),
-    ("accelerate:0:0:kill", "accelerate is not among --variants"),
+@pytest.mark.parametrize("spec, sweep, message", [
+    ("accelerate:0:2", [], "rank 2 is not among the 2 ranks played: 0, 1"),
+    ("accelerate:0:12", ["--simulate_world_size", "16", "--simulate_rank", ",".join(map(str, range(10)))],
+     "rank 12 is not among the 10 ranks played: 0, 1, 2, 3, 4, 5, 6, 7, ..."),
+    ("accelerate:12:0", [], "step 12 is not among this run's steps 0..11"),
+    ("accelerate:0:0:kill", [], "accelerate is not among --variants"),
 ])
-def test_a_failure_that_would_never_fire_is_refused(monkeypatch, tmp_path, spec, message):
+def test_a_failure_that_would_never_fire_is_refused(monkeypatch, tmp_path, spec, sweep, message):
     """Checked as rank 0 of a 2-rank launch checks it (its launcher's variables), in this process; that a refusal
-    under torchrun is said once, by rank 0, is test_bad_input_under_torchrun_stops_every_rank_with_one_line."""
+    under torchrun is said once, by rank 0, is test_bad_input_under_torchrun_stops_every_rank_with_one_line. A list
+    of ranks cut short says so."""
     for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)
     variants = "accelerate" if "among --variants" not in message else "torch_optimizer_after_fsdp"
-    line = refusal(arguments.validate, [*TINY, "--variants", variants, "--inject_failure", spec,
+    line = refusal(arguments.validate, [*TINY, "--variants", variants, "--inject_failure", spec, *sweep,
                                         "--output_dir", str(tmp_path / "out")])
     assert line == f"error: --inject_failure {spec.rsplit(':kill', 1)[0]}: {message}", line
     assert not (tmp_path / "out").exists()

@@ -15,6 +15,7 @@ import pytest
 from conftest import TINY, VARIANTS, load, refusal, run_script
 import plan
 from fsdp2bench.cli import UserError
+from fsdp2bench.names import size_said
 from fsdp2bench.options import tuning
 from fsdp2bench.options.levers import cpp_compiler
 from fsdp2bench.plan.layout import search as layout_search
@@ -94,8 +95,44 @@ def test_lora_trains_every_intended_variant_and_the_stale_optimizer_holds_old_ad
             assert rank["param_bytes"] > half and rank["before_zero_grad"]["grad_bytes"] < 4 * adapters
     for rank in summary["variants"][UNFIXED]["accounting"]:
         assert rank["stale_param_bytes"] == 4 * adapters and rank["optimizer_state_bytes"] == 0
-    assert "Trained: LoRA adapters (rank 16" in " ".join(proc.stdout.split())
+    said = " ".join(proc.stdout.split())
+    assert "Trained: LoRA adapters (rank 16" in said
+    assert (f"The frozen base held, in each of the 4 variants, on ranks 0-1: {size_said(half)}, {size_said(half)} of "
+            f"its {size_said(2 * sum(math.prod(s) for s in base))} (FSDP2's padded chunk), and at most 0 bytes of "
+            "gradients and 0 bytes of optimizer state in any variant and rank.") in said
     assert summary["meta"]["fsdp_options"]["tuning"]["peft"] == "lora"
+
+
+@needs_peft
+def test_dotted_targets_adapt_the_layers_peft_matches_them_to(tmp_path):
+    """--lora_targets as peft's target_modules: self_attn.q_proj (a suffix after a dot) adapts both blocks' q_proj,
+    model.layers.0.mlp.down_proj (a full name) the first block's down_proj alone; every byte is the rule's, and the
+    stale optimizer holds exactly those adapters (rank 16: A is 16 x in, B out x 16, fp32)."""
+    proc = run_script(["main.py", *TINY, *LORA, "--lora_targets", "self_attn.q_proj,model.layers.0.mlp.down_proj",
+                       "--quiet", "--output_dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    summary = load(tmp_path / "summary.json")
+    for check in ("intended_losses_match", "accounting_matches_expected", "frozen_base_sharded"):
+        assert summary["checks"][check]["ok"] is True, (check, summary["checks"][check])
+    p = PRESETS["tiny"]
+    h, i = p["hidden_size"], p["intermediate_size"]
+    adapters = 2 * (16 * h + h * 16) + (16 * i + h * 16)  # q_proj of both blocks, down_proj of the first
+    for rank in summary["variants"][UNFIXED]["accounting"]:
+        assert rank["stale_param_bytes"] == 4 * adapters
+
+
+@needs_peft
+def test_the_frozen_base_sentence_says_whose_ranks_it_lists_and_that_it_left_some_out(tmp_path):
+    """5 ranks, two variants: the sentence lists the first four ranks' chunks of the base, says they are 4 of 5 and
+    that both variants held them."""
+    proc = run_script(["main.py", *TINY, *LORA, "--max_steps", "2", "--variants",
+                       "torch_optimizer_after_fsdp,accelerate", "--quiet", "--output_dir", str(tmp_path)], nproc=5,
+                      timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    base, _ = tiny_lora_parameters(16)
+    chunk = size_said(padded_chunk_bytes(base, 5, 2))
+    assert (f"The frozen base held, in each of the 2 variants, on ranks 0-3 of 5: {chunk}, {chunk}, {chunk}, {chunk}, "
+            "... of its") in " ".join(proc.stdout.split())
 
 
 @needs_peft
@@ -235,12 +272,99 @@ def test_torchaos_low_bit_adamw_trains_lora_in_every_variant_with_its_state_coun
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     summary = load(tmp_path / "summary.json")
     for check in ("intended_variants_trained", "unfixed_did_not_train", "intended_losses_match",
-                  "accounting_matches_expected", "frozen_base_sharded"):
+                  "accounting_matches_expected", "frozen_base_sharded", "low_bit_moments_by_torchaos_rule"):
         assert summary["checks"][check]["ok"] is True, (check, summary["checks"][check])
     for name in ("torch_optimizer_after_fsdp", "torch_optimizer_before_fsdp_fixed", "accelerate"):
         held = [rank["before_zero_grad"]["optimizer_state_bytes"] for rank in summary["variants"][name]["accounting"]]
         assert held == [LOW_BIT_STATE[optimizer]] * 2, (name, held)
     assert LOW_BIT_STATE[optimizer] < (2 * 4 * ELEMENTS + 4 * ADAPTERS) / 3
+
+
+# torchao's rule, read in its _AdamBase._new_buffer (torchao 0.18): a moment is quantized where the rank's local chunk
+# holds at least 4096 elements and whole blocks (256 elements for 8-bit and fp8, 128 for 4-bit); else it is a plain
+# tensor like the parameter (fp32 adapters: 4 bytes an element). Bytes of a quantized moment: codes, a fp32 scale a
+# block, a fp32 table (256 entries for 8-bit, 16 for 4-bit, none for fp8).
+LOW_BIT_RULE = {"adamw8bit": ("8 bits", 256, 1, 256), "adamw4bit": ("4 bits", 128, 0.5, 16),
+                "adamw_fp8": ("fp8", 256, 1, 0)}
+
+
+def tiny_adapter_chunks(rank: int, n: int) -> list[int]:
+    """The local elements of every LoRA adapter of the tiny model on rank 0 of n: FSDP2's first chunk, ceil(d0 / n)
+    rows (every rank's where n divides each d0)."""
+    _, adapters = tiny_lora_shapes(rank)
+    return [math.ceil(s[0] / n) * math.prod(s[1:]) for s in adapters]
+
+
+def moments_by_rule(optimizer: str, chunks: list[int]) -> dict:
+    """What torchao's rule makes of ``chunks``: per kind, the tensors, their elements and the state bytes (two
+    moments and a 4-byte step each)."""
+    _, block, code_bytes, table = LOW_BIT_RULE[optimizer]
+    quantized = [c for c in chunks if c >= 4096 and c % block == 0]
+    plain = [c for c in chunks if c not in quantized]
+    return {"quantized": {"tensors": len(quantized), "elements": sum(quantized),
+                          "state_bytes": sum(2 * int(c * code_bytes + 4 * c // block + 4 * table) + 4
+                                             for c in quantized)},
+            "full_precision": {"tensors": len(plain), "elements": sum(plain),
+                               "state_bytes": sum(2 * 4 * c + 4 for c in plain)}}
+
+
+@needs_peft
+@needs_torchao
+@pytest.mark.parametrize("optimizer, lora_rank, quantized", [("adamw8bit", 16, 0), ("adamw8bit", 128, 18),
+                                                             ("adamw4bit", 128, 24)])
+def test_torchaos_rule_leaves_small_chunks_in_full_precision_and_the_run_says_how_many(tmp_path, optimizer, lora_rank,
+                                                                                       quantized):
+    """torchao quantizes no moment of a chunk under 4096 elements or of a partial block, in silence. At LoRA rank 16
+    every adapter's chunk on 2 ranks is under it (AdamW's state, to the byte); at rank 128 the 8-bit optimizer
+    quantizes 18 of the 28 (k and v's B of 2048 elements and the 10,880-element chunks, 42.5 blocks of 256, stay
+    fp32), the 4-bit one 24 (10,880 is 85 blocks of 128). The optimizer's own state says which, on every rank; the
+    state bytes the summary reports are what it holds; the console says both counts in one sentence."""
+    proc = run_script(["main.py", *TINY, *LORA, "--lora_rank", str(lora_rank), "--optimizer", optimizer,
+                       "--max_steps", "2", "--variants", f"torch_optimizer_after_fsdp,{UNFIXED}", "--quiet",
+                       "--output_dir", str(tmp_path)], timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    summary = load(tmp_path / "summary.json")
+    expected = moments_by_rule(optimizer, tiny_adapter_chunks(lora_rank, 2))
+    assert expected["quantized"]["tensors"] == quantized
+    entry = summary["variants"]["torch_optimizer_after_fsdp"]
+    assert entry["low_bit_moments"] == [expected] * 2
+    held = [rank["before_zero_grad"]["optimizer_state_bytes"] for rank in entry["accounting"]]
+    assert held == [sum(kind["state_bytes"] for kind in expected.values())] * 2
+    assert summary["variants"][UNFIXED]["low_bit_moments"][0]["full_precision"]["tensors"] == 0
+    for check in ("accounting_matches_expected", "low_bit_moments_by_torchaos_rule"):
+        assert summary["checks"][check]["ok"] is True, (check, summary["checks"][check])
+    codes, block = LOW_BIT_RULE[optimizer][:2]
+    q, f = expected["quantized"], expected["full_precision"]
+    assert (f"{optimizer} kept in {codes} the moments of {quantized} of the 28 trained tensors ({q['elements']:,} "
+            f"elements, {size_said(q['state_bytes'])} of state) and left {28 - quantized} in full precision "
+            f"({f['elements']:,} elements, {size_said(f['state_bytes'])} of state), by torchao's rule: a rank's chunk "
+            f"is quantized only from 4,096 elements and in whole blocks of {block} (rank 0 of "
+            f"torch_optimizer_after_fsdp). In {codes}, per rank, ranks 0-1: {quantized} of 28, {quantized} of 28."
+            ) in " ".join(proc.stdout.split())
+
+
+@needs_peft
+@needs_torchao
+def test_a_sweep_says_per_simulated_run_how_many_tensors_torchao_quantized(tmp_path):
+    """Simulated N = 2 and 8 at LoRA rank 128: rank 0 of N = 2 holds 18 of the 28 adapters' moments in 8 bits, of
+    N = 8 none (every chunk under 4096 elements); each run's record is the rule's, its state bytes what it holds."""
+    proc = run_script(["main.py", "--model", "tiny", *LORA, "--lora_rank", "128", "--optimizer", "adamw8bit",
+                       "--variants", "torch_optimizer_after_fsdp", "--simulate_world_size", "2,8", "--max_steps", "2",
+                       "--output_dir", str(tmp_path)], timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    summary = load(tmp_path / "summary.json")
+    for n, quantized in (("2", 18), ("8", 0)):
+        entry = summary["simulated"][n]["0"]["torch_optimizer_after_fsdp"]
+        expected = moments_by_rule("adamw8bit", tiny_adapter_chunks(128, int(n)))
+        assert expected["quantized"]["tensors"] == quantized
+        assert entry["low_bit_moments"] == [expected], n
+        assert entry["accounting"][0]["before_zero_grad"]["optimizer_state_bytes"] == sum(
+            kind["state_bytes"] for kind in expected.values()), n
+    assert summary["checks"]["low_bit_moments_by_torchaos_rule"]["ok"] is True
+    said = " ".join(proc.stdout.split())
+    assert "adamw8bit kept in 8 bits the moments of 18 of the 28 trained tensors (" in said
+    assert ("(N = 2 rank 0 of torch_optimizer_after_fsdp). In 8 bits, per run: N = 2 rank 0 18 of 28, N = 8 rank 0 0 "
+            "of 28.") in said
 
 
 @needs_peft
@@ -331,6 +455,15 @@ BAD_TUNING = [
     ([*LORA, "--lora_targets", "q_proj,qkv_proj"], "--lora_targets q_proj,qkv_proj: qkv_proj matches no Linear layer"),
     ([*LORA, "--lora_targets", ","], "--lora_targets ,: an empty item between commas"),
     ([*LORA, "--lora_targets", "q_proj,,v_proj"], "--lora_targets q_proj,,v_proj: an empty item between commas"),
+    ([*LORA, "--lora_targets", "q_proj,v_proj,q_proj"], "--lora_targets q_proj,v_proj,q_proj: q_proj is given twice"),
+    ([*LORA, "--lora_targets", "self_attn.q_proj,q_proj"], "--lora_targets self_attn.q_proj,q_proj: self_attn.q_proj "
+                                                            "adds no layer: its 2 layer(s) are selected by q_proj already"),
+    ([*LORA, "--lora_targets", "elf_attn.q_proj"], "--lora_targets elf_attn.q_proj: elf_attn.q_proj matches no Linear "
+                                                   "layer of this model; its Linear layers are named down_proj, "
+                                                   "gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"),
+    ([*LORA, "--lora_targets", "q_proj,mlp"], "--lora_targets q_proj,mlp: mlp matches model.layers.0.mlp (Qwen2MLP), "
+                                              "not a Linear layer"),
+    ([*LORA, "--lora_targets", "embed_tokens"], "embed_tokens matches model.embed_tokens (Embedding), not a Linear"),
     (["--lora_rank", "8"], "--lora_rank needs --peft lora"),
     (["--optimizer", "sgd"], "--optimizer: invalid choice: 'sgd'"),
     (["--optimizer", "bnb_adamw8bit"], "--optimizer bnb_adamw8bit: bitsandbytes' AdamW8bit keeps its state in plain"),

@@ -24,7 +24,8 @@ parameters of their packed shape (n elements: (n + 1) // 4 bf16 items), sharded 
 quantization statistics beside them are no parameters: whole on every rank, measured apart from the state
 (``four_bit_statistics``). torchao's low-bit optimizers
 keep a moment of a local chunk in 1 byte an element (8-bit, fp8) or half a byte (4-bit), plus a fp32 scale a block
-and a lookup table, where the chunk is large enough (``tuning.moment_bytes``), and the plain moment elsewhere.
+and a lookup table, where the chunk is large enough (``tuning.quantizes``), and the plain moment elsewhere: which
+parameters are which is counted from the optimizer's own state (``moments_kept``) against that rule.
 
 Under HSDP (R replicas x S shards = N) every parameter is split in S, not N: read S for N above
 and rank mod S for the rank. With gradient accumulation (K microbatches per step) the moment between
@@ -63,7 +64,7 @@ from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, UNFIXED, counted
 from fsdp2bench.options import levers
 from fsdp2bench.options.fsdp import AUTOCAST, FP32, FULL_AC, NO_AC, POLICY, SELECTIVE_AC, FsdpOptions
 from fsdp2bench.options.layout import Degrees, tensor_parallel_dim, tensor_parallel_plan
-from fsdp2bench.options.tuning import STEP_BYTES, state_bytes
+from fsdp2bench.options.tuning import STEP_BYTES, quantizes, state_bytes
 
 PROJECTION_WORLD_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 
@@ -263,6 +264,37 @@ def frozen_held(frozen: list[torch.Tensor], optimizer: torch.optim.Optimizer) ->
             "frozen_state_bytes": nbytes(tensors_of_state(optimizer.state.get(p, {}) for p in frozen))}
 
 
+QUANTIZED, FULL_PRECISION = "quantized", "full_precision"  # the kinds of moments a torchao optimizer holds
+
+
+def moments_kept(optimizer: torch.optim.Optimizer) -> dict:
+    """How the optimizer holds each trained parameter's moments on this rank, as it made them: quantized (a tensor
+    subclass of codes, scales and a table) or plain, in full precision (torchao's rule leaves a small chunk so, in
+    silence); per kind the parameters, their local elements and the state bytes each holds (moments and step)."""
+    kept = no_moments()
+    for state in optimizer.state.values():
+        moment = state.get("exp_avg")
+        if not torch.is_tensor(moment):
+            continue
+        local = local_tensor(moment)
+        kind = QUANTIZED if hasattr(local, "__tensor_flatten__") else FULL_PRECISION
+        tally(kept[kind], local.numel(), sum(t.untyped_storage().nbytes() for v in tensors_of_state([state])
+                                             for t in plain_tensors(v)))
+    return kept
+
+
+def no_moments() -> dict:
+    """An empty count of moments by kind, as ``moments_kept`` and ``expected_moments_kept`` fill it."""
+    return {kind: {"tensors": 0, "elements": 0, "state_bytes": 0} for kind in (QUANTIZED, FULL_PRECISION)}
+
+
+def tally(kind: dict, elements: int, state: int) -> None:
+    """One more parameter of ``kind``: the measured count and the rule's add alike."""
+    kind["tensors"] += 1
+    kind["elements"] += elements
+    kind["state_bytes"] += state
+
+
 def tensors_of_state(states) -> list[torch.Tensor]:
     return [v for state in states for v in state.values() if torch.is_tensor(v)]
 
@@ -419,8 +451,23 @@ def _shard_bytes(shapes, degrees: Degrees, rank: int) -> tuple[int, int, int]:
 def optimizer_bytes(shapes, degrees: Degrees, rank: int, optimizer: str) -> int:
     """What ``optimizer`` holds on ``rank`` once it has stepped: for each trainable parameter, its moments of the
     local chunk and a step counter (tuning.state_bytes)."""
-    return sum(state_bytes(optimizer, elements, param[1])
-               for param, _, elements, _ in _shards(trainable(shapes), degrees, rank))
+    return sum(kind["state_bytes"] for kind in moments_by_rule(shapes, degrees, rank, optimizer).values())
+
+
+def moments_by_rule(shapes, degrees: Degrees, rank: int, optimizer: str) -> dict:
+    """``moments_kept`` of ``optimizer`` on ``rank`` once it has stepped, by torchao's rule (tuning.quantizes)."""
+    kept = no_moments()
+    for param, _, elements, _ in _shards(trainable(shapes), degrees, rank):
+        tally(kept[QUANTIZED if quantizes(optimizer, elements) else FULL_PRECISION], elements,
+              state_bytes(optimizer, elements, param[1]))
+    return kept
+
+
+def expected_moments_kept(shapes, world_size: int, rank: int, variant: str, options: FsdpOptions) -> dict:
+    """What ``moments_kept`` should find after training: none in the unfixed variant, whose optimizer never steps."""
+    if variant == UNFIXED:
+        return no_moments()
+    return moments_by_rule(shapes, options.layout.at(world_size), rank, options.tuning.optimizer)
 
 
 def expected_frozen_bytes(shapes, world_size: int, rank: int, options: FsdpOptions = FsdpOptions()) -> dict:

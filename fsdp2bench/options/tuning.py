@@ -72,16 +72,18 @@ LOW_BIT_ON_BF16 = ("torchao 0.18's quantized optimizer states implement no aten.
 class LowBit(NamedTuple):
     """How a torchao optimizer stores a moment of a parameter's local chunk: quantized in blocks where the chunk
     holds at least ``QUANTIZED_FROM`` elements and a whole number of blocks (codes, one fp32 scale a block, and its
-    own fp32 lookup table), else as a plain tensor like the parameter."""
+    own fp32 lookup table), else as a plain tensor like the parameter (``quantizes``)."""
     cls: str
     code_bits: int
     block: int
     table: int  # fp32 entries of the lookup table of each quantized moment
+    codes: str  # what a quantized moment's elements are, for a sentence
 
 
-LOW_BIT = {ADAMW8BIT: LowBit("AdamW8bit", 8, 256, 256), ADAMW4BIT: LowBit("AdamW4bit", 4, 128, 16),
-           ADAMW_FP8: LowBit("AdamWFp8", 8, 256, 0)}
-QUANTIZED_FROM = 4096  # torchao's rule, bitsandbytes': smaller chunks keep plain moments
+LOW_BIT = {ADAMW8BIT: LowBit("AdamW8bit", 8, 256, 256, "8 bits"), ADAMW4BIT: LowBit("AdamW4bit", 4, 128, 16, "4 bits"),
+           ADAMW_FP8: LowBit("AdamWFp8", 8, 256, 0, "fp8")}
+# torchao 0.18's _AdamBase._new_buffer, after bitsandbytes: smaller chunks keep plain moments.
+QUANTIZED_FROM = 4096
 MOMENTS = 2  # AdamW's exp_avg and exp_avg_sq
 STEP_BYTES = 4  # every AdamW's per-parameter fp32 step counter, a host tensor
 
@@ -126,11 +128,19 @@ def what_trains(tuned: dict) -> str | None:
 
 # --------------------------------------------------------------------------- the optimizer's state
 
+def quantizes(optimizer: str, numel: int) -> bool:
+    """Whether ``optimizer`` quantizes the moments of a local chunk of ``numel`` elements: torchao's low-bit ones
+    do where the chunk holds at least ``QUANTIZED_FROM`` elements and a whole number of blocks, and keep the rest
+    plain, in the parameter's dtype, in silence."""
+    low = LOW_BIT.get(optimizer)
+    return low is not None and numel >= QUANTIZED_FROM and numel % low.block == 0
+
+
 def moment_bytes(optimizer: str, numel: int, itemsize: int) -> int:
     """Bytes of one AdamW moment of a local chunk of ``numel`` elements whose parameter has ``itemsize`` bytes."""
-    low = LOW_BIT.get(optimizer)
-    if low is None or numel < QUANTIZED_FROM or numel % low.block:
+    if not quantizes(optimizer, numel):
         return numel * itemsize
+    low = LOW_BIT[optimizer]
     return numel * low.code_bits // 8 + 4 * (numel // low.block) + 4 * low.table
 
 
@@ -244,16 +254,56 @@ def quantize_drawn(module: nn.Module, draw: Callable[[tuple[int, int]], torch.Te
         module.weight = four_bit_weight(drawn, weight.dtype, module).to(drawn.device)
 
 
+def selects(target: str, name: str) -> bool:
+    """peft's rule for a list of ``target_modules`` (``check_target_module_exists``): a module is adapted where its
+    full name is the target, or ends with a dot and the target (``q_proj``, ``self_attn.q_proj``,
+    ``model.layers.0.mlp.down_proj``)."""
+    return name == target or name.endswith(f".{target}")
+
+
 def check_targets(model: nn.Module, targets: list[str]) -> None:
-    """Every name of ``--lora_targets`` matches a Linear layer of the model (peft takes a module whose name ends
-    with it); one that matches none is a name this model does not use."""
+    """Each name of ``--lora_targets`` selects Linear layers of the model by peft's rule, and only those; none is
+    given twice or selects only layers that the others select. peft takes a repeated or redundant target in
+    silence, and one that matches nothing where another matches."""
     from torch import nn
 
-    linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    missing = [name for name in targets if name not in linear]
-    if missing or not targets:
-        raise UserError(f"--lora_targets {','.join(targets)}: {', '.join(missing) or 'no name given'} matches no "
-                        f"Linear layer of this model; its Linear layers are named {', '.join(sorted(linear))}")
+    modules = dict(model.named_modules())
+    linear = [name for name, module in modules.items() if isinstance(module, nn.Linear)]
+    flag = f"--lora_targets {','.join(targets)}"
+    chosen = [[name for name in modules if selects(target, name)] for target in targets]
+    for target, names in zip(targets, chosen):
+        other = next((n for n in names if n not in linear), None)
+        if other is not None:
+            raise UserError(f"{flag}: {target} matches {other} ({type(modules[other]).__name__}), not a Linear layer "
+                            f"(LoRA is measured on Linear layers); {linear_names_said(linear)}")
+    missing = [target for target, names in zip(targets, chosen) if not names]
+    if missing:
+        raise UserError(f"{flag}: {', '.join(missing)} matches no Linear layer of this model; "
+                        f"{linear_names_said(linear)}")
+    check_targets_distinct(flag, targets, chosen)
+
+
+def check_targets_distinct(flag: str, targets: list[str], chosen: list[list[str]]) -> None:
+    """A target given twice, or one whose layers the other targets all select already, adds nothing: refused, so
+    that the line names what is adapted once."""
+    twice = next((target for i, target in enumerate(targets) if target in targets[:i]), None)
+    if twice is not None:
+        raise UserError(f"{flag}: {twice} is given twice")
+    for i, (target, names) in enumerate(zip(targets, chosen)):
+        by_others = {name for j, other in enumerate(chosen) if j != i for name in other}
+        if set(names) <= by_others:
+            covering = [t for j, t in enumerate(targets) if j != i and set(chosen[j]) & set(names)]
+            raise UserError(f"{flag}: {target} adds no layer: its {len(names)} layer(s) are selected by "
+                            f"{', '.join(covering)} already")
+
+
+def linear_names_said(linear: list[str]) -> str:
+    """The model's Linear layers for a refusal: the last part of their names, and one whole name."""
+    if not linear:
+        return "it has no Linear layer"
+    last = sorted({name.rsplit(".", 1)[-1] for name in linear})
+    return (f"its Linear layers are named {', '.join(last)} (a target matches a layer whose full name is it or ends "
+            f"with '.' and it, peft's rule: e.g. {linear[0]})")
 
 
 # --------------------------------------------------------------------------- checks

@@ -4,10 +4,11 @@ the checks, and why a run failed; every figure is summary.json's (summary.py).""
 from __future__ import annotations
 
 from fsdp2bench.cli import say
-from fsdp2bench.names import INTENDED, MIB, MICROBATCH_PHASE, UNFIXED, counted, short_name, size_said
+from fsdp2bench.memory.accounting import FULL_PRECISION, QUANTIZED
+from fsdp2bench.names import INTENDED, MIB, MICROBATCH_PHASE, UNFIXED, counted, ranks_said, short_name, size_said
 from fsdp2bench.options.layout import AXES
 from fsdp2bench.options.step import MODEL, UPSTREAM
-from fsdp2bench.options.tuning import NO_PEFT, TUNING_DEFAULTS, what_trains
+from fsdp2bench.options.tuning import LOW_BIT, NO_PEFT, QUANTIZED_FROM, TUNING_DEFAULTS, what_trains
 from fsdp2bench.report.summary import (ACCELERATE, MEASURED_FIGURES, TORCH, worst_rank, compared_sizes, failed_status,
                                        run_entries, simulated_entries, unsupported_findings)
 from fsdp2bench.train import throughput
@@ -148,7 +149,7 @@ def explanations(summary: dict) -> list[str]:
     out = [f"{name} {cause}; the other variants ran (what the installed libraries cannot do is a finding of this "
            f"run, not its failure)." for name, cause in unsupported_findings(run_entries(summary)).items()]
     out += [s for s in [compared_sentence(summary.get("accelerate_vs_torch")), uneven_ranks_sentence(summary),
-                        tuning_sentence(summary)] if s]
+                        tuning_sentence(summary), low_bit_sentence(summary)] if s]
     tuned = tuned_options(summary)
     unfixed = summary["variants"].get(UNFIXED)
     if unfixed and unfixed["status"] == "ok":
@@ -183,26 +184,80 @@ def tuned_options(summary: dict) -> dict:
     return summary["meta"].get("fsdp_options", {}).get("tuning", {})
 
 
+FROZEN_RANKS_SHOWN, UNEVEN_RANKS_SHOWN, MOMENT_RANKS_SHOWN = 4, 8, 8  # the ranks a sentence lists (summary.json: all)
+
+
 def tuning_sentence(summary: dict) -> str | None:
     """What was trained and with which optimizer, where it is not the whole model with AdamW, and what the frozen
     base held on each rank (its chunk of the whole, and no gradient or optimizer state)."""
     said = trained_said(summary)
-    entry = next((e for _, e in run_entries(summary) if e.get("status") == "ok" and e.get("frozen_base")), None)
-    if said is None or entry is None:
+    held = {name: e for name, e in run_entries(summary) if e.get("status") == "ok" and e.get("frozen_base")}
+    if said is None or not held:
         return said
-    held, whole = entry["frozen_base"], entry["expected_frozen_base"][0]["frozen_full_bytes"]
-    return (said + " The frozen base held " + ", ".join(f"{size_said(r['frozen_param_bytes'])} on rank {i}"
-                                                        for i, r in enumerate(held[:4]))
-            + f" of its {size_said(whole)} (FSDP2's padded chunk), and at most "
-            f"{size_said(max(r['frozen_grad_bytes'] for r in held))} of gradients and "
-            f"{size_said(max(r['frozen_state_bytes'] for r in held))} of optimizer state."
-            + statistics_said(entry.get("four_bit_statistics_bytes")))
+    return said + frozen_base_said(held) + statistics_said(next(iter(held.values())).get("four_bit_statistics_bytes"))
+
+
+def frozen_base_said(held: dict[str, dict]) -> str:
+    """What the frozen base held per rank, saying whose figures they are (one variant's, or every variant's where
+    they are the same), and the most gradient and optimizer state it had in any variant on any rank."""
+    (name, entry), *others = held.items()
+    ranks = entry["frozen_base"]
+    whose = (f"in each of the {len(held)} variants" if others and all(e["frozen_base"] == ranks for _, e in others)
+             else f"in {name}" + (" (the other variants' in summary.json's frozen_base)" if others else ""))
+    every = [r for e in held.values() for r in e["frozen_base"]]
+    return (f" The frozen base held, {whose}, on "
+            f"{ranks_said([size_said(r['frozen_param_bytes']) for r in ranks], FROZEN_RANKS_SHOWN)} of its "
+            f"{size_said(entry['expected_frozen_base'][0]['frozen_full_bytes'])} (FSDP2's padded chunk), and at most "
+            f"{size_said(max(r['frozen_grad_bytes'] for r in every))} of gradients and "
+            f"{size_said(max(r['frozen_state_bytes'] for r in every))} of optimizer state in any variant and rank.")
 
 
 def trained_said(summary: dict) -> str | None:
     """What was trained and with which optimizer, where it is not the whole model with AdamW."""
     said = what_trains(tuned_options(summary))
     return None if said is None else f"Trained: {said}."
+
+
+def low_bit_sentence(summary: dict) -> str | None:
+    """Under a torchao optimizer, how many trained tensors it kept in low bits and how many its rule left in full
+    precision (it does so in silence, and the state counts them so): one rank's tensors, elements and state bytes,
+    and the count on every rank (or simulated run) of the first variant whose optimizer stepped."""
+    runs = moments_per_run(summary)
+    if not runs:
+        return None
+    optimizer = tuned_options(summary)["optimizer"]
+    low, (where, name, ranks) = LOW_BIT[optimizer], runs[0]
+    quantized, plain = ranks[0][QUANTIZED], ranks[0][FULL_PRECISION]
+    head = (f"{optimizer} kept in {low.codes} the moments of {quantized['tensors']} of the {trained(ranks[0])} "
+            f"trained tensors ({quantized['elements']:,} elements, {size_said(quantized['state_bytes'])} of state) and "
+            f"left {plain['tensors']} in full precision ({plain['elements']:,} elements, "
+            f"{size_said(plain['state_bytes'])} of state), by torchao's rule: a rank's chunk is quantized only from "
+            f"{QUANTIZED_FROM:,} elements and in whole blocks of {low.block}")
+    if summary.get("simulated"):
+        per = ", ".join(f"{w} {r[0][QUANTIZED]['tensors']} of {trained(r[0])}" for w, _, r in runs)
+        return f"{head} ({where} of {name}). In {low.codes}, per run: {per}."
+    per = ranks_said([f"{r[QUANTIZED]['tensors']} of {trained(r)}" for r in ranks], MOMENT_RANKS_SHOWN)
+    return f"{head} (rank 0 of {name}). In {low.codes}, per rank, {per}."
+
+
+def moments_per_run(summary: dict) -> list[tuple[str, str, list[dict]]]:
+    """(where, variant, each rank's ``low_bit_moments``) of the first variant whose optimizer stepped: the run's,
+    or each simulated N and rank's."""
+    def stepped(entry: dict) -> bool:
+        return entry.get("status") == "ok" and any(trained(r) for r in entry.get("low_bit_moments", []))
+
+    if not summary.get("simulated"):
+        return [("", name, e["low_bit_moments"]) for name, e in summary["variants"].items() if stepped(e)][:1]
+    first: dict = {}
+    for n, rank, name, e in simulated_entries(summary["simulated"]):
+        if stepped(e):
+            first.setdefault((n, rank), (f"N = {n} rank {rank}", name, e["low_bit_moments"]))
+    return list(first.values())
+
+
+def trained(moments: dict) -> int:
+    """The trained tensors of one rank's ``low_bit_moments``, of either kind."""
+    return sum(kind["tensors"] for kind in moments.values())
 
 
 def sweep_tuning_sentence(summary: dict) -> str | None:
@@ -242,14 +297,15 @@ def graph_break_sentences(variants: dict) -> list[str]:
 def uneven_ranks_sentence(summary: dict) -> str | None:
     """Where the ranks hold different parameter bytes (FSDP2's padding, TP's uneven splits), which holds what:
     the table's memory columns are the heaviest rank's."""
-    entry = next((v for n, v in summary["variants"].items() if n in INTENDED and v.get("status") == "ok"), None)
+    name, entry = next(((n, v) for n, v in summary["variants"].items() if n in INTENDED and v.get("status") == "ok"),
+                       (None, None))
     held = [rank["end_of_training"]["param_bytes"] for rank in entry["accounting"]] if entry else []
     if len(set(held)) < 2:
         return None
     heaviest = held.index(max(held))
     return ("The ranks hold different parameter bytes (FSDP2 pads the last shard; TP splits a dim that its ranks do "
-            "not divide evenly): " + ", ".join(f"rank {r} {size_said(b)}" for r, b in enumerate(held[:8]))
-            + (", ..." if len(held) > 8 else "") + f"; rank {heaviest} holds the most.")
+            f"not divide evenly), in {name}: {ranks_said([size_said(b) for b in held], UNEVEN_RANKS_SHOWN)}; rank "
+            f"{heaviest} holds the most.")
 
 
 def accumulation_sentences(summary: dict) -> list[str]:
@@ -342,9 +398,9 @@ def print_sweep_table(summary: dict) -> None:
         indent="     ")
     for line in emulated_said(summary):
         say(line, indent="     ")
-    tuning = sweep_tuning_sentence(summary)
-    if tuning:
-        say(tuning)
+    for sentence in (sweep_tuning_sentence(summary), low_bit_sentence(summary)):
+        if sentence:
+            say(sentence)
     crossover = summary["simulation_findings"]["unfixed_exceeds_intended_from_world_size"]
     exact = (summary.get("projection") or {}).get("unfixed_costs_more_from_world_size")
     rule = f"; by the sharding rule from N = {exact} on" if exact else ""

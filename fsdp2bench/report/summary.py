@@ -7,8 +7,8 @@ import statistics
 
 from fsdp2bench.memory import snapshots
 from fsdp2bench.memory.accounting import (PROJECTION_WORLD_SIZES, expected_device_bytes, expected_frozen_bytes,
-                                          expected_gathered_block_bytes, expected_setup, expected_state, projection,
-                                          unfixed_costs_more_from)
+                                          expected_gathered_block_bytes, expected_moments_kept, expected_setup,
+                                          expected_state, projection, unfixed_costs_more_from)
 from fsdp2bench.names import (INTENDED, MIB, PEAK_PHASES, PHASES, STATE_KEYS, UNFIXED, counted, phases,
                               state_bytes, step_peak_state)
 from fsdp2bench.options.fsdp import FsdpOptions
@@ -162,6 +162,7 @@ def memory_summary(name: str, per_rank: list[dict], shapes, world_size: int, ran
         "applied_matches_options": all({k: r["applied"][k] for k in setup} == setup for r in per_rank),
         "steady_allocated_minus_state_mib": _across(residual),
         **frozen_base(per_rank, shapes, world_size, ranks, options, counted),
+        **low_bit_moments(name, per_rank, shapes, world_size, ranks, options),
         **({"peak_tensors": [r["peak_tensors"] for r in per_rank]} if "peak_tensors" in per_rank[0] else {}),
         **({"emulated": [r["emulated"] for r in per_rank]} if per_rank[0].get("emulated") else {}),
         **({"graph_breaks": [r["graph_breaks"] for r in per_rank]} if per_rank[0].get("graph_breaks") is not None
@@ -188,6 +189,18 @@ def frozen_base(per_rank: list[dict], shapes, world_size: int, ranks: list[int],
     return {"frozen_base": held, "expected_frozen_base": expected,
             "frozen_base_as_expected": all(h == {k: e[k] for k in h} for h, e in zip(held, expected)),
             **({"four_bit_statistics_bytes": statistics} if any(statistics) else {})}
+
+
+def low_bit_moments(name: str, per_rank: list[dict], shapes, world_size: int, ranks: list[int],
+                    options: FsdpOptions) -> dict:
+    """Under a torchao optimizer, how many trained parameters' moments it quantized on each rank and how many it
+    left in full precision, with their elements and state bytes, against torchao's rule. Nothing under another."""
+    if "low_bit_moments" not in per_rank[0]:
+        return {}
+    held = [r["low_bit_moments"] for r in per_rank]
+    expected = [expected_moments_kept(shapes, world_size, rank, name, options) for rank in ranks]
+    return {"low_bit_moments": held, "expected_low_bit_moments": expected,
+            "low_bit_moments_as_expected": held == expected}
 
 
 def speed_summary(per_rank: list[dict]) -> dict:
@@ -284,10 +297,12 @@ def run_checks(variants: dict, device_type: str, options: FsdpOptions = FsdpOpti
     return checks
 
 
-# (check, the field of each variant's entry it reads): the last only where the model has frozen parameters.
+# (check, the field of each variant's entry it reads): the third only where the model has frozen parameters, the
+# last under a torchao optimizer.
 CHECKED_FIELDS = (("accounting_matches_expected", "accounting_matches_expected"),
                   ("options_applied", "applied_matches_options"),
-                  ("frozen_base_sharded", "frozen_base_as_expected"))
+                  ("frozen_base_sharded", "frozen_base_as_expected"),
+                  ("low_bit_moments_by_torchaos_rule", "low_bit_moments_as_expected"))
 
 
 def training_checks(ok: dict, ran: list[str], non_finite: dict) -> dict:

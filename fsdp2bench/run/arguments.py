@@ -16,7 +16,7 @@ import torch
 from fsdp2bench.cli import OneLineParser, UserError, check_ranges, gpu_memory_gib, parse_names, pick_device
 from fsdp2bench.files import check_output_dir, expect_path, looks_like_a_path, refuse_foreign
 from fsdp2bench.memory import estimate
-from fsdp2bench.names import VARIANTS, counted, rank_file
+from fsdp2bench.names import VARIANTS, counted, listed, rank_file
 from fsdp2bench.options import accelerate_config, levers, fsdp as options, step, tuning
 from fsdp2bench.options.layout import CP_STRATEGIES, Layout
 from fsdp2bench.options.links import Links, check_nodes_fit, parse_links
@@ -50,6 +50,7 @@ def parse_failure(text: str) -> FailureSpec:
 
 
 SIMULATE_RANK_DEFAULT = "0"
+PLAYED_RANKS_SHOWN = 8  # the ranks a refused --inject_failure lists
 
 
 DEFAULT_LINKS = "h100-h200-sxm"  # --emulate_communication alone: Links' defaults
@@ -179,7 +180,10 @@ def add_tuning_options(p: argparse.ArgumentParser) -> None:
                         f"(default: {defaults['lora_dropout']:g})")
     g.add_argument("--lora_targets", default=None, metavar="NAMES",
                    help="with --peft lora or qlora: comma-separated module NAMES to adapt, as peft's target_modules "
-                        f"(each must name a Linear layer of the model) (default: {defaults['lora_targets']})")
+                        "match them: a layer whose full name is a NAME or ends with a dot and it (q_proj, "
+                        "self_attn.q_proj, model.layers.0.mlp.down_proj); each must select Linear layers only, and "
+                        "one the others do not already select, none given twice "
+                        f"(default: {defaults['lora_targets']})")
     g.add_argument("--allow_known_failure", action="store_true",
                    help="run a combination known to fail under FSDP2 (--qlora_storage uint8) instead of refusing it, "
                         "to measure it: the end-of-run checks say whether the loss was finite, fell, and whether the "
@@ -418,7 +422,8 @@ def check_failure_reachable(spec: FailureSpec, names: list[str], steps: int, ran
     if not 0 <= spec.step < steps:
         raise UserError(f"{where}: step {spec.step} is not among this run's steps 0..{steps - 1}")
     if spec.rank not in ranks:
-        raise UserError(f"{where}: rank {spec.rank} is not among the ranks played, {sorted(ranks)[:8]}")
+        raise UserError(f"{where}: rank {spec.rank} is not among the {len(ranks)} ranks played: "
+                        f"{listed([str(r) for r in sorted(ranks)], PLAYED_RANKS_SHOWN)}")
 
 
 def check_positions(block_size: int, config) -> None:

@@ -15,13 +15,15 @@ import torch.distributed as dist
 
 import utils
 from fsdp2bench.memory import snapshots
-from fsdp2bench.memory.accounting import account, applied_setup, gathered_block_bytes, local_tensor, output_itemsize
+from fsdp2bench.memory.accounting import (account, applied_setup, gathered_block_bytes, local_tensor, moments_kept,
+                                          output_itemsize)
 from fsdp2bench.names import ACCELERATE, MICROBATCH_PHASE, rank_file
 from fsdp2bench.options import levers
 from fsdp2bench.options.fsdp import FsdpOptions
 from fsdp2bench.options.layout import Meshes
 from fsdp2bench.options.links import Links
 from fsdp2bench.options.step import kept_output_bytes
+from fsdp2bench.options.tuning import LOW_BIT
 from fsdp2bench.processes.child import TracedChild, run_traced_child
 from fsdp2bench.processes.emulation import Tally, emulated
 from fsdp2bench.processes.isolation import STAND_DOWN, StoreKeys, init_group, name_process, wait_at_gate
@@ -325,6 +327,8 @@ def train_busy(job: Job, tracker: MemoryTracker, meshes: Meshes | None, store: d
     found = {"wall_s": time.perf_counter() - start, "accounting": {**accounting, "end_of_training": held()},
              "expected_kept_output_bytes": expected_kept_outputs(job), "applied": applied}
     found["graph_breaks"] = levers.graph_breaks() - breaks_before if job.train.options.compile else None
+    if job.train.options.tuning.optimizer in LOW_BIT:  # which moments torchao quantized, which it left plain
+        found["low_bit_moments"] = moments_kept(prep.optimizer)
     return {**found, **trained_figures(job, prep.model, tracker, tally)}
 
 
