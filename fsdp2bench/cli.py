@@ -84,21 +84,27 @@ class OneLineParser(argparse.ArgumentParser):
                 self.error(f"{action.option_strings[0]} {value}: an empty item between commas")
 
     def dash_values_joined(self, argv: list[str]) -> list[str]:
-        """An option's value that starts with a dash (``--links -1,50``) is its value, not a missing one: joined
-        as ``--links=-1,50``, so that the option's own check says what is wrong with it."""
+        """An option's value that starts with a dash (``--links -1,50``; ``--emulate_communication -1,50``, whose
+        value may be left out) is its value, not a missing one or an unknown option: joined as ``--links=-1,50``,
+        so that the option's own check says what is wrong with it. A word that names an option, or begins the
+        name of one (argparse takes ``--sim`` for ``--simulate_world_size``), stays an option."""
         out, i = [], 0
         while i < len(argv):
             action = self._option_string_actions.get(argv[i])
             after = argv[i + 1] if i + 1 < len(argv) else None
-            if action is not None and action.nargs is None and action.option_strings and after is not None \
-                    and after.startswith("-") and after != "--" \
-                    and after.split("=", 1)[0] not in self._option_string_actions:
+            if action is not None and action.nargs in (None, "?") and action.option_strings and after is not None \
+                    and after.startswith("-") and not self.names_an_option(after):
                 out.append(f"{argv[i]}={after}")
                 i += 2
                 continue
             out.append(argv[i])
             i += 1
         return out
+
+    def names_an_option(self, word: str) -> bool:
+        """Whether ``word`` (``--`` included) is an option of this parser, given in full or begun."""
+        name = word.split("=", 1)[0]
+        return name == "--" or any(option.startswith(name) for option in self._option_string_actions)
 
 
 NOT_GIVEN = object()

@@ -4,6 +4,7 @@ bad input in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 
@@ -11,7 +12,9 @@ import pytest
 from conftest import load, refusal, run_script
 
 from fsdp2bench.options.fsdp import FsdpOptions
-from fsdp2bench.options.links import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Links, parse_links
+from fsdp2bench.cli import UserError
+from fsdp2bench.options.links import (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Links, checked_links,
+                                          field_bounds, parse_links)
 from fsdp2bench.run import arguments
 
 LINKS = Links()  # 8 GPUs a node, NVLink 450 GB/s, a 50 GB/s NIC a GPU, 1 us a step within a node, 5 across
@@ -231,13 +234,23 @@ def test_too_few_steps_to_time_both_halves_are_refused_before_anything_runs(argv
     assert not (tmp_path / "speed").exists() and not (tmp_path / "speed_bare").exists()
 
 
+RATE = "must be in [0.01, 100000] GB/s, got"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--emulate_communication"], "--emulate_communication needs --simulate_world_size"),
-    (["--simulate_world_size", "8", "--emulate_communication=-1,50"], "each GB/s a positive number"),
-    (["--simulate_world_size", "8", "--emulate_communication", "0,50"], "each GB/s a positive number"),
-    (["--simulate_world_size", "8", "--emulate_communication", "nan,50"], "each GB/s a positive number"),
+    (["--simulate_world_size", "8", "--emulate_communication=-1,50"], f"within_gbps {RATE} -1.0"),
+    (["--simulate_world_size", "8", "--emulate_communication", "-1,50"], f"within_gbps {RATE} -1.0"),
+    (["--simulate_world_size", "8", "--emulate_communication", "0,50"], f"within_gbps {RATE} 0.0"),
+    (["--simulate_world_size", "8", "--emulate_communication", "nan,50"], f"within_gbps {RATE} nan"),
+    (["--simulate_world_size", "8", "--emulate_communication", "450,1e400"], f"across_gbps {RATE} inf"),
+    (["--simulate_world_size", "8", "--emulate_communication", "1e-9,50"], f"within_gbps {RATE} 1e-09"),
+    (["--simulate_world_size", "8", "--emulate_communication", "450,1e9"], f"across_gbps {RATE} 1000000000.0"),
     (["--simulate_world_size", "8", "--emulate_communication", "450"], "expected WITHIN,ACROSS"),
-    (["--simulate_world_size", "8", "--emulate_communication", "/"], "not a regular file"),
+    (["--simulate_world_size", "8", "--emulate_communication", "/"], "/: a directory, not a file"),
+    (["--simulate_world_size", "8", "--emulate_communication", "nothere.json"],
+     "nothere.json: no such file or directory"),
+    (["--simulate_world_size", "8", "--emulate_communication", "nothere"], "nothere: no such file or directory"),
 ])
 def test_bad_links_are_one_line(argv, message, tmp_path):
     line = refusal(arguments.validate, ["--model", "tiny", "--device", "cpu", "--output_dir", str(tmp_path / "o"),
@@ -246,11 +259,20 @@ def test_bad_links_are_one_line(argv, message, tmp_path):
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"node_size": 8, "within_gbps": -1, "across_gbps": 50}, "each GB/s a positive number"),
-    ({"node_size": 8, "within_gbps": 450, "across_gbps": 0}, "each GB/s a positive number"),
-    ({"node_size": 8, "within_gbps": float("nan"), "across_gbps": 50}, "each GB/s a positive number"),
+    ({"node_size": 8, "within_gbps": -1, "across_gbps": 50}, f"within_gbps {RATE} -1"),
+    ({"node_size": 8, "within_gbps": 450, "across_gbps": 0}, f"across_gbps {RATE} 0"),
+    ({"node_size": 8, "within_gbps": float("nan"), "across_gbps": 50}, f"within_gbps {RATE} nan"),
+    ({"node_size": 8, "within_gbps": 0.001, "across_gbps": 50}, f"within_gbps {RATE} 0.001"),
+    ({"node_size": 8, "within_gbps": 450, "across_gbps": 10 ** 400}, f"across_gbps {RATE} 1000"),
+    ({"node_size": 8, "within_gbps": 450, "across_gbps": 50, "latency_across_us": 1e300},
+     "latency_across_us must be in [0, 1000000] us, got 1e+300"),
+    ({"node_size": 8, "within_gbps": 450, "across_gbps": 50, "latency_within_us": -1},
+     "latency_within_us must be in [0, 1000000] us, got -1"),
     ({"node_size": 8, "within_gbps": 450}, "no across_gbps"),
-    ({"node_size": 0, "within_gbps": 450, "across_gbps": 50}, "node_size must be a positive integer"),
+    ({"node_size": 0, "within_gbps": 450, "across_gbps": 50}, "node_size must be a whole number in [1, 1024], got 0"),
+    ({"node_size": 4096, "within_gbps": 450, "across_gbps": 50}, "node_size must be a whole number in [1, 1024]"),
+    ({"node_size": 8.5, "within_gbps": 450, "across_gbps": 50}, "node_size must be a whole number in [1, 1024]"),
+    ({"node_size": True, "within_gbps": 450, "across_gbps": 50}, "node_size must be a whole number in [1, 1024]"),
     ({"node_size": 8, "within_gbps": 450, "across_gbps": 50, "rails": 4}, "not a JSON object"),
     ({"node_size": 3, "within_gbps": 450, "across_gbps": 50}, "nodes of 3 GPUs do not make up N = 8"),
 ])
@@ -260,3 +282,28 @@ def test_a_links_file_is_checked_field_by_field(fields, message, tmp_path):
     line = refusal(arguments.validate, ["--model", "tiny", "--device", "cpu", "--output_dir", str(tmp_path / "o"),
                                         "--simulate_world_size", "8", "--emulate_communication", str(path)])
     assert line is not None and message in line, line
+
+
+def test_every_field_of_the_links_has_bounds_its_default_keeps_and_a_value_beyond_them_is_refused():
+    """Whatever fields Links has: a rate (GB/s) or a latency (us) by its name's unit, a count by its whole default;
+    its default inside, and one just past either end refused naming the field, in a file as on the command line."""
+    defaults = Links()
+    assert checked_links(defaults, "--links") == defaults
+    for field in dataclasses.fields(Links):
+        low, high, _ = field_bounds(field)
+        for beyond in (low - 1 if isinstance(field.default, int) else low - 1e-3, high * 2):
+            bad = dataclasses.replace(defaults, **{field.name: beyond})
+            with pytest.raises(UserError, match=f"^--links: {field.name} must be "):
+                checked_links(bad, "--links")
+
+
+def test_a_value_led_by_a_dash_is_refused_as_the_same_value_given_with_an_equals_sign(tmp_path):
+    """``--emulate_communication -1,50`` (its value may be left out, and argparse reads a dash-led word as an
+    option) gets the line ``--emulate_communication=-1,50`` gets, exit 2, nothing written."""
+    common = ["main.py", "--model", "tiny", "--device", "cpu", "--simulate_world_size", "8"]
+    spaced = run_script([*common, "--output_dir", str(tmp_path / "a"), "--emulate_communication", "-1,50"], nproc=None)
+    joined = run_script([*common, "--output_dir", str(tmp_path / "b"), "--emulate_communication=-1,50"], nproc=None)
+    line = f"error: --emulate_communication -1,50: within_gbps {RATE} -1.0"
+    for proc in (spaced, joined):
+        assert proc.returncode == 2 and proc.stderr.strip() == line and not proc.stdout, proc.stdout + proc.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
