@@ -307,3 +307,11 @@ def test_a_value_led_by_a_dash_is_refused_as_the_same_value_given_with_an_equals
     for proc in (spaced, joined):
         assert proc.returncode == 2 and proc.stderr.strip() == line and not proc.stdout, proc.stdout + proc.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_dash_led_word_that_begins_an_option_stays_that_option(tmp_path):
+    """``--emulate_communication --simulate_w 8``: the bare flag (the default links), then argparse's abbreviation of
+    --simulate_world_size, never the links ``--simulate_w``."""
+    checked = arguments.validate(["--model", "tiny", "--device", "cpu", "--output_dir", str(tmp_path / "o"),
+                                  "--max_steps", "5", "--emulate_communication", "--simulate_w", "8"])
+    assert checked.links == Links() and checked.args.simulate_world_size == "8"
