@@ -310,6 +310,13 @@ def quiet_imports() -> Iterator[None]:
             logger.setLevel(level)
 
 
+def quietly_import_models() -> None:
+    """transformers' model code, imported first here: its quantizers import torchao where it is installed, which
+    logs on some installs what no run uses (``quiet_imports``)."""
+    with quiet_imports():
+        import transformers.modeling_utils  # noqa: F401
+
+
 def one_line(exc: BaseException) -> str:
     """The first line of an exception's message, for an error line that names its cause."""
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

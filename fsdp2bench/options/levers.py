@@ -22,7 +22,7 @@ import subprocess
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from fsdp2bench.cli import UserError
+from fsdp2bench.cli import UserError, quiet_imports
 from fsdp2bench.options.fsdp import FULL_AC, SELECTIVE_AC, FsdpOptions
 
 if TYPE_CHECKING:
@@ -229,7 +229,8 @@ def check_float8(device_type: str) -> None:
         raise UserError(f"--float8 needs a GPU of compute capability 8.9 or more (float8 tensor cores); this one "
                         f"has {capability[0]}.{capability[1]}")
     try:
-        import torchao.float8  # noqa: F401
+        with quiet_imports():
+            import torchao.float8  # noqa: F401
     except ImportError as exc:
         raise UserError(f"--float8: torchao cannot be imported ({exc}); install it with pip install -r "
                         f"{FLOAT8_REQUIREMENTS}") from None
