@@ -163,6 +163,21 @@ def test_one_launch_emulates_every_other_step_and_gives_both_figures_labelled(tm
         assert "(median of 3); emulated (nothing waited) " in said
 
 
+def test_the_console_names_the_links_the_emulated_figures_assume_in_one_line_beside_them(tmp_path):
+    """A links file of A100-like nodes of 4, its latencies its own: the line before the runs' emulated figures gives
+    every one of them, as summary.json keeps them."""
+    path = tmp_path / "a100.json"
+    path.write_text(json.dumps({"node_size": 4, "within_gbps": 300, "across_gbps": 25, "latency_within_us": 2,
+                                "latency_across_us": 10}))
+    summary, said = emulated_run(tmp_path, "--emulate_communication", str(path))
+    assert summary["meta"]["emulated_links"] == {"node_size": 4, "within_gbps": 300, "across_gbps": 25,
+                                                 "latency_within_us": 2, "latency_across_us": 10}
+    line = ("Emulated over 300 GB/s within a node of 4 and 25 GB/s across nodes (a NIC a GPU), a ring step 2 us within "
+            "a node and 10 us across (summary.json's meta.emulated_links; docs/links.md). Emulated a step, N = 8 rank 0 "
+            "after: ")
+    assert said.count("Emulated over ") == 1 and line in said, said
+
+
 def test_on_a_gpu_the_exposed_communication_is_the_emulated_steps_median_less_the_compute_only_ones():
     """The arithmetic of a run whose emulated steps waited on the GPU (no GPU here: the step records as a GPU run
     writes them): compute-only steps of 0.100-0.104 s, emulated ones of 0.110-0.114 s, 0.05 s of communication a

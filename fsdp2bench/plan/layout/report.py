@@ -13,6 +13,7 @@ from fsdp2bench.cli import UserError, say
 from fsdp2bench.files import digest_of, save_summary, write_bytes
 from fsdp2bench.names import seconds_said
 from fsdp2bench.options import accelerate_config
+from fsdp2bench.options.links import links_said
 from fsdp2bench.options.tuning import Tuning
 from fsdp2bench.plan.layout.search import Assessed, SearchInputs, commands, decided, ranked, record, winner_of
 from fsdp2bench.plan.layout.timing import RETIMES, clipped
@@ -195,8 +196,7 @@ def legend(rows: list[Assessed], setup: SearchInputs, timings: list[dict]) -> st
                "FSDP2's schedule leaves exposed" if setup.device_type == "cuda" else "on a CPU nothing waits: the "
                "step is compute + the communication priced, no overlap (not measured)")
     return (f"Ranked by tokens per second per {per} of a step {cap}, {len(rows)} candidates. Step: emulated on "
-            f"{emulated} (their own layout timed with its communication emulated over {setup.links.within_gbps:g} "
-            f"GB/s within a node of {setup.links.node_size} and {setup.links.across_gbps:g} GB/s across nodes: "
+            f"{emulated} (their own layout timed with its communication emulated over {links_said(setup.links)}: "
             f"{overlap}); e: "
             "estimated, the compute + the share of the communication the timed layouts of the same shape (which axes "
             "are split) left exposed, else every timed layout's. Compute measured on "
