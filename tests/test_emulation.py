@@ -173,8 +173,8 @@ def test_the_console_names_the_links_the_emulated_figures_assume_in_one_line_bes
     assert summary["meta"]["emulated_links"] == {"node_size": 4, "within_gbps": 300, "across_gbps": 25,
                                                  "latency_within_us": 2, "latency_across_us": 10}
     line = ("Emulated over 300 GB/s within a node of 4 and 25 GB/s across nodes (a NIC a GPU), a ring step 2 us within "
-            "a node and 10 us across (summary.json's meta.emulated_links; docs/links.md). Emulated a step, N = 8 rank 0 "
-            "after: ")
+            "a node and 10 us across (summary.json's meta.emulated_links; docs/links.md). Emulated a step, N = 8 "
+            "rank 0 after: ")
     assert said.count("Emulated over ") == 1 and line in said, said
 
 

@@ -79,9 +79,9 @@ def even_group_gbps(links: Links, group: int, span: int) -> float:
 
 def links_said(links: Links) -> str:
     """The links in words, for the lines that give figures priced over them."""
-    return (f"{links.within_gbps:g} GB/s within a node of {links.node_size} and {links.across_gbps:g} GB/s across nodes "
-            f"(a NIC a GPU), a ring step {links.latency_within_us:g} us within a node and {links.latency_across_us:g} us "
-            "across")
+    return (f"{links.within_gbps:g} GB/s within a node of {links.node_size} and {links.across_gbps:g} GB/s across "
+            f"nodes (a NIC a GPU), a ring step {links.latency_within_us:g} us within a node and "
+            f"{links.latency_across_us:g} us across")
 
 
 def members_per_node(ranks: Sequence[int], node_size: int) -> dict[int, int]:
