@@ -46,7 +46,7 @@ from fsdp2bench.run.concurrency import host_memory_for_launch
 from fsdp2bench.run.session import ModelFacts, Session, model_facts, open_session, say_interrupted
 from fsdp2bench.run.versions import check_releases
 from fsdp2bench.train import weights
-from fsdp2bench.train.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS, default_model
+from fsdp2bench.train.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS, default_model, say_default_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -175,11 +175,13 @@ def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[st
     check_output_dir(args.output_dir, "loading_summary.json")
     refuse_foreign(files_written(args, modes), "--output_dir")
     checkpoint = Checkpoint(args.checkpoint) if args.checkpoint else None
-    facts = model_facts(args.model or args.checkpoint or default_loading_model(device_type), args.seed)
+    facts = model_facts(args.model or args.checkpoint or default_model(device_type), args.seed)
     check_wrapped_classes(config, facts.layer_classes)
     if checkpoint is not None:
         checkpoint.check_against(facts.named_shapes)
     check_host_fits(args, modes, facts, checkpoint, device_type)
+    if not (args.model or args.checkpoint):
+        say_default_loading_model(device_type)
     return args, modes, facts, checkpoint
 
 
@@ -208,12 +210,12 @@ def check_host_fits(args: argparse.Namespace, modes: list[str], facts: ModelFact
 CPU_DEFAULT_RUN = "13 s with torchrun --nproc_per_node 2 on 2 cores"
 
 
-def default_loading_model(device_type: str) -> str:
-    """The model a launch without --model or --checkpoint loads; on the CPU, said in one line with this script's
-    own time (main.py's training run is another run, and takes minutes)."""
-    return default_model(device_type, f"No --model given and no GPU: loading.py loads the {CPU_DEFAULT_MODEL} model, "
-                                      f"a functional run of seconds ({CPU_DEFAULT_RUN}). The real one on the CPU: add "
-                                      f"--model {GPU_DEFAULT_MODEL}.")
+def say_default_loading_model(device_type: str) -> None:
+    """That a launch without --model or --checkpoint loads the default model; on the CPU, said in one line with this
+    script's own time (main.py's training run is another run, and takes minutes)."""
+    say_default_model(device_type, f"No --model given and no GPU: loading.py loads the {CPU_DEFAULT_MODEL} model, a "
+                                   f"functional run of seconds ({CPU_DEFAULT_RUN}). The real one on the CPU: add "
+                                   f"--model {GPU_DEFAULT_MODEL}.")
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ from fsdp2bench.memory import estimate
 from fsdp2bench.memory.accounting import trainable_parameters
 from fsdp2bench.names import MIB, counted
 from fsdp2bench.options import accelerate_config, fsdp
-from fsdp2bench.options.links import Links
+from fsdp2bench.options.links import Links, links_said
 from fsdp2bench.plan.checks import SEED, Checked, CheckedSearch, parse_args, plan_path, set_options, validate
 from fsdp2bench.plan.layout.run import run_search
 from fsdp2bench.plan.probes import BATCH, ProbeRunner, Question, heaviest_rank, leaders_of, search_for
@@ -163,9 +163,8 @@ def say_landed(plan: dict, questions: dict, searches: dict, landed: dict, elapse
 def emulation_said(links: Links | None) -> str:
     if links is None:
         return ""
-    return (f"; each fresh probe's collectives emulated over {links.within_gbps:g} GB/s within a node of "
-            f"{links.node_size} and {links.across_gbps:g} GB/s across (per probe in plan.json: calls, bytes, seconds; "
-            "the shared processes' are not)")
+    return (f"; each fresh probe's collectives emulated over {links_said(links)} (per probe in plan.json: calls, "
+            "bytes, seconds; the shared processes' are not)")
 
 
 def cap_said(cap: estimate.GpuCap | None) -> str:

@@ -86,21 +86,27 @@ class OneLineParser(argparse.ArgumentParser):
                 self.error(f"{action.option_strings[0]} {value}: an empty item between commas")
 
     def dash_values_joined(self, argv: list[str]) -> list[str]:
-        """An option's value that starts with a dash (``--links -1,50``) is its value, not a missing one: joined
-        as ``--links=-1,50``, so that the option's own check says what is wrong with it."""
+        """An option's value that starts with a dash (``--links -1,50``; ``--emulate_communication -1,50``, whose
+        value may be left out) is its value, not a missing one or an unknown option: joined as ``--links=-1,50``,
+        so that the option's own check says what is wrong with it. A word that names an option, or begins the
+        name of one (argparse takes ``--sim`` for ``--simulate_world_size``), stays an option."""
         out, i = [], 0
         while i < len(argv):
             action = self._option_string_actions.get(argv[i])
             after = argv[i + 1] if i + 1 < len(argv) else None
-            if action is not None and action.nargs is None and action.option_strings and after is not None \
-                    and after.startswith("-") and after != "--" \
-                    and after.split("=", 1)[0] not in self._option_string_actions:
+            if action is not None and action.nargs in (None, "?") and action.option_strings and after is not None \
+                    and after.startswith("-") and not self.names_an_option(after):
                 out.append(f"{argv[i]}={after}")
                 i += 2
                 continue
             out.append(argv[i])
             i += 1
         return out
+
+    def names_an_option(self, word: str) -> bool:
+        """Whether ``word`` (``--`` included) is an option of this parser, given in full or begun."""
+        name = word.split("=", 1)[0]
+        return name == "--" or any(option.startswith(name) for option in self._option_string_actions)
 
 
 NOT_GIVEN = object()
@@ -172,10 +178,34 @@ def interruption_within(exc: BaseException) -> BaseException | None:
     return None
 
 
-def say_interrupted_outside(exc: BaseException) -> NoReturn:
+def say_interrupted(name: str) -> None:
     if os.environ.get("RANK", "0") == "0":
-        print(f"Interrupted ({str(exc) or 'SIGINT'}); what was written is whole, nothing more is", file=sys.stderr)
+        print(f"Interrupted ({name}); what was written is whole, nothing more is", file=sys.stderr)
+
+
+def say_interrupted_outside(exc: BaseException) -> NoReturn:
+    say_interrupted(str(exc) or "SIGINT")
     sys.exit(130)
+
+
+_ENDING: list[bool] = []  # set by exit_with once its command has ended, returned or raised
+
+
+def ending() -> bool:
+    """Whether this process is past its command (``exit_with`` has its outcome: a refusal, an interrupt, a run's
+    teardown) or the interpreter is finalizing: an interrupt raised now would land in the teardown or in a finalizer
+    it runs, where Python prints it with its stack and goes on (``end_interrupted`` instead)."""
+    return bool(_ENDING) or sys.is_finalizing()
+
+
+def end_interrupted(name: str) -> NoReturn:
+    """A signal that came as the process ends: it ends at once as an interrupt does, in one line from the first rank
+    and exit code 130; what was written stays whole (every file is written under another name and renamed)."""
+    say_interrupted(name)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
+    os._exit(130)
 
 
 def exit_with(run: Callable[[], int]) -> None:
@@ -185,28 +215,35 @@ def exit_with(run: Callable[[], int]) -> None:
     torch and transformers made: 2.3 s after the last line of a run on a 2-core machine. The exit
     handlers still run (the output directory's lock), and every file was closed before. A refused
     start keeps the ordinary exit: under torchrun the first rank to exit makes it stop the others,
-    and the teardown's seconds let them print their own line first."""
+    and the teardown's seconds let them print their own line first. From the moment the command has
+    ended, a signal ends the process at once (``ending``)."""
     set_up_standard_streams()
     try:
         code = run()
-    except UserError as exc:
-        refuse(exc)
-    except (KeyboardInterrupt, Stopped) as exc:  # outside a run's own handling of interrupts
-        say_interrupted_outside(exc)
-    except OSError as exc:  # a file the command writes (a full disk, a directory gone); each is written whole
-        if exc.filename is None:
-            raise
-        print(f"error: cannot write {exc.filename} ({exc.strerror})", file=sys.stderr)
-        sys.exit(1)
-    except Exception as exc:  # an interrupt that a library caught and raised again as its own error
-        interrupt = interruption_within(exc)
-        if interrupt is None:
-            raise
-        say_interrupted_outside(interrupt)
+        _ENDING.append(True)
+    except BaseException as exc:
+        _ENDING.append(True)
+        end_after(exc)
+        raise
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def end_after(exc: BaseException) -> None:
+    """How a command that raised ends: a UserError in one line and exit code 2, a file it could not write (a full
+    disk, a directory gone; each is written whole) in one line and 1, an interrupt outside a run's own handling of
+    interrupts (or one that a library caught and raised again as its own error) in one line and 130. Anything else
+    is the caller's to raise on."""
+    if isinstance(exc, UserError):
+        refuse(exc)
+    if isinstance(exc, OSError) and exc.filename is not None:
+        print(f"error: cannot write {exc.filename} ({exc.strerror})", file=sys.stderr)
+        sys.exit(1)
+    interrupt = interruption_within(exc) if isinstance(exc, (Exception, KeyboardInterrupt)) else None
+    if interrupt is not None:
+        say_interrupted_outside(interrupt)
 
 
 # How long a rank other than 0 keeps its refusal to itself: every rank checks the same command line,
@@ -304,6 +341,13 @@ def quiet_imports() -> Iterator[None]:
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
+
+
+def quietly_import_models() -> None:
+    """transformers' model code, imported first here: its quantizers import torchao where it is installed, which
+    logs on some installs what no run uses (``quiet_imports``)."""
+    with quiet_imports():
+        import transformers.modeling_utils  # noqa: F401
 
 
 def one_line(exc: BaseException) -> str:

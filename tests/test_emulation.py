@@ -4,6 +4,7 @@ bad input in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 
@@ -11,7 +12,9 @@ import pytest
 from conftest import load, refusal, run_script
 
 from fsdp2bench.options.fsdp import FsdpOptions
-from fsdp2bench.options.links import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Links, parse_links
+from fsdp2bench.cli import UserError
+from fsdp2bench.options.links import (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Links, checked_links,
+                                          field_bounds, parse_links)
 from fsdp2bench.run import arguments
 
 LINKS = Links()  # 8 GPUs a node, NVLink 450 GB/s, a 50 GB/s NIC a GPU, 1 us a step within a node, 5 across
@@ -165,6 +168,21 @@ def test_one_launch_emulates_every_other_step_and_gives_both_figures_labelled(tm
         assert "(median of 3); emulated (nothing waited) " in said
 
 
+def test_the_console_names_the_links_the_emulated_figures_assume_in_one_line_beside_them(tmp_path):
+    """A links file of A100-like nodes of 4, its latencies its own: the line before the runs' emulated figures gives
+    every one of them, as summary.json keeps them."""
+    path = tmp_path / "a100.json"
+    path.write_text(json.dumps({"node_size": 4, "within_gbps": 300, "across_gbps": 25, "latency_within_us": 2,
+                                "latency_across_us": 10}))
+    summary, said = emulated_run(tmp_path, "--emulate_communication", str(path))
+    assert summary["meta"]["emulated_links"] == {"node_size": 4, "within_gbps": 300, "across_gbps": 25,
+                                                 "latency_within_us": 2, "latency_across_us": 10}
+    line = ("Emulated over 300 GB/s within a node of 4 and 25 GB/s across nodes (a NIC a GPU), a ring step 2 us within "
+            "a node and 10 us across (summary.json's meta.emulated_links; docs/links.md). Emulated a step, N = 8 "
+            "rank 0 after: ")
+    assert said.count("Emulated over ") == 1 and line in said, said
+
+
 def test_on_a_gpu_the_exposed_communication_is_the_emulated_steps_median_less_the_compute_only_ones():
     """The arithmetic of a run whose emulated steps waited on the GPU (no GPU here: the step records as a GPU run
     writes them): compute-only steps of 0.100-0.104 s, emulated ones of 0.110-0.114 s, 0.05 s of communication a
@@ -236,13 +254,23 @@ def test_too_few_steps_to_time_both_halves_are_refused_before_anything_runs(argv
     assert not (tmp_path / "speed").exists() and not (tmp_path / "speed_bare").exists()
 
 
+RATE = "must be in [0.01, 100000] GB/s, got"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--emulate_communication"], "--emulate_communication needs --simulate_world_size"),
-    (["--simulate_world_size", "8", "--emulate_communication=-1,50"], "each GB/s a positive number"),
-    (["--simulate_world_size", "8", "--emulate_communication", "0,50"], "each GB/s a positive number"),
-    (["--simulate_world_size", "8", "--emulate_communication", "nan,50"], "each GB/s a positive number"),
+    (["--simulate_world_size", "8", "--emulate_communication=-1,50"], f"within_gbps {RATE} -1.0"),
+    (["--simulate_world_size", "8", "--emulate_communication", "-1,50"], f"within_gbps {RATE} -1.0"),
+    (["--simulate_world_size", "8", "--emulate_communication", "0,50"], f"within_gbps {RATE} 0.0"),
+    (["--simulate_world_size", "8", "--emulate_communication", "nan,50"], f"within_gbps {RATE} nan"),
+    (["--simulate_world_size", "8", "--emulate_communication", "450,1e400"], f"across_gbps {RATE} inf"),
+    (["--simulate_world_size", "8", "--emulate_communication", "1e-9,50"], f"within_gbps {RATE} 1e-09"),
+    (["--simulate_world_size", "8", "--emulate_communication", "450,1e9"], f"across_gbps {RATE} 1000000000.0"),
     (["--simulate_world_size", "8", "--emulate_communication", "450"], "expected WITHIN,ACROSS"),
-    (["--simulate_world_size", "8", "--emulate_communication", "/"], "not a regular file"),
+    (["--simulate_world_size", "8", "--emulate_communication", "/"], "/: a directory, not a file"),
+    (["--simulate_world_size", "8", "--emulate_communication", "nothere.json"],
+     "nothere.json: no such file or directory"),
+    (["--simulate_world_size", "8", "--emulate_communication", "nothere"], "nothere: no such file or directory"),
 ])
 def test_bad_links_are_one_line(argv, message, tmp_path):
     line = refusal(arguments.validate, ["--model", "tiny", "--device", "cpu", "--output_dir", str(tmp_path / "o"),
@@ -251,15 +279,24 @@ def test_bad_links_are_one_line(argv, message, tmp_path):
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"node_size": 8, "within_gbps": -1, "across_gbps": 50}, "each GB/s a positive number"),
-    ({"node_size": 8, "within_gbps": 450, "across_gbps": 0}, "each GB/s a positive number"),
-    ({"node_size": 8, "within_gbps": float("nan"), "across_gbps": 50}, "each GB/s a positive number"),
+    ({"node_size": 8, "within_gbps": -1, "across_gbps": 50}, f"within_gbps {RATE} -1"),
+    ({"node_size": 8, "within_gbps": 450, "across_gbps": 0}, f"across_gbps {RATE} 0"),
+    ({"node_size": 8, "within_gbps": float("nan"), "across_gbps": 50}, f"within_gbps {RATE} nan"),
+    ({"node_size": 8, "within_gbps": 0.001, "across_gbps": 50}, f"within_gbps {RATE} 0.001"),
+    ({"node_size": 8, "within_gbps": 450, "across_gbps": 10 ** 400}, f"across_gbps {RATE} 1000"),
+    ({"node_size": 8, "within_gbps": 450, "across_gbps": 50, "latency_across_us": 1e300},
+     "latency_across_us must be in [0, 1000000] us, got 1e+300"),
+    ({"node_size": 8, "within_gbps": 450, "across_gbps": 50, "latency_within_us": -1},
+     "latency_within_us must be in [0, 1000000] us, got -1"),
     ({"node_size": 8, "within_gbps": 450}, "no across_gbps"),
-    ({"node_size": 0, "within_gbps": 450, "across_gbps": 50}, "node_size must be a positive integer"),
+    ({"node_size": 0, "within_gbps": 450, "across_gbps": 50}, "node_size must be a whole number in [1, 1024], got 0"),
+    ({"node_size": 4096, "within_gbps": 450, "across_gbps": 50}, "node_size must be a whole number in [1, 1024]"),
+    ({"node_size": 8.5, "within_gbps": 450, "across_gbps": 50}, "node_size must be a whole number in [1, 1024]"),
+    ({"node_size": True, "within_gbps": 450, "across_gbps": 50}, "node_size must be a whole number in [1, 1024]"),
     ({"node_size": 8, "within_gbps": 450, "across_gbps": 50, "rails": 4}, "not a JSON object"),
     ({"node_size": 3, "within_gbps": 450, "across_gbps": 50}, "nodes of 3 GPUs do not make up N = 8"),
     *(({"node_size": 8, "within_gbps": 450, "across_gbps": 50, "channels": bad}, "channels must be a whole number "
-       "from 0 to 64") for bad in (-1, 65, 1.5, True, "16", None)),
+       "in [0, 64]") for bad in (-1, 65, 1.5, True, "16", None)),
 ])
 def test_a_links_file_is_checked_field_by_field(fields, message, tmp_path):
     path = tmp_path / "links.json"
@@ -290,3 +327,36 @@ def test_the_held_wait_moves_bytes_through_a_tensors_own_storage_as_words():
     assert words.dtype == torch.int32 and words.numel() == 3
     assert word_view(torch.zeros(3, dtype=torch.bfloat16)).dtype == torch.uint8
     assert word_view(torch.zeros(4, 4).t()) is None and word_view(torch.zeros(0)) is None
+
+
+def test_every_field_of_the_links_has_bounds_its_default_keeps_and_a_value_beyond_them_is_refused():
+    """Whatever fields Links has: a rate (GB/s) or a latency (us) by its name's unit, a count by its whole default;
+    its default inside, and one just past either end refused naming the field, in a file as on the command line."""
+    defaults = Links()
+    assert checked_links(defaults, "--links") == defaults
+    for field in dataclasses.fields(Links):
+        low, high, _ = field_bounds(field)
+        for beyond in (low - 1 if isinstance(field.default, int) else low - 1e-3, high * 2):
+            bad = dataclasses.replace(defaults, **{field.name: beyond})
+            with pytest.raises(UserError, match=f"^--links: {field.name} must be "):
+                checked_links(bad, "--links")
+
+
+def test_a_value_led_by_a_dash_is_refused_as_the_same_value_given_with_an_equals_sign(tmp_path):
+    """``--emulate_communication -1,50`` (its value may be left out, and argparse reads a dash-led word as an
+    option) gets the line ``--emulate_communication=-1,50`` gets, exit 2, nothing written."""
+    common = ["main.py", "--model", "tiny", "--device", "cpu", "--simulate_world_size", "8"]
+    spaced = run_script([*common, "--output_dir", str(tmp_path / "a"), "--emulate_communication", "-1,50"], nproc=None)
+    joined = run_script([*common, "--output_dir", str(tmp_path / "b"), "--emulate_communication=-1,50"], nproc=None)
+    line = f"error: --emulate_communication -1,50: within_gbps {RATE} -1.0"
+    for proc in (spaced, joined):
+        assert proc.returncode == 2 and proc.stderr.strip() == line and not proc.stdout, proc.stdout + proc.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_dash_led_word_that_begins_an_option_stays_that_option(tmp_path):
+    """``--emulate_communication --simulate_w 8``: the bare flag (the default links), then argparse's abbreviation of
+    --simulate_world_size, never the links ``--simulate_w``."""
+    checked = arguments.validate(["--model", "tiny", "--device", "cpu", "--output_dir", str(tmp_path / "o"),
+                                  "--max_steps", "5", "--emulate_communication", "--simulate_w", "8"])
+    assert checked.links == Links() and checked.args.simulate_world_size == "8"

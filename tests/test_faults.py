@@ -390,6 +390,95 @@ def test_a_second_signal_during_shutdown_adds_nothing(tmp_path):
     assert statuses(tmp_path) == {"torch_optimizer_after_fsdp": "interrupted"}
 
 
+# A sitecustomize, first on PYTHONPATH, so that it runs as every process of a launch starts: a finalizer that the
+# interpreter runs as main.py's ranks end (weakref.finalize's exit hook, which runs torch's own Library finalizers
+# too), in which rank R (of {plan}: R -> (the signal it sends itself, or none, and how long it then waits)) marks
+# that it began and, where nothing ended it meanwhile, that its wait ran out.
+IN_TEARDOWN = """import os, signal, sys, time, weakref
+def _in_teardown(plan, marks):
+    rank = os.environ.get("RANK", "0")
+    if not (sys.argv[0].endswith("main.py") and rank in plan):
+        return
+    name, wait_s = plan[rank]
+    open(os.path.join(marks, "began_" + rank), "w").close()
+    if name:
+        os.kill(os.getpid(), getattr(signal, name))
+    time.sleep(wait_s)
+    open(os.path.join(marks, "waited_" + rank), "w").close()
+weakref.finalize(sys, _in_teardown, {plan!r}, {marks!r})
+"""
+
+
+def teardown_hook(tmp_path, plan: dict[str, tuple[str, float]]) -> tuple[str, object]:
+    """The PYTHONPATH that runs ``IN_TEARDOWN`` with ``plan`` (before the session's own), and where it marks."""
+    site, marks = tmp_path / "site", tmp_path / "marks"
+    site.mkdir()
+    marks.mkdir()
+    (site / "sitecustomize.py").write_text(IN_TEARDOWN.format(plan=plan, marks=str(marks)))
+    return os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])), marks
+
+
+def test_a_signal_as_a_finished_run_tears_down_ends_it_as_ctrl_c_does(tmp_path):
+    """The run has written and printed everything, and a SIGTERM comes while its finalizers run: one line and exit
+    code 130, as a Ctrl-C anywhere else gives, never Python's stack of the interrupt raised inside a finalizer (and
+    the run's exit code 0 after it); what it wrote stays, the directory unlocked."""
+    out = tmp_path / "out"
+    path, marks = teardown_hook(tmp_path, {"0": ("SIGTERM", 30)})
+    proc = run_script(["main.py", *SHORT, "--variants", FIXED, "--output_dir", str(out)], nproc=None,
+                      PYTHONPATH=path)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["Interrupted (SIGTERM); what was written is whole, nothing more is"]
+    assert sorted(p.name for p in marks.iterdir()) == ["began_0"]  # it ended there, in its finalizers
+    assert f"visualize.py --dir {out}" in proc.stdout and statuses(out) == {FIXED: "ok"}
+    assert not (out / ".fsdp2bench.lock").exists() and not list(out.glob("*.tmp*"))
+
+
+def test_rank_1_stopped_by_torchrun_as_it_ends_after_rank_0_failed_its_checks_says_nothing(tmp_path):
+    """Rank 0 fails its checks (a NaN injected: the loss diverges) and exits 1; torchrun then stops rank 1, which had
+    ended its run and was tearing down, with SIGTERM: rank 1 ends at once, with no word (rank 0 said why), never
+    with the interrupt's stack raised inside torch's finalizers. Rank 0 tears down slowly here (3 s), so that rank 1
+    is in its finalizers when the launcher's signal comes."""
+    out = tmp_path / "out"
+    path, marks = teardown_hook(tmp_path, {"0": ("", 3), "1": ("", 60)})
+    proc = run_script(["main.py", *SHORT, "--variants", FIXED, "--inject_failure", f"{FIXED}:1:0:nan",
+                       "--output_dir", str(out)], PYTHONPATH=path)
+    assert proc.returncode == 1, proc.stderr  # rank 0's
+    assert "FAILED: " in proc.stderr and load(out / "summary.json")["checks"]["losses_finite"]["ok"] is False
+    assert sorted(p.name for p in marks.iterdir()) == ["began_0", "began_1", "waited_0"]  # 1 stopped in its wait
+    assert "Exception ignored" not in proc.stderr and "Interrupted" not in proc.stderr, proc.stderr
+    assert not (out / ".fsdp2bench.lock").exists()
+
+
+FINALIZER_SIGNALLED = """
+import os, signal, time
+from fsdp2bench.processes.isolation import Interrupted, catch_interrupts
+
+catch_interrupts()
+
+
+class SignalledWhileFinalized:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+
+SignalledWhileFinalized()
+try:
+    time.sleep(30)
+    print("the interrupt was lost")
+except Interrupted as exc:
+    print(f"interrupted after the finalizer: {exc}")
+"""
+
+
+def test_a_signal_inside_a_finalizer_mid_run_interrupts_the_work_after_it_and_prints_nothing():
+    """A finalizer (a ``__del__`` the garbage collector runs) where a signal lands: Python drops what the handler
+    raises there, so it comes again once the finalizer is over, and the main process's work is interrupted as by
+    any other signal; no stack of the dropped one."""
+    proc = run_script(["-c", FINALIZER_SIGNALLED], nproc=None, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "interrupted after the finalizer: SIGTERM\n", "")
+
+
 def test_a_killed_launcher_leaves_no_orphan_and_keeps_the_partial_traces(tmp_path):
     proc = start_long_run(tmp_path)
     family = psutil.Process(proc.pid).children(recursive=True)
@@ -530,6 +619,7 @@ def test_a_signal_in_a_childs_first_moments_fails_it_naming_the_signal(monkeypat
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(store.port))
     monkeypatch.setattr(isolation, "end_with_parent", lambda: None)  # not for the test process itself
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # catch_interrupts sets it: put back after
     saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     failures: list = []
     keys = isolation.StoreKeys(child.__name__)

@@ -522,6 +522,18 @@ def test_a_launch_refused_says_one_line_and_writes_nothing(tmp_path, blocked, ar
     assert len(lines) == 1 and lines[0].startswith(said), lines
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
+def test_a_low_bit_optimizer_on_the_cpu_is_refused_where_cxx_names_no_compiler(tmp_path):
+    """torchao's step is compiled by inductor, which builds with the compiler CXX names (tests/test_levers.py)."""
+    out = tmp_path / "out"
+    proc = run_script(["main.py", *TINY, "--optimizer", "adamw8bit", "--output_dir", str(out)], nproc=None,
+                      CXX="/nothere/g++")
+    assert proc.returncode == 2 and not out.exists(), proc.stderr
+    assert proc.stderr.strip() == ("error: --optimizer adamw8bit: torchao compiles each parameter's step with "
+                                   "inductor, which builds C++ on the CPU, and CXX='/nothere/g++' names no C++ "
+                                   "compiler that runs"), proc.stderr
+
+
 # --------------------------------------------------------------------------- the planner (plan.py)
 
 PLAN = ["plan.py", "--device", "cpu", "--world_size", "2"]

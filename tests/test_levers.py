@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 
 import pytest
 
@@ -127,6 +128,33 @@ def test_a_bare_loop_beside_the_suite_on_a_simulated_rank(tmp_path):
 def test_a_lever_that_cannot_run_is_refused_in_one_line(tmp_path, argv, said):
     line = refusal(arguments.validate, ["--model", "tiny", "--device", "cpu", "--output_dir", str(tmp_path), *argv])
     assert line is not None and said in line, line
+
+
+COMPILE_ON_CPU = "--compile on the CPU: inductor builds C++ there, and "
+
+
+@pytest.mark.parametrize("cxx, said", [
+    ("/nothere/g++", "CXX='/nothere/g++' names no C++ compiler that runs"),
+    ("false", "CXX='false' names no C++ compiler that runs"),  # there, but it is no compiler
+    ("", "CXX='' names no C++ compiler that runs"),
+])
+def test_compile_on_the_cpu_takes_the_compiler_cxx_names_and_refuses_one_that_does_not_run(tmp_path, cxx, said):
+    """CXX, as inductor and torch's C++ extensions take it, not the PATH's g++: one line naming it, exit 2."""
+    proc = run_script([*RUN, "--compile", "--output_dir", str(tmp_path / "out")], nproc=None, CXX=cxx)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {COMPILE_ON_CPU}{said}", proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to name")
+def test_a_working_compiler_named_by_cxx_is_taken_and_without_cxx_inductors_default_on_the_path(tmp_path,
+                                                                                              monkeypatch):
+    argv = ["--model", "tiny", "--device", "cpu", "--compile", "--output_dir", str(tmp_path / "out")]
+    monkeypatch.setenv("CXX", shutil.which("g++"))
+    assert refusal(arguments.validate, argv) is None
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no g++ there
+    assert refusal(arguments.validate, argv) == f"error: {COMPILE_ON_CPU}no C++ compiler: g++ is not on the PATH " \
+                                                "(or set CXX to one)"
 
 
 def test_float8_on_an_older_gpu_or_without_torchao_is_refused(monkeypatch):

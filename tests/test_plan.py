@@ -903,11 +903,13 @@ def test_an_option_the_mode_does_not_read_is_refused_even_at_its_default(mode, n
 
 @pytest.mark.parametrize("argv, message", [
     (["--global_batch", "8", "--global_batch_tokens", "1024"], "give one of them"),
-    (["--global_batch", "8", "--links", "-1,50"], "each GB/s a positive number"),
-    (["--global_batch", "8", "--links", "nan,50"], "each GB/s a positive number"),
-    (["--global_batch", "8", "--links", "450,inf"], "each GB/s a positive number"),
-    (["--global_batch", "8", "--links", "/dev/zero"], "not a regular file"),
-    (["--global_batch", "8", "--links", "/"], "not a regular file"),
+    (["--global_batch", "8", "--links", "-1,50"], "within_gbps must be in [0.01, 100000] GB/s, got -1.0"),
+    (["--global_batch", "8", "--links", "nan,50"], "within_gbps must be in [0.01, 100000] GB/s, got nan"),
+    (["--global_batch", "8", "--links", "450,inf"], "across_gbps must be in [0.01, 100000] GB/s, got inf"),
+    (["--global_batch", "8", "--links", "0.0001,50"], "within_gbps must be in [0.01, 100000] GB/s, got 0.0001"),
+    (["--global_batch", "8", "--links", "/dev/zero"], "/dev/zero: neither a file nor a directory, not a file"),
+    (["--global_batch", "8", "--links", "/"], "/: a directory, not a file"),
+    (["--global_batch", "8", "--links", "nothere.json"], "--links nothere.json: no such file or directory"),
     (["--global_batch", "8", "--init_device", "cuda"], "--init_device cuda needs a GPU"),
     (["--world_size", "12", "--global_batch", "12"], "--links: nodes of 8 GPUs do not make up N = 12"),
 ])

@@ -260,9 +260,12 @@ def test_a_slow_write_of_the_lock_loses_the_race_and_is_refused(tmp_path, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == [".fsdp2bench.lock"]  # no temporary lock left
 
 
-def test_ctrl_c_outside_a_runs_own_handling_is_named_sigint(capsys):
+def test_ctrl_c_outside_a_runs_own_handling_is_named_sigint(capsys, monkeypatch):
     """A KeyboardInterrupt carries no words: the line names the signal, not an empty pair of brackets."""
+    from fsdp2bench import cli
     from fsdp2bench.cli import exit_with
+
+    monkeypatch.setattr(cli, "_ENDING", [])  # this process goes on after the command exit_with ends
 
     def interrupted() -> int:
         raise KeyboardInterrupt
@@ -289,10 +292,13 @@ def test_a_lock_naming_a_live_process_says_only_what_is_known_of_it(tmp_path):
     assert proc.returncode in (0, 1) and (tmp_path / "summary.json").exists() and not lock.exists(), proc.stderr
 
 
-def test_an_interrupt_a_library_wrapped_in_its_own_error_is_still_one_line(capsys):
+def test_an_interrupt_a_library_wrapped_in_its_own_error_is_still_one_line(capsys, monkeypatch):
     """A SIGTERM that lands inside torch's fake-tensor dispatch comes back as torch's error, its cause the
     interrupt: the same one line and exit code 130 as a bare one, no traceback; another error still raises."""
+    from fsdp2bench import cli
     from fsdp2bench.cli import Stopped, exit_with
+
+    monkeypatch.setattr(cli, "_ENDING", [])  # this process goes on after the commands exit_with ends
 
     def wrapped() -> int:
         try:

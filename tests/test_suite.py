@@ -186,6 +186,34 @@ def test_without_a_gpu_and_without_model_the_tiny_model_is_chosen_and_said(suite
     assert "No --model given" not in suite[1].stdout  # an explicit --model is kept, without the line
 
 
+WRAPS_ANOTHER_BLOCK = ("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_auto_wrap_policy: "
+                       "TRANSFORMER_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n")
+
+
+@pytest.mark.parametrize("argv, said", [
+    # refused once the model's TP plan was tried on it (transformers' model code imported: torchao's with it)
+    (["main.py", "--tp_size", "2", "--simulate_world_size", "2", "--loss", "liger"], "error: --loss liger needs a GPU"),
+    (["main.py", "--model", "tiny", "--tp_size", "2", "--simulate_world_size", "2", "--loss", "liger"],
+     "error: --loss liger needs a GPU"),
+    # refused by the last of main.py's checks
+    (["main.py", "--simulate_world_size", "8", "--emulate_communication", "--max_steps", "4"],
+     "error: --emulate_communication: 4 step(s) leave"),
+    # refused once the model was built
+    (["loading.py", "--config_file", "{config}"], "error: fsdp2.yaml: fsdp_transformer_layer_cls_to_wrap"),
+])
+def test_a_refusal_without_model_on_the_cpu_is_its_one_line_alone(argv, said, tmp_path):
+    """No word of the default model, nor what importing torchao logs, before the line of a refused run: the notice
+    comes once the command line is accepted (test_without_a_gpu_and_without_model_the_tiny_model_is_chosen_and_said)."""
+    config = tmp_path / "fsdp2.yaml"
+    config.write_text(WRAPS_ANOTHER_BLOCK)
+    proc = run_script([a.format(config=config) for a in argv] + ["--device", "cpu", "--output_dir",
+                                                                  str(tmp_path / "out")], nproc=None)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(said), proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("argv, driver, expected", [
     (["--device", "cpu"], True, "cpu"),
     (["--model", "tiny", "--device=cuda"], False, "cuda"),

@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from fsdp2bench.cli import UserError, environment_changed
+from fsdp2bench.cli import UserError, environment_changed, quiet_imports
 from fsdp2bench.files import expect_path
 from fsdp2bench.names import counted
 from fsdp2bench.options import levers
@@ -279,7 +279,8 @@ def check_precision(value: str, source: str, key: str) -> None:
                         "training); fp16 is not measured")
     if value.lower() == "fp8":
         try:
-            import torchao.float8  # noqa: F401
+            with quiet_imports():
+                import torchao.float8  # noqa: F401
         except ImportError:
             raise UserError(f"{source}: {key} fp8 needs torchao, which cannot be imported here; install it with "
                             f"pip install -r {levers.FLOAT8_REQUIREMENTS}") from None

@@ -16,7 +16,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from fsdp2bench.cli import UserError
+from fsdp2bench.cli import UserError, quietly_import_models
 
 AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 FSDP_SHARD_AXIS = "dp_shard_cp"  # dp_shard and cp flattened: the ranks one FSDP2 group shards over
@@ -198,6 +198,7 @@ def _meta_base_model(config):
     import torch
     from transformers import AutoModelForCausalLM
 
+    quietly_import_models()  # a refusal of the plan below stays one line
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -17,12 +17,14 @@ number each) are kept too: recomputing them would recompute the scales.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from fsdp2bench.cli import UserError
+from fsdp2bench.cli import UserError, quiet_imports
 from fsdp2bench.names import counted
 from fsdp2bench.options.fsdp import FULL_AC, SELECTIVE_AC, FsdpOptions
 
@@ -210,15 +212,38 @@ def check(options: FsdpOptions, device_type: str, num_blocks: int) -> None:
     if options.ac_every > num_blocks:
         raise UserError(f"--ac_every {options.ac_every}: this model has {counted(num_blocks, 'block')}, so no block "
                         "would be checkpointed")
-    if options.compile and device_type == "cpu" and not cpp_compiler():
-        raise UserError("--compile on the CPU: inductor builds C++ there, and no C++ compiler (g++, c++ or clang++) "
-                        "is on the PATH")
+    if options.compile and device_type == "cpu":
+        check_cpp_compiler("--compile on the CPU: inductor builds C++ there")
     if options.float8:
         check_float8(device_type)
 
 
+DEFAULT_CXX = "clang++" if sys.platform == "darwin" else "g++"  # inductor's, where CXX is not set
+COMPILER_WAIT_S = 30.0
+
+
 def cpp_compiler() -> str | None:
-    return next((path for name in ("g++", "c++", "clang++") if (path := shutil.which(name))), None)
+    """The C++ compiler inductor builds with on the CPU, where it runs (``--version`` answers, as inductor asks it):
+    the one CXX names where it is set, as inductor and torch's C++ extensions take it, else inductor's default."""
+    name = os.environ.get("CXX", DEFAULT_CXX)
+    path = shutil.which(name) if name.strip() else None
+    if path is None:
+        return None
+    try:
+        subprocess.run([path, "--version"], capture_output=True, check=True, timeout=COMPILER_WAIT_S)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path
+
+
+def check_cpp_compiler(needed_by: str) -> None:
+    """Refused in one line, after ``needed_by`` (what builds C++), where inductor would find no C++ compiler."""
+    if cpp_compiler() is not None:
+        return
+    cxx = os.environ.get("CXX")
+    missing = f"CXX={cxx!r} names no C++ compiler that runs" if cxx is not None else \
+        f"no C++ compiler: {DEFAULT_CXX} is not on the PATH (or set CXX to one)"
+    raise UserError(f"{needed_by}, and {missing}")
 
 
 def check_float8(device_type: str) -> None:
@@ -230,7 +255,8 @@ def check_float8(device_type: str) -> None:
         raise UserError(f"--float8 needs a GPU of compute capability 8.9 or more (float8 tensor cores); this one "
                         f"has {capability[0]}.{capability[1]}")
     try:
-        import torchao.float8  # noqa: F401
+        with quiet_imports():
+            import torchao.float8  # noqa: F401
     except ImportError as exc:
         raise UserError(f"--float8: torchao cannot be imported ({exc}); install it with pip install -r "
                         f"{FLOAT8_REQUIREMENTS}") from None

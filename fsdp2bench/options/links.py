@@ -14,14 +14,15 @@ neither is modelled (docs/links.md). No torch here: the planner and the command 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
-import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Sequence
 
 from fsdp2bench.cli import UserError
+from fsdp2bench.files import expect_path
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, BROADCAST = "all_gather", "reduce_scatter", "all_reduce", "broadcast"
 ALL_TO_ALL, SEND = "all_to_all", "send"
@@ -87,6 +88,14 @@ def even_group_gbps(links: Links, group: int, span: int) -> float:
     return links.group_gbps(range(0, span, max(1, span // group)))
 
 
+def links_said(links: Links) -> str:
+    """The links in words, for the lines that give figures priced over them."""
+    return (f"{links.within_gbps:g} GB/s within a node of {links.node_size} and {links.across_gbps:g} GB/s across "
+            f"nodes (a NIC a GPU), a ring step {links.latency_within_us:g} us within a node and "
+            f"{links.latency_across_us:g} us across, each collective held by "
+            f"{links.channels if links.channels else 'no'} CTAs")
+
+
 def members_per_node(ranks: Sequence[int], node_size: int) -> dict[int, int]:
     """How many of ``ranks`` each node holds (node n holds ranks n x node_size to (n + 1) x node_size - 1)."""
     counts: dict[int, int] = {}
@@ -97,20 +106,27 @@ def members_per_node(ranks: Sequence[int], node_size: int) -> dict[int, int]:
 
 def parse_links(text: str | None, flag: str = "--links") -> Links:
     """WITHIN,ACROSS in GB/s, or a JSON file of ``Links``' fields (node_size, within_gbps, across_gbps, and the
-    latencies where other than the defaults)."""
+    latencies where other than the defaults). A value with a comma, or a number, is meant as the pair; anything
+    else as a file, and one that is not there is said to be missing."""
     if text is None:
         return Links()
-    if os.path.isfile(text):
+    if os.path.lexists(text) or not ("," in text or _is_number(text)):
+        expect_path(text, flag, "file")
         return links_from_file(text, flag)
-    if os.path.exists(text):
-        raise UserError(f"{flag} {text}: not a regular file (a JSON file with node_size, within_gbps and "
-                        "across_gbps, or WITHIN,ACROSS in GB/s)")
     try:
         within, across = (float(part) for part in text.split(","))
     except ValueError:
         raise UserError(f"{flag} {text!r}: expected WITHIN,ACROSS in GB/s per direction (450,50) or a JSON "
                         "file with node_size, within_gbps and across_gbps") from None
-    return checked_links(Links(within_gbps=within, across_gbps=across), flag)
+    return checked_links(Links(within_gbps=within, across_gbps=across), f"{flag} {text}")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 REQUIRED = ("node_size", "within_gbps", "across_gbps")  # a file's latencies may be left at the defaults
@@ -130,21 +146,33 @@ def links_from_file(path: str, flag: str) -> Links:
     return checked_links(links, f"{flag} {path}")
 
 
+# What a field of ``Links`` can be, by the unit its name ends in: a rate from 10 MB/s (a slow network) to 100 TB/s
+# (beyond any NVLink), a ring step's latency up to a second; a count a whole number: node_size up to 1024 GPUs,
+# channels (the CTAs a collective holds) up to 64, 0 allowed (none: a sleep).
+UNIT_BOUNDS = {"_gbps": (0.01, 100_000.0, "GB/s"), "_us": (0.0, 1_000_000.0, "us")}
 MAX_CHANNELS = 64  # NCCL's own ceiling (NCCL_MAX_NCHANNELS) is 32 on Hopper; a bound, not a recommendation
+COUNT_BOUNDS = {"node_size": (1, 1024, ""), "channels": (0, MAX_CHANNELS, "")}
+
+
+def field_bounds(field: dataclasses.Field) -> tuple[float, float, str]:
+    """The closed range of a field of ``Links`` and its unit: a count where its default is a whole number, else by
+    the unit its name ends in."""
+    if isinstance(field.default, int):
+        return COUNT_BOUNDS[field.name]
+    return next(bounds for unit, bounds in UNIT_BOUNDS.items() if field.name.endswith(unit))
 
 
 def checked_links(links: Links, said: str) -> Links:
-    rates = (links.within_gbps, links.across_gbps, links.latency_within_us, links.latency_across_us)
-    good = [isinstance(links.node_size, int) and not isinstance(links.node_size, bool) and links.node_size >= 1,
-            *(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in rates[:2]),
-            *(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf for v in rates[2:])]
-    if not all(good):
-        raise UserError(f"{said}: node_size must be a positive integer, each GB/s a positive number and each "
-                        f"latency a number of microseconds, got {asdict(links)}")
-    if not (isinstance(links.channels, int) and not isinstance(links.channels, bool)
-            and 0 <= links.channels <= MAX_CHANNELS):
-        raise UserError(f"{said}: channels must be a whole number from 0 to {MAX_CHANNELS} (the CTAs a collective "
-                        f"holds; 0: none), got {links.channels!r}")
+    """Every field in its range (a NaN or an infinity in none), a count a whole number: a rate of almost nothing or
+    a latency of hours would price a step at infinity, or at hundreds of digits of milliseconds."""
+    for field in dataclasses.fields(Links):
+        value = getattr(links, field.name)
+        low, high, unit = field_bounds(field)
+        whole = isinstance(field.default, int)
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) \
+                or not low <= value <= high:
+            raise UserError(f"{said}: {field.name} must be {'a whole number ' if whole else ''}in "
+                            f"[{low:.10g}, {high:.10g}]{' ' + unit if unit else ''}, got {value!r}")
     return links
 
 

@@ -346,11 +346,11 @@ def check_known_failure(tuning: Tuning, allowed: bool) -> None:
 def check_device(tuning: Tuning, device_type: str) -> None:
     """torchao's optimizers compile each parameter's step (inductor: C++ on the CPU); QLoRA quantizes on the run's
     device, where bitsandbytes must have 4-bit kernels."""
-    from fsdp2bench.options.levers import cpp_compiler
+    from fsdp2bench.options.levers import check_cpp_compiler
 
-    if tuning.optimizer in LOW_BIT and device_type == "cpu" and not cpp_compiler():
-        raise UserError(f"--optimizer {tuning.optimizer}: torchao compiles each parameter's step with inductor, which "
-                        "builds C++ on the CPU, and no C++ compiler (g++, c++ or clang++) is on the PATH")
+    if tuning.optimizer in LOW_BIT and device_type == "cpu":
+        check_cpp_compiler(f"--optimizer {tuning.optimizer}: torchao compiles each parameter's step with inductor, "
+                           "which builds C++ on the CPU")
     if tuning.peft == QLORA:
         check_four_bit_kernels(device_type)
 

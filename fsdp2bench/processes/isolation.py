@@ -32,7 +32,7 @@ from fsdp2bench.cli import Stopped, set_up_standard_streams
 from fsdp2bench.names import TRACE_KEYS
 from fsdp2bench.options.layout import Degrees, Meshes, build_meshes
 from fsdp2bench.processes.first import handle_ending_signals
-from fsdp2bench.processes.starting import check_launcher_env, child_context, one_rank_env
+from fsdp2bench.processes.starting import check_launcher_env, child_context, one_rank_env, raise_on_ending_signals
 from measure import OOM_HELD
 
 STORE_TIMEOUT = timedelta(minutes=30)
@@ -138,7 +138,7 @@ def _raise_interrupted(signum, _frame) -> None:
 
 
 def catch_interrupts() -> None:
-    handle_ending_signals(_raise_interrupted)
+    raise_on_ending_signals(_raise_interrupted)
     end_with_parent()
 
 

@@ -14,9 +14,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from typing import Callable
 
-from fsdp2bench.cli import RankError, UserError, set_up_standard_streams
+from fsdp2bench.cli import (RankError, UserError, end_interrupted, ending, interruption_within,
+                            set_up_standard_streams)
 from fsdp2bench.files import process_running
 from fsdp2bench.processes.first import handle_ending_signals, one_line_interrupts
 
@@ -82,12 +85,45 @@ def quiet_while_starting() -> None:
 def interrupts_raise() -> None:
     """From here on a Ctrl-C, a SIGTERM or a SIGHUP raises KeyboardInterrupt, which the script handles (as a
     Ctrl-C: the launch it waits for is told, what was written is kept)."""
-    handle_ending_signals(_raise_keyboard_interrupt)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    raise_on_ending_signals(_raise_keyboard_interrupt)
 
 
 def _raise_keyboard_interrupt(signum, _frame) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+    raise KeyboardInterrupt(*(() if signum == signal.SIGINT else (signal.Signals(signum).name,)))  # SIGINT's: Python's
+
+
+_RAISING: list[Callable] = []  # the handler that raise_on_ending_signals put on the ending signals
+AGAIN_S = 0.05  # how long after a finalizer dropped an interrupt its signal comes again: the finalizer is over
+
+
+def raise_on_ending_signals(handler: Callable) -> None:
+    """Every signal of ``first.ENDING`` to ``handler``, which raises it into the script's work, except where Python
+    cannot deliver what it raises. Once the process is ending (``cli.ending``: its outcome known, its teardown and the
+    finalizers it runs under way) the signal ends it at once, as an interrupt does. One raised inside a finalizer
+    (a ``__del__``, a weakref callback), which Python drops and only prints with its stack, comes again a moment
+    later, where the work takes it (``_interrupt_dropped``)."""
+    def raise_unless_ending(signum, frame) -> None:
+        if ending():
+            end_interrupted(signal.Signals(signum).name)
+        handler(signum, frame)
+
+    _RAISING[:] = [raise_unless_ending]
+    handle_ending_signals(raise_unless_ending)
+    sys.unraisablehook = _interrupt_dropped
+
+
+def _interrupt_dropped(unraisable) -> None:
+    """An interrupt a finalizer dropped: nothing printed, the handler put back (it may have ignored the signals after
+    its first), and the signal sent again; any other exception Python's own way."""
+    interrupt = interruption_within(unraisable.exc_value)
+    name = "" if interrupt is None else str(interrupt) or "SIGINT"
+    if name not in signal.Signals.__members__ or threading.current_thread() is not threading.main_thread():
+        sys.__unraisablehook__(unraisable)
+        return
+    handle_ending_signals(_RAISING[0])
+    again = threading.Timer(AGAIN_S, os.kill, (os.getpid(), signal.Signals[name]))
+    again.daemon = True
+    again.start()
 
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

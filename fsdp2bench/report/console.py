@@ -7,6 +7,7 @@ from fsdp2bench.cli import say
 from fsdp2bench.memory.accounting import FULL_PRECISION, QUANTIZED
 from fsdp2bench.names import INTENDED, MIB, MICROBATCH_PHASE, UNFIXED, counted, ranks_said, short_name, size_said
 from fsdp2bench.options.layout import AXES
+from fsdp2bench.options.links import Links, links_said
 from fsdp2bench.options.step import MODEL, UPSTREAM
 from fsdp2bench.options.tuning import LOW_BIT, NO_PEFT, QUANTIZED_FROM, TUNING_DEFAULTS, what_trains
 from fsdp2bench.report.summary import (ACCELERATE, MEASURED_FIGURES, TORCH, worst_rank, compared_sizes, failed_status,
@@ -330,7 +331,8 @@ def accumulation_sentences(summary: dict) -> list[str]:
 
 
 def emulated_said(summary: dict) -> list[str]:
-    """Per run with emulated communication: each kind of collective a step issued, and the time it was given."""
+    """The links the emulation priced over, then per run with emulated communication: each kind of collective a step
+    issued, and the time it was given."""
     lines = []
     for n, rank, name, v in simulated_entries(summary["simulated"]):
         emulated = (v.get("emulated") or [None])[0]
@@ -343,7 +345,10 @@ def emulated_said(summary: dict) -> list[str]:
         lines.append(f"Emulated a step, N = {n} rank {rank} {short_name(name)}: {kinds or 'no collective'}; "
                      f"{emulated['emulated_s_per_step'] * 1e3:.2f} ms of communication in all ({how}). "
                      + one_launch_said((v.get("speed") or {}).get("emulation")))
-    return lines
+    links = summary["meta"].get("emulated_links")
+    if not (lines and links):
+        return lines
+    return [f"Emulated over {links_said(Links(**links))} (summary.json's meta.emulated_links; docs/links.md).", *lines]
 
 
 def one_launch_said(figures: dict | None) -> str:

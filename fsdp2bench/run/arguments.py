@@ -29,7 +29,8 @@ from fsdp2bench.run.session import ModelFacts, model_facts
 from fsdp2bench.run.versions import check_releases
 from fsdp2bench.train import throughput
 from fsdp2bench.train.data import builtin_for_steps, load_tokens, rank_batches
-from fsdp2bench.train.model import CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS, default_model, max_positions
+from fsdp2bench.train.model import (CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL, PRESETS, default_model, max_positions,
+                                     say_default_model)
 from fsdp2bench.train.runner import FailureSpec
 
 LAUNCHES = [("torchrun --nproc_per_node N main.py", "N ranks on one machine, one GPU each (or --device cpu, gloo)"),
@@ -611,6 +612,7 @@ def checked_launch(args: argparse.Namespace, world_size: int | None) -> Checked:
     if not args.simulate_world_size:
         accelerate_config.check_num_processes(config, launch_world)
     device_type = pick_device(args.device).type
+    model_defaulted = args.model is None
     args.model = args.model or default_model(device_type)
     if args.init_device == "cuda" and device_type != "cuda":
         raise UserError("--init_device cuda needs a GPU (this run is on the CPU)")
@@ -637,8 +639,11 @@ def checked_launch(args: argparse.Namespace, world_size: int | None) -> Checked:
                            estimate.rank_logits_bytes(args.batch_size, args.block_size, facts.config, fsdp_options),
                            estimate.step_bytes(args.batch_size, args.block_size, facts.config, fsdp_options))
     cap = None if args.gpu_memory is None else estimate.gpu_cap(args.gpu_memory, pick_device(args.device).index)
+    links = emulation_links(args, len(batches), fsdp_options.compile)
+    if model_defaulted:
+        say_default_model(device_type)
     return Checked(args=args, names=names, fsdp_options=fsdp_options, facts=facts, batches=batches, cap=cap,
-                   config=config, links=emulation_links(args, len(batches), fsdp_options.compile))
+                   config=config, links=links)
 
 
 def check_wrapped_classes(config: accelerate_config.ConfigOptions | None, layer_classes: list[str]) -> None:

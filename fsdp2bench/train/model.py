@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import utils
-from fsdp2bench.cli import UserError, from_hub, one_line, quiet_imports, say
+from fsdp2bench.cli import UserError, from_hub, one_line, quietly_import_models, say
 from fsdp2bench.files import expect_path, looks_like_a_path
 from fsdp2bench.options.tuning import Tuning, add_adapters
 from fsdp2bench.train.weights import SharedWeights, give_weights
@@ -140,13 +140,6 @@ def build_base_model(config, device: torch.device, seed: int, threads: int,
     return model, source or "own"
 
 
-def quietly_import_models() -> None:
-    """transformers' model code, imported first here: its quantizers import torchao where it is installed, which
-    logs on some installs what no run uses (cli.quiet_imports)."""
-    with quiet_imports():
-        import transformers.modeling_utils  # noqa: F401
-
-
 def build_empty(config) -> nn.Module:
     """Parameters on the meta device, no memory (buffers such as rotary frequencies computed on the CPU): sharded
     first, then only each rank's shards get storage (``utils.materialize_shards``, ``loading``'s modes)."""
@@ -249,14 +242,16 @@ def max_positions(config) -> int:
 GPU_DEFAULT_MODEL, CPU_DEFAULT_MODEL = "qwen2.5-1.5b", "tiny"
 
 
-def default_model(device_type: str, said: str | None = None) -> str:
-    """The upstream's model on GPUs; on a CPU run a model that runs in minutes, ``said`` in one line (by default
-    main.py's)."""
-    if device_type == "cuda":
-        return GPU_DEFAULT_MODEL
-    if os.environ.get("RANK", "0") == "0":
+def default_model(device_type: str) -> str:
+    """The upstream's model on GPUs; on a CPU run a model that runs in minutes (``say_default_model``)."""
+    return GPU_DEFAULT_MODEL if device_type == "cuda" else CPU_DEFAULT_MODEL
+
+
+def say_default_model(device_type: str, said: str | None = None) -> None:
+    """That a CPU run took the small default model, in one line from the first rank (by default main.py's): once the
+    command line is accepted, so that a refusal stays its own one line."""
+    if device_type != "cuda" and os.environ.get("RANK", "0") == "0":
         say(said or f"No --model given and no GPU: main.py takes the {CPU_DEFAULT_MODEL} model, a functional run of a "
             f"few minutes on 2 cores (measured and dated: docs/results-overview.md). The real one on the CPU (hours): "
             f"add --model {GPU_DEFAULT_MODEL}.")
         sys.stdout.flush()
-    return CPU_DEFAULT_MODEL

@@ -15,6 +15,7 @@ from fsdp2bench.files import digest_of, save_summary, write_bytes
 from fsdp2bench.memory.estimate import GpuCap
 from fsdp2bench.names import GIB, counted, seconds_said, size_said
 from fsdp2bench.options import accelerate_config
+from fsdp2bench.options.links import links_said
 from fsdp2bench.options.tuning import Tuning
 from fsdp2bench.plan.layout.search import Assessed, SearchInputs, commands, decided, ranked, record, winner_of
 from fsdp2bench.plan.layout.timing import RETIMES, clipped
@@ -219,13 +220,12 @@ def legend(rows: list[Assessed], setup: SearchInputs, timings: list[dict]) -> st
     rows = ranked(rows)
     measured = sum(f.speed["compute_measured"] for f in rows)
     emulated = sum(f.speed["labels"]["step"] != "estimated" for f in rows)
-    overlap = ("each collective FSDP2 issues waited its time on the stream it is issued on, so the step is what "
-               "FSDP2's schedule leaves exposed" if setup.device_type == "cuda" else "on a CPU nothing waits: the "
+    overlap = ("each collective FSDP2 issues waited its time on the stream it is issued on, held by the links' "
+               "channels as CTAs that take SMs and move its bytes, so the step is what FSDP2's schedule leaves exposed" if setup.device_type == "cuda" else "on a CPU nothing waits: the "
                "step is compute + the communication priced, no overlap (not measured)")
     return (f"Ranked by tokens per second per {per} of a step {cap}, {counted(len(rows), 'candidate')}. Step: "
             f"emulated on {emulated} (their own layout timed with its communication emulated over "
-            f"{setup.links.within_gbps:g} GB/s within a node of {setup.links.node_size} and "
-            f"{setup.links.across_gbps:g} GB/s across nodes: {overlap}); e: estimated, the compute + the share of the "
+            f"{links_said(setup.links)}: {overlap}); e: estimated, the compute + the share of the "
             "communication the timed layouts of the same shape (which axes are split) left exposed, else every timed "
             f"layout's. Compute measured on {measured} (one simulated rank alone on the device, "
             f"{counted(len(timings), 'timing')} of one launch each, its compute in the steps between the emulated "
