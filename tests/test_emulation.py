@@ -173,13 +173,13 @@ def test_the_console_names_the_links_the_emulated_figures_assume_in_one_line_bes
     every one of them, as summary.json keeps them."""
     path = tmp_path / "a100.json"
     path.write_text(json.dumps({"node_size": 4, "within_gbps": 300, "across_gbps": 25, "latency_within_us": 2,
-                                "latency_across_us": 10}))
+                                "latency_across_us": 10, "channels": 8}))
     summary, said = emulated_run(tmp_path, "--emulate_communication", str(path))
     assert summary["meta"]["emulated_links"] == {"node_size": 4, "within_gbps": 300, "across_gbps": 25,
-                                                 "latency_within_us": 2, "latency_across_us": 10}
+                                                 "latency_within_us": 2, "latency_across_us": 10, "channels": 8}
     line = ("Emulated over 300 GB/s within a node of 4 and 25 GB/s across nodes (a NIC a GPU), a ring step 2 us within "
-            "a node and 10 us across (summary.json's meta.emulated_links; docs/links.md). Emulated a step, N = 8 "
-            "rank 0 after: ")
+            "a node and 10 us across, 8 channels (the CTAs a collective holds on a GPU) (summary.json's "
+            "meta.emulated_links; docs/links.md). Emulated a step, N = 8 rank 0 after: ")
     assert said.count("Emulated over ") == 1 and line in said, said
 
 

@@ -92,8 +92,7 @@ def links_said(links: Links) -> str:
     """The links in words, for the lines that give figures priced over them."""
     return (f"{links.within_gbps:g} GB/s within a node of {links.node_size} and {links.across_gbps:g} GB/s across "
             f"nodes (a NIC a GPU), a ring step {links.latency_within_us:g} us within a node and "
-            f"{links.latency_across_us:g} us across, each collective held by "
-            f"{links.channels if links.channels else 'no'} CTAs")
+            f"{links.latency_across_us:g} us across, {links.channels} channels (the CTAs a collective holds on a GPU)")
 
 
 def members_per_node(ranks: Sequence[int], node_size: int) -> dict[int, int]:
