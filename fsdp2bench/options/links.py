@@ -36,8 +36,8 @@ RING_WHOLES = {ALL_GATHER: 1, REDUCE_SCATTER: 1, ALL_REDUCE: 2, BROADCAST: 1, AL
 @dataclass(frozen=True)
 class Links:
     """GB/s (1e9 bytes) per direction per GPU within a node of ``node_size`` GPUs and per NIC across nodes, and the
-    latency of one ring step in microseconds; the CTAs (NCCL's channels) a collective's kernel holds. The defaults: 8-GPU
-    H100 or H200 SXM nodes, one 400 Gb/s NIC a GPU, 16 channels (what NCCL's logs show on such nodes)."""
+    latency of one ring step in microseconds; the CTAs (NCCL's channels) a collective's kernel holds. The defaults:
+    8-GPU H100 or H200 SXM nodes, one 400 Gb/s NIC a GPU, 16 channels (what NCCL's logs show on such nodes)."""
     node_size: int = 8
     within_gbps: float = 450.0
     across_gbps: float = 50.0

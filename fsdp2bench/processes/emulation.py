@@ -2,8 +2,9 @@
 
 Under the fake process group no collective moves data, so a simulated rank's step is compute only. Here each
 collective the rank issues first costs its time on the GPU, as a kernel enqueued on the stream that is current where
-it is issued, which holds SMs and moves the bytes the rank would receive as NCCL's kernel does (hold.py): FSDP2 issues its all-gathers on a stream of their own, ahead of the block that needs them, and its
-reduce-scatters behind the backward, so the real schedule decides how much of that time the compute hides, and the
+it is issued, which holds SMs and moves the bytes the rank would receive as NCCL's kernel does (hold.py): FSDP2
+issues its all-gathers on a stream of their own, ahead of the block that needs them, and its reduce-scatters behind
+the backward, so the real schedule decides how much of that time the compute hides, and the
 step's time is what FSDP2's overlap leaves. Two doors are watched, one per kind of caller: ``torch.distributed``'s
 functions (FSDP2's all-gathers and reduce-scatters, HSDP's all-reduce, broadcasts), and the ops of DTensor's
 functional collectives (``torch.ops._c10d_functional``: TP's and CP's gathers, scatters, all-to-alls and ring
@@ -33,7 +34,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from fsdp2bench.options.links import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, DTENSOR, REDUCE_SCATTER, SEND,
                                       Links, wire_bytes)
-from fsdp2bench.processes.hold import BLOCK, THREADS, held, hold_kernel
+from fsdp2bench.processes.hold import BLOCK, THREADS, held, hold_kernel, word_view
 
 
 def _bytes(tensor: torch.Tensor) -> int:
@@ -88,18 +89,23 @@ class Wait:
     clock: float
     channels: int
     kernel: Callable | None
+    scratch: torch.Tensor | None = None  # a word the kernel points at where the collective has no tensor to move
 
     def describe(self) -> str:
         if self.kernel is None:
             return "a sleep of one thread (takes no SMs and no memory bandwidth from the compute)"
         return (f"{self.channels} CTAs of {THREADS} threads held for its time, reading and writing back the bytes the "
-                "rank receives (SMs and memory bandwidth taken from the compute beside it, as NCCL's kernel takes them)")
+                "rank receives (SMs and memory bandwidth taken from the compute beside it, as NCCL's kernel takes "
+                "them)")
 
     def __call__(self, seconds: float, buffer: torch.Tensor | None, wire: float) -> None:
         if self.kernel is None:
             torch.cuda._sleep(int(seconds * self.clock))
         else:
-            held(self.kernel, seconds, self.channels, buffer, int(wire))
+            words = word_view(buffer) if buffer is not None else None
+            if words is None:
+                words, wire = self.scratch, 0
+            held(self.kernel, seconds, self.channels, words, int(wire))
 
 
 @dataclass
@@ -149,7 +155,7 @@ def cycles_per_second(device: torch.device) -> float:
 def gpu_wait(links: Links, device: torch.device) -> Wait:
     """The wait for this GPU, its kernel compiled and run once here, before any step is timed."""
     kernel = hold_kernel() if links.channels else None
-    wait = Wait(cycles_per_second(device), links.channels, kernel)
+    wait = Wait(cycles_per_second(device), links.channels, kernel, torch.zeros(1, dtype=torch.int32, device=device))
     if kernel is not None:
         with torch.cuda.device(device):
             for odd in (0, 1):  # 32-bit words, and bytes (a tensor whose size is not a multiple of 4)

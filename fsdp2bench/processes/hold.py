@@ -68,12 +68,9 @@ def word_view(tensor: torch.Tensor) -> torch.Tensor | None:
     return flat.view(torch.int32) if flat.numel() % 4 == 0 else flat
 
 
-def held(kernel: Callable, seconds: float, channels: int, buffer: torch.Tensor | None, wire_bytes: int) -> None:
+def held(kernel: Callable, seconds: float, channels: int, words: torch.Tensor, wire_bytes: int) -> None:
     """Enqueue ``kernel`` on the current stream: ``channels`` CTAs for ``seconds``, moving ``wire_bytes`` through
-    ``buffer`` (none moved where there is no buffer to move them through)."""
-    words = word_view(buffer) if buffer is not None else None
-    if words is None:
-        words, wire_bytes = torch.empty(1, dtype=torch.int32, device=torch.cuda.current_device()), 0
+    ``words`` (``word_view``'s), wrapped round them."""
     chunks = -(-wire_bytes // (BLOCK * words.element_size()))
     kernel[(channels,)](words, words.numel(), chunks, int(seconds * 1e9), CHANNELS=channels, BLOCK=BLOCK,
                         num_warps=THREADS // 32)

@@ -221,8 +221,9 @@ def legend(rows: list[Assessed], setup: SearchInputs, timings: list[dict]) -> st
     measured = sum(f.speed["compute_measured"] for f in rows)
     emulated = sum(f.speed["labels"]["step"] != "estimated" for f in rows)
     overlap = ("each collective FSDP2 issues waited its time on the stream it is issued on, held by the links' "
-               "channels as CTAs that take SMs and move its bytes, so the step is what FSDP2's schedule leaves exposed" if setup.device_type == "cuda" else "on a CPU nothing waits: the "
-               "step is compute + the communication priced, no overlap (not measured)")
+               "channels as CTAs that take SMs and move its bytes, so the step is what FSDP2's schedule leaves exposed"
+               if setup.device_type == "cuda" else
+               "on a CPU nothing waits: the step is compute + the communication priced, no overlap (not measured)")
     return (f"Ranked by tokens per second per {per} of a step {cap}, {counted(len(rows), 'candidate')}. Step: "
             f"emulated on {emulated} (their own layout timed with its communication emulated over "
             f"{links_said(setup.links)}: {overlap}); e: estimated, the compute + the share of the "
