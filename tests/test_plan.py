@@ -234,7 +234,7 @@ def test_without_peaks_the_fresh_probes_start_inside_the_edge_a_shared_process_m
     (["--find", "block_size", "--block_size", "130", "--upper_bound", "150"], "holds no multiple of 64 tokens"),
     (["--block_size", "1"], "--block_size must be in"),
     (["--upper_bound", "0"], "--upper_bound must be in"),
-    (["--emulate_communication", "0,50"], "each GB/s a positive number"),
+    (["--emulate_communication", "0,50"], "0,50: within_gbps must be in "),
     (["--world_size", "12", "--emulate_communication"], "nodes of 8 GPUs do not make up N = 12"),
 ])
 def test_bad_input_is_refused_before_any_probe(argv, message, tmp_path):

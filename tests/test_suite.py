@@ -197,7 +197,7 @@ WRAPS_ANOTHER_BLOCK = ("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\
      "error: --loss liger needs a GPU"),
     # refused by the last of main.py's checks
     (["main.py", "--simulate_world_size", "8", "--emulate_communication", "--max_steps", "4"],
-     "error: --emulate_communication: 4 step(s) leave"),
+     "error: --emulate_communication: 4 steps leave"),
     # refused once the model was built
     (["loading.py", "--config_file", "{config}"], "error: fsdp2.yaml: fsdp_transformer_layer_cls_to_wrap"),
 ])
