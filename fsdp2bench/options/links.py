@@ -66,9 +66,7 @@ class Links:
             return 0.0
         crosses = len(members_per_node(ranks, self.node_size)) > 1
         latency = (self.latency_across_us if crosses else self.latency_within_us) * 1e-6
-        if kind == SEND:
-            return whole_bytes / (self.group_gbps(ranks) * 1e9) + latency
-        steps = (g - 1) * RING_WHOLES[kind]
+        steps = 1 if kind == SEND else (g - 1) * RING_WHOLES[kind]  # a send is one hop
         return wire_bytes(kind, whole_bytes, g) / (self.group_gbps(ranks) * 1e9) + steps * latency
 
 
